@@ -1,0 +1,386 @@
+"""DeepSeek-V4 forward pass, top to bottom in paper order. Module paths equal checkpoint keys.
+
+Shapes: T = new tokens of the step (all sequences flattened), D = dim, n = hc_mult streams,
+H = heads, hd = head_dim. Per-sequence bookkeeping lives in `Batch` and `DecodeState` (state.py).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config import CSA, HASH_MOE, SLIDING, ModelArgs, yarn_inv_freq
+from dsv4.state import Batch, CompressorState, DecodeState, LayerState
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rd/2] fp32
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ with W as stored in the checkpoint: dense, FP8 (128x128 UE8M0), MXFP4 or NVFP4."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.fmt, self.ops = in_features, out_features, fmt, ops
+        self.scale = self.scale2 = None
+        if fmt == "dense":
+            self.weight = _param(out_features, in_features, dtype=dtype)
+        elif fmt == "fp8":
+            self.weight = _param(out_features, in_features, dtype=torch.float8_e4m3fn)
+            self.scale = _param(-(-out_features // 128), -(-in_features // 128),
+                                dtype=torch.float8_e8m0fnu)
+        elif fmt == "fp4":
+            self.weight = _param(out_features, in_features // 2, dtype=torch.int8)
+            self.scale = _param(out_features, in_features // 32, dtype=torch.float8_e8m0fnu)
+        elif fmt == "nvfp4":
+            self.weight = _param(out_features, in_features // 2, dtype=torch.uint8)
+            self.weight_scale = _param(out_features, in_features // 16, dtype=torch.float8_e4m3fn)
+            self.weight_scale_2 = _param(dtype=torch.float32)
+            self.input_scale = _param(dtype=torch.float32)
+            self.scale, self.scale2 = self.weight_scale, self.weight_scale_2
+        else:
+            raise ValueError(f"unknown weight format {fmt!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.fmt, self.scale, self.scale2)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an fp32 weight."""
+
+    def __init__(self, dim: int, eps: float, ops: ModuleType) -> None:
+        super().__init__()
+        self.eps, self.ops = eps, ops
+        self.weight = _param(dim, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
+    """cos/sin of angle p * f_i (fp32), one entry per rotated pair."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of m tokens into one KV entry (CSA: overlapping 2m slots; HCA: m)."""
+
+    def __init__(self, args: ModelArgs, ratio: int, head_dim: int, overlap: bool, dtype: torch.dtype,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap, self.ops = ratio, head_dim, overlap, ops
+        c = 2 if overlap else 1
+        self.wkv = Linear(args.dim, c * head_dim, "dense", dtype, ops)
+        self.wgate = Linear(args.dim, c * head_dim, "dense", dtype, ops)
+        self.ape = _param(ratio, c * head_dim, dtype=torch.float32)
+        self.norm = RMSNorm(head_dim, args.norm_eps, ops)
+
+    def forward(self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor) -> None:
+        m, d = self.ratio, self.head_dim
+        a = self.wkv(x).float()  # [T, c*d]
+        z = self.wgate(x).float() + self.ape[batch.positions % m]  # [T, c*d]
+        tok, w, slot, rows = batch.closing_windows(m, self.overlap)
+        if tok.numel():
+            # ---- pool every window closed by a token of this step (spec 5.3.1)
+            empty = (rows < 0)[..., None]
+            ga = torch.cat([st.kv_state, a])[rows.clamp(min=0)].masked_fill(empty, 0.0)
+            gz = torch.cat([st.score_state, z])[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
+            if self.overlap:  # window w-1 gives its A-half, window w its B-half
+                ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
+                gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
+            c = self.ops.compress_pool(ga.to(x.dtype), gz)  # [n, d]
+            c = self.norm(c)
+            c = self.ops.rotary(c, *rope_at(inv_freq, w * m))  # RoPE at the window's first token
+            st.kv_cache[slot * st.entries_per_seq + w] = c.to(st.kv_cache.dtype)
+        # ---- keep the raw projections of the last R tokens of each sequence
+        tok, rows = batch.ring_writes(st.ring)
+        st.kv_state[rows] = a[tok]
+        st.score_state[rows] = z[tok]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: I(p, w) = sum_h w_h ReLU(q_h . k_w); keeps the top-k compressed entries."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, quant: str, ops: ModuleType) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.ops = (
+            args.index_n_heads, args.index_head_dim, args.index_topk, ops)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, quant, dtype, ops)
+        self.weights_proj = Linear(args.dim, self.n_heads, "dense", dtype, ops)
+        self.compressor = Compressor(args, args.csa_ratio, self.head_dim, True, dtype, ops)
+        self.softmax_scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: Batch, ls: LayerState,
+                rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+        # returns [T, k] compressed entry ids (0..), -1 = none
+        self.compressor(x, batch, ls.indexer, inv_freq)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = self.ops.rotary(q, *rope)
+        weights = self.weights_proj(x).float() * (self.softmax_scale * self.n_heads**-0.5)
+        cand, _ = batch.visible_entries(self.compressor.ratio, ls.indexer.entries_per_seq)
+        return self.ops.index_topk(q, weights, ls.indexer.kv_cache, cand, self.topk)
+
+
+class Attention(nn.Module):
+    """Shared K=V MQA over window ∪ compressed entries ∪ sink, with grouped low-rank output."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        self.layer_id, self.ops = layer_id, ops
+        self.kind = args.layer_types[layer_id] if layer_id < args.n_layers else SLIDING
+        self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
+        self.o_groups, self.eps = args.o_groups, args.norm_eps
+        self.wq_a = Linear(args.dim, args.q_lora_rank, quant, dtype, ops)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, ops)
+        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, quant, dtype, ops)
+        self.wkv = Linear(args.dim, args.head_dim, quant, dtype, ops)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
+        self.wo_a = Linear(args.n_heads * args.head_dim // args.o_groups,
+                           args.o_groups * args.o_lora_rank, quant, dtype, ops)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, quant, dtype, ops)
+        self.attn_sink = _param(args.n_heads, dtype=torch.float32)
+        if self.kind != SLIDING:
+            ratio = args.csa_ratio if self.kind == CSA else args.hca_ratio
+            self.compressor = Compressor(args, ratio, args.head_dim, self.kind == CSA, dtype, ops)
+        if self.kind == CSA:
+            self.indexer = Indexer(args, dtype, quant, ops)
+
+    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+        T, H, hd = x.shape[0], self.n_heads, self.head_dim
+        # ---- queries: low-rank, per-head unweighted RMS, RoPE on the trailing dims
+        qr = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        q = self.wq_b(qr).view(T, H, hd)
+        q = self.ops.rotary(self.ops.rms_norm(q, None, self.eps), *rope)
+        # ---- window K=V of the new tokens
+        kv = self.ops.rotary(self.kv_norm(self.wkv(x)), *rope)  # [T, hd]
+        # ---- key rows: ring | new tokens | compressed entries
+        idxs = batch.window_idxs(self.window)  # [T, W]
+        sources = [ls.window, kv]
+        if self.kind != SLIDING:
+            st = ls.compressor
+            self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
+            if self.kind == CSA:
+                ent = self.indexer(x, qr, batch, ls, rope, inv_freq)
+                slot = batch.slots[batch.token_seq][:, None]
+                rows = torch.where(ent >= 0, slot * st.entries_per_seq + ent, -1)
+            else:
+                rows, _ = batch.visible_entries(st.ratio, st.entries_per_seq)
+            base = ls.window.shape[0] + T
+            idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
+            sources.append(st.kv_cache)
+        o = self.ops.sparse_attn(q, torch.cat(sources), self.attn_sink, idxs, hd**-0.5)
+        tok, rows = batch.ring_writes(self.window)
+        ls.window[rows] = kv[tok].to(ls.window.dtype)
+        # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
+        o = self.ops.rotary(o, *rope, inverse=True)
+        o = self.ops.grouped_linear(o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt,
+                                    self.wo_a.scale, self.wo_a.scale2)
+        return self.wo_b(o.flatten(1))
+
+
+class Gate(nn.Module):
+    """Router: sqrtsoftplus scores; top-k of score + bias, or a fixed token-id hash table."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, ops: ModuleType) -> None:
+        super().__init__()
+        self.topk, self.route_scale, self.ops = args.n_activated_experts, args.route_scale, ops
+        self.hash = layer_id < args.n_layers and args.mlp_layer_types[layer_id] == HASH_MOE
+        self.weight = _param(args.n_routed_experts, args.dim, dtype=dtype)
+        if self.hash:
+            self.tid2eid = nn.Parameter(
+                torch.empty(args.vocab_size, self.topk, dtype=torch.int64), requires_grad=False)
+        else:
+            self.bias = _param(args.n_routed_experts, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E] fp32
+        if self.hash:
+            idx = self.tid2eid[input_ids]
+        else:  # bias only for selection; ties -> lower expert id
+            idx = self.ops.stable_topk(scores + self.bias, self.topk)
+        weights = scores.gather(1, idx)
+        return weights / weights.sum(-1, keepdim=True) * self.route_scale, idx
+
+
+class Expert(nn.Module):
+    """SwiGLU expert with the asymmetric clamp (gate <= limit, |up| <= limit)."""
+
+    def __init__(self, dim: int, inter_dim: int, fmt: str, limit: float, dtype: torch.dtype,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter_dim, fmt, dtype, ops)
+        self.w2 = Linear(inter_dim, dim, fmt, dtype, ops)
+        self.w3 = Linear(dim, inter_dim, fmt, dtype, ops)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        g = self.w1(x).float().clamp(max=self.limit)
+        u = self.w3(x).float().clamp(-self.limit, self.limit)
+        h = F.silu(g) * u
+        if weights is not None:  # routing weight before w2, as the reference does
+            h = h * weights[:, None]
+        return self.w2(h.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k of n_routed) plus one shared expert."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
+                 expert_quant: str, ops: ModuleType) -> None:
+        super().__init__()
+        self.gate = Gate(layer_id, args, dtype, ops)
+        self.experts = nn.ModuleList(
+            Expert(args.dim, args.moe_inter_dim, expert_quant, args.swiglu_limit, dtype, ops)
+            for _ in range(args.n_routed_experts))
+        self.shared_experts = (Expert(args.dim, args.moe_inter_dim * args.n_shared_experts, quant,
+                                      args.swiglu_limit, dtype, ops)
+                               if args.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, input_ids)  # [T, k] each
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in idx.unique().tolist():
+            tok, k = (idx == e).nonzero(as_tuple=True)
+            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, k]).float())
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)
+
+
+class Block(nn.Module):
+    """One layer: hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post on n residual streams."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
+                 expert_quant: str, ops: ModuleType) -> None:
+        super().__init__()
+        self.args, self.ops = args, ops
+        mix = (2 + args.hc_mult) * args.hc_mult
+        self.attn = Attention(layer_id, args, dtype, quant, ops)
+        self.ffn = MoE(layer_id, args, dtype, quant, expert_quant, ops)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.hc_attn_fn = _param(mix, args.hc_dim, dtype=torch.float32)
+        self.hc_attn_base = _param(mix, dtype=torch.float32)
+        self.hc_attn_scale = _param(3, dtype=torch.float32)
+        self.hc_ffn_fn = _param(mix, args.hc_dim, dtype=torch.float32)
+        self.hc_ffn_base = _param(mix, dtype=torch.float32)
+        self.hc_ffn_scale = _param(3, dtype=torch.float32)
+
+    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):  # noqa: ANN201
+        a = self.args
+        return self.ops.hc_pre(x, fn, scale, base, a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, batch: Batch, ls: LayerState,
+                rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+        # x: [T, n, D]
+        residual = x
+        y, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        y = self.attn(self.attn_norm(y), batch, ls, rope, inv_freq)
+        x = self.ops.hc_post(y, residual, post, comb)
+        residual = x
+        y, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
+        y = self.ffn(self.ffn_norm(y), input_ids)
+        return self.ops.hc_post(y, residual, post, comb)
+
+
+class HcHead(nn.Module):
+    """Final collapse of the n streams (sigmoid weights, no Sinkhorn)."""
+
+    def __init__(self, args: ModelArgs, ops: ModuleType) -> None:
+        super().__init__()
+        self.args, self.ops = args, ops
+
+    def forward(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                base: torch.Tensor) -> torch.Tensor:
+        return self.ops.hc_head(x, fn, scale, base, self.args.norm_eps, self.args.hc_eps)
+
+
+class MTPBlock(Block):
+    """Next-n prediction layer: mixes the main streams with the next token's embedding."""
+
+    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
+                 expert_quant: str, ops: ModuleType) -> None:
+        super().__init__(layer_id, args, dtype, quant, expert_quant, ops)
+        self.e_proj = Linear(args.dim, args.dim, quant, dtype, ops)
+        self.h_proj = Linear(args.dim, args.dim, quant, dtype, ops)
+        self.enorm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.hc_head_fn = _param(args.hc_mult, args.hc_dim, dtype=torch.float32)
+        self.hc_head_base = _param(args.hc_mult, dtype=torch.float32)
+        self.hc_head_scale = _param(1, dtype=torch.float32)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, input_ids: torch.Tensor, batch: Batch,
+                ls: LayerState, rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+        # h: [T, n, D] main streams before hc_head ; e: [T, D] embedding of the next token
+        x = self.e_proj(self.enorm(e)).unsqueeze(1) + self.h_proj(self.hnorm(h))
+        return super().forward(x, input_ids, batch, ls, rope, inv_freq)
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4: embedding, n_layers Blocks on hc_mult streams, hc_head, norm, head (+ MTP)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, quantized: bool = False,
+                 ops: ModuleType | None = None) -> None:
+        super().__init__()
+        if ops is None:
+            from dsv4.ops import ref as ops
+        self.args, self.dtype, self.ops = args, dtype, ops
+        quant = args.weight_dtype.replace("bf16", "dense") if quantized else "dense"
+        expert_quant = args.expert_dtype.replace("bf16", "dense") if quantized else "dense"
+        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Block(i, args, dtype, quant, expert_quant, ops) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.head = Linear(args.dim, args.vocab_size, "dense", dtype, ops)
+        self.hc_head_fn = _param(args.hc_mult, args.hc_dim, dtype=torch.float32)
+        self.hc_head_base = _param(args.hc_mult, dtype=torch.float32)
+        self.hc_head_scale = _param(1, dtype=torch.float32)
+        self.hc_head = HcHead(args, ops)
+        self.mtp = nn.ModuleList(
+            MTPBlock(args.n_layers + i, args, dtype, quant, expert_quant, ops)
+            for i in range(args.n_mtp_layers))
+        rd = args.rope_head_dim
+        self.register_buffer("freqs_main", yarn_inv_freq(rd, args.rope_theta, None), persistent=False)
+        self.register_buffer("freqs_compress",
+                             yarn_inv_freq(rd, args.compress_rope_theta, args.yarn), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
+        """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""
+        x = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
+        ropes = {kind: rope_at(inv, batch.positions)
+                 for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))}
+        for i, layer in enumerate(self.layers):
+            kind = "main" if self.args.layer_types[i] == SLIDING else "compress"
+            inv = self.freqs_main if kind == "main" else self.freqs_compress
+            x = layer(x, input_ids, batch, state.layers[i], ropes[kind], inv)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [N, n, D] streams -> fp32 logits [N, vocab]."""
+        x = self.norm(self.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base))
+        return F.linear(x.float(), self.head.weight.float())
+
+    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, batch: Batch, state: DecodeState,
+                    depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer `depth` on main streams h [T, n, D] and the next tokens [T] -> (streams, logits).
+
+        Position convention (UNCONFIRMED upstream): the MTP block runs at the positions of `h`.
+        """
+        mtp = self.mtp[depth]
+        inv = self.freqs_main
+        x = mtp(h, self.embed(next_ids), next_ids, batch, state.layers[self.args.n_layers + depth],
+                rope_at(inv, batch.positions), inv)
+        y = mtp.norm(self.hc_head(x, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base))
+        return x, F.linear(y.float(), self.head.weight.float())

@@ -1,0 +1,165 @@
+"""PyTorch reference ops: each function is the spec's equation, written for reading, not speed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4 import quant
+
+
+def dequant_weight(
+    weight: torch.Tensor,
+    fmt: str,
+    scale: torch.Tensor | None,
+    scale2: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A checkpoint weight in compute dtype: dense | fp8 (128x128 UE8M0) | fp4 (MXFP4) | nvfp4."""
+    if fmt == "dense":
+        return weight.to(dtype)
+    if fmt == "fp8":
+        return quant.dequant_fp8(weight, scale, dtype)
+    if fmt == "fp4":
+        return quant.dequant_mxfp4(weight, scale, dtype)
+    if fmt == "nvfp4":
+        return quant.dequant_nvfp4(weight, scale, scale2, dtype)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str = "dense",
+    scale: torch.Tensor | None = None,
+    scale2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # x: [..., in] ; weight: [out, in] in `fmt` ; y: [..., out] in x.dtype
+    return F.linear(x, dequant_weight(weight, fmt, scale, scale2, x.dtype))
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str = "dense",
+    scale: torch.Tensor | None = None,
+    scale2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
+    groups = x.shape[1]
+    w = dequant_weight(weight, fmt, scale, scale2, x.dtype)
+    return torch.einsum("tgk,grk->tgr", x, w.view(groups, -1, w.shape[-1]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # fp32 statistics; weight (fp32) multiplies the fp32 normalised value, then cast back
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    # x: [T, ..., d] ; cos/sin: [T, rd/2] fp32 ; rotate pairs (2i, 2i+1) of the trailing rd channels
+    rd = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if inverse:
+        sin = -sin
+    rope = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    re, im = rope[..., 0], rope[..., 1]
+    out = torch.stack((re * cos - im * sin, re * sin + im * cos), dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], out.to(x.dtype)], dim=-1)
+
+
+def sparse_attn(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    attn_sink: torch.Tensor,
+    topk_idxs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    # q: [T, H, D] ; kv: [N, D] rows (K = V) ; attn_sink: [H] fp32 ; topk_idxs: [T, K] rows, -1 = none
+    # o_h = sum_j softmax_j([l_hj ; sink_h]) * kv_j, with the sink's probability mass dropped
+    valid = topk_idxs >= 0
+    keys = kv[topk_idxs.clamp(min=0)]  # [T, K, D]
+    logits = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+
+
+def hc_pre(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # x: [T, n, D] -> y: [T, D] (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
+    n = x.shape[1]
+    flat = x.flatten(1).float()  # [T, n*D], stream 0 first
+    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mixes[:, :n] * hc_scale[0] + hc_base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * hc_scale[1] + hc_base[n : 2 * n])
+    comb = mixes[:, 2 * n :].view(-1, n, n) * hc_scale[2] + hc_base[2 * n :].view(n, n)
+    comb = torch.softmax(comb, dim=-1) + hc_eps  # row softmax
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)  # column normalisation
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    y = (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+    return y, post, comb
+
+
+def hc_post(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    # X'[k] = post[k] * y + sum_j comb[j, k] * X[j]   (comb consumed transposed)
+    out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum(
+        "tjk,tjd->tkd", comb, residual.float()
+    )
+    return out.to(y.dtype)
+
+
+def hc_head(
+    x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
+    norm_eps: float, hc_eps: float,
+) -> torch.Tensor:
+    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
+    flat = x.flatten(1).float()
+    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # indices of the k largest along the last dim; equal scores resolve to the lower index
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    # kv, score: [n, slots, d] (score -inf = empty slot) -> [n, d]: per-channel softmax over slots
+    return (kv * torch.softmax(score.float(), dim=1).to(kv.dtype)).sum(1)
+
+
+def index_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    cand_idxs: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    # q: [T, H, d] ; weights: [T, H] (already scaled) ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 =
+    # not visible. score(t, c) = sum_h w_th * relu(q_th . k_c); returns [T, min(topk, C)] positions in
+    # 0..C-1 (the compressed entry ids), -1 where fewer than topk entries are visible.
+    valid = cand_idxs >= 0
+    k = keys[cand_idxs.clamp(min=0)].float()  # [T, C, d]
+    s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), k))
+    s = (s * weights.float().unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
+    top = stable_topk(s, min(topk, s.shape[-1]))
+    return torch.where(valid.gather(1, top), top, -1)

@@ -1,0 +1,223 @@
+"""Decode state (window rings, compressed stores, compressor partial state) and the Batch of one step.
+
+Every sequence owns one state slot. Within a layer all attention keys live in row-addressed tensors:
+  window ring   [max_seqs * W, hd]       token p of slot s at row s*W + p % W
+  compressed    [max_seqs * E, hd]       entry w of slot s at row s*E + w     (E = max_seq_len // m)
+  compressor    [max_seqs * R, c*hd] x2  raw (a, z + ape) of token p at row s*R + p % R (fp32)
+                                          R = 2m for CSA (last closed window's A-half + open window),
+                                          R = m for HCA (open window)
+The model turns positions into row index lists here; attention only ever sees index lists (-1 = none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.config import CSA, HCA, ModelArgs
+
+
+@dataclass
+class CompressorState:
+    """Emitted entries plus the raw projections of tokens whose window is still needed."""
+
+    kv_cache: torch.Tensor  # [S*E, d] emitted entries (normed, RoPE'd)
+    kv_state: torch.Tensor  # [S*R, c*d] fp32 raw W_kv x
+    score_state: torch.Tensor  # [S*R, c*d] fp32 raw W_gate x + ape
+    ratio: int
+    overlap: bool
+
+    @property
+    def ring(self) -> int:
+        return 2 * self.ratio if self.overlap else self.ratio
+
+    @property
+    def entries_per_seq(self) -> int:
+        return self.kv_cache.shape[0] // (self.kv_state.shape[0] // self.ring)
+
+
+@dataclass
+class LayerState:
+    """What one attention layer keeps per sequence."""
+
+    window: torch.Tensor  # [S*W, hd] ring of window K=V
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+class DecodeState:
+    """All layers' state for `max_seqs` sequences of up to `max_seq_len` tokens."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        max_seqs: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.max_seqs, self.max_seq_len, self.window_size = max_seqs, max_seq_len, args.window_size
+        S, hd = max_seqs, args.head_dim
+
+        def comp(m: int, d: int, overlap: bool) -> CompressorState:
+            c, r = (2, 2 * m) if overlap else (1, m)
+            return CompressorState(
+                kv_cache=torch.zeros(S * (max_seq_len // m), d, dtype=dtype, device=device),
+                kv_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
+                score_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
+                ratio=m,
+                overlap=overlap,
+            )
+
+        self.layers: list[LayerState] = []
+        for i in range(args.n_layers + args.n_mtp_layers):
+            kind = args.layer_types[i] if i < args.n_layers else None
+            layer = LayerState(window=torch.zeros(S * args.window_size, hd, dtype=dtype, device=device))
+            if kind == CSA:
+                layer.compressor = comp(args.csa_ratio, hd, True)
+                layer.indexer = comp(args.csa_ratio, args.index_head_dim, True)
+            elif kind == HCA:
+                layer.compressor = comp(args.hca_ratio, hd, False)
+            self.layers.append(layer)
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            total += layer.window.nbytes
+            for c in (layer.compressor, layer.indexer):
+                if c is not None:
+                    total += c.kv_cache.nbytes + c.kv_state.nbytes + c.score_state.nbytes
+        return total
+
+
+@dataclass
+class Batch:
+    """One forward step: the new tokens of several sequences, flattened to [T]."""
+
+    slots: torch.Tensor  # [B] state slot of each sequence
+    start_pos: torch.Tensor  # [B] position of each sequence's first new token
+    lens: torch.Tensor  # [B] new tokens per sequence
+    positions: torch.Tensor  # [T]
+    token_seq: torch.Tensor  # [T] sequence (0..B-1) of each token
+    cu_lens: torch.Tensor  # [B+1] flat offset of each sequence's first token
+    max_seqs: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        slots: list[int],
+        start_pos: list[int],
+        lens: list[int],
+        max_seqs: int,
+        device: torch.device | str = "cpu",
+    ) -> Batch:
+        if not (len(slots) == len(start_pos) == len(lens)) or not slots:
+            raise ValueError(f"batch lists differ or are empty: {len(slots)}, {len(start_pos)}, {len(lens)}")
+        if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= max_seqs:
+            raise ValueError(f"slots {slots} must be distinct and in [0, {max_seqs})")
+        if min(lens) <= 0 or min(start_pos) < 0:
+            raise ValueError(f"lens {lens} must be > 0 and start_pos {start_pos} >= 0")
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        start_t = torch.tensor(start_pos, dtype=torch.long, device=device)
+        token_seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.long, device=device)
+        cu[1:] = lens_t.cumsum(0)
+        positions = start_t[token_seq] + torch.arange(int(cu[-1]), device=device) - cu[token_seq]
+        return cls(
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            start_pos=start_t,
+            lens=lens_t,
+            positions=positions,
+            token_seq=token_seq,
+            cu_lens=cu,
+            max_seqs=max_seqs,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    def last_token_idx(self) -> torch.Tensor:
+        return self.cu_lens[1:] - 1
+
+    # ---- per-token views of per-sequence fields -------------------------------------------
+    def _tok(self, name: str) -> torch.Tensor:
+        key = ("tok", name)
+        if key not in self._cache:
+            v = {"slot": self.slots, "start": self.start_pos, "off": self.cu_lens[:-1], "len": self.lens}
+            self._cache[key] = v[name][self.token_seq]
+        return self._cache[key]
+
+    def _memo(self, key: tuple, fn):  # noqa: ANN001, ANN202
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    def history_rows(self, pos: torch.Tensor, tok: torch.Tensor, ring: int) -> torch.Tensor:
+        """Rows of positions `pos` [..] of the sequences of tokens `tok` [..] in ring | chunk coordinates.
+
+        Positions already processed (< start_pos) live in the ring (row slot*ring + pos % ring);
+        positions of this step live in the chunk (row max_seqs*ring + flat token index); pos < 0 -> -1.
+        """
+        seq = self.token_seq[tok]
+        start, off, slot = self.start_pos[seq], self.cu_lens[:-1][seq], self.slots[seq]
+        in_chunk = pos >= start
+        rows = torch.where(
+            in_chunk, self.max_seqs * ring + off + (pos - start), slot * ring + pos.remainder(ring)
+        )
+        return torch.where(pos >= 0, rows, -1)
+
+    def window_idxs(self, window: int) -> torch.Tensor:
+        """[T, W] rows (ring | chunk) of each token's window p-W+1 .. p."""
+
+        def build() -> torch.Tensor:
+            pos = self.positions[:, None] - window + 1 + torch.arange(window, device=self.positions.device)
+            tok = torch.arange(self.num_tokens, device=pos.device)[:, None].expand_as(pos)
+            return self.history_rows(pos, tok, window)
+
+        return self._memo(("win", window), build)
+
+    def ring_writes(self, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, rows): the last `ring` tokens of each sequence and their ring rows."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            last = self.positions >= self._tok("start") + self._tok("len") - ring
+            tok = last.nonzero().squeeze(1)
+            return tok, self._tok("slot")[tok] * ring + self.positions[tok].remainder(ring)
+
+        return self._memo(("ring", ring), build)
+
+    def closing_windows(self, ratio: int, overlap: bool) -> tuple[torch.Tensor, ...]:
+        """Windows closed by a token of this step: (token, entry row-in-seq w, slot, source rows [n, slots]).
+
+        Window w closes at token m*w + m - 1. Its slots are tokens m*w-m .. m*w+m-1 (CSA: the first m
+        give their A-half, the last m their B-half) or m*w .. m*w+m-1 (HCA), as ring | chunk rows.
+        """
+
+        def build() -> tuple[torch.Tensor, ...]:
+            tok = ((self.positions + 1).remainder(ratio) == 0).nonzero().squeeze(1)
+            w = self.positions[tok] // ratio
+            n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
+            pos = first[:, None] + torch.arange(n_slots, device=tok.device)
+            ring = 2 * ratio if overlap else ratio
+            rows = self.history_rows(pos, tok[:, None].expand_as(pos), ring)
+            return tok, w, self._tok("slot")[tok], rows
+
+        return self._memo(("close", ratio, overlap), build)
+
+    def visible_entries(self, ratio: int, entries_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, C] rows of the compressed entries each token may see, -1 = not yet; [T] counts).
+
+        Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.
+        """
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            count = (self.positions + 1) // ratio
+            C = max(int(count.max()), 1)
+            w = torch.arange(C, device=count.device)[None, :]
+            rows = self._tok("slot")[:, None] * entries_per_seq + w
+            return torch.where(w < count[:, None], rows, -1), count
+
+        return self._memo(("vis", ratio, entries_per_seq), build)
