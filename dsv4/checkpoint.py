@@ -168,7 +168,10 @@ class _Shards:
     def _f(self, name: str):  # noqa: ANN202
         path = self.files[name]
         if path not in self.handles:
-            self.handles[path] = safe_open(path, "pt")
+            try:
+                self.handles[path] = safe_open(path, "pt")
+            except Exception as e:  # safetensors raises its own types for bad headers
+                raise CheckpointError(f"shard {path.name}: unreadable safetensors file ({e})") from None
         return self.handles[path]
 
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
@@ -176,7 +179,12 @@ class _Shards:
         return s.get_dtype(), tuple(s.get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._f(name).get_tensor(name)
+        try:
+            return self._f(name).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"tensor {name} in {self.files[name].name}: unreadable ({e})") from None
 
     def keys_in(self, path: Path) -> set[str]:
         return set(self._f(next(n for n, p in self.files.items() if p == path)).keys())

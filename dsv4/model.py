@@ -19,7 +19,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rd/2] fp32
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 class Linear(nn.Module):

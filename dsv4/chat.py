@@ -1,0 +1,255 @@
+"""DeepSeek-V4 chat encoding: OpenAI-style messages -> prompt string (encoding_dsv4 format)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+CALLS_START = f"<{DSML}tool_calls>"
+CALLS_END = f"</{DSML}tool_calls>"
+
+ROLES = ("system", "user", "assistant", "tool")
+REASONING_EFFORTS = (None, "high", "max")
+
+# Fixed prompt text: must match the reference byte for byte, the model was trained on it.
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
+    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
+    "edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+    "unchecked.\n\n"
+)
+
+TOOLS_HEADER = f"""## Tools
+
+You have access to a set of tools to help answer the user's question. \
+You can invoke tools by writing a "{CALLS_START}" block like the following:
+
+{CALLS_START}
+<{DSML}invoke name="$TOOL_NAME">
+<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>
+...
+</{DSML}invoke>
+<{DSML}invoke name="$TOOL_NAME2">
+...
+</{DSML}invoke>
+{CALLS_END}
+
+String parameters should be specified as is and set `string="true"`. \
+For all other types (numbers, booleans, arrays, objects), pass the value in JSON format \
+and set `string="false"`.
+
+If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning \
+inside {THINK_START}...{THINK_END} BEFORE any tool calls or final response.
+
+Otherwise, output directly after {THINK_END} with tool calls or final response.
+
+### Available Tool Schemas
+
+"""
+TOOLS_FOOTER = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
+    "tool calls.\n"
+)
+
+
+def encode_messages(
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    thinking: bool = False,
+    reasoning_effort: str | None = None,
+    drop_thinking: bool = True,
+    add_generation_prompt: bool = True,
+) -> str:
+    """Render OpenAI chat messages as a DeepSeek-V4 prompt; raises ValueError on bad input.
+
+    thinking=False is the "chat" (non-think) mode. reasoning_effort is None, "high" or "max";
+    only "max" (in thinking mode) changes the prompt. drop_thinking removes the reasoning of
+    assistant turns before the last user turn; it is off whenever tools are given.
+    """
+    if reasoning_effort not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort {reasoning_effort!r} is not one of {REASONING_EFFORTS}")
+    functions = _check_tools(tools)
+    turns = _to_turns(messages)
+    if functions:
+        # Request-level tools join the leading system prompt, or get an empty one of their own.
+        if turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "text": ""})
+        turns[0]["tools"] = functions
+    drop = drop_thinking and not functions
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
+
+    out = [BOS]
+    if thinking and reasoning_effort == "max":
+        out.append(REASONING_EFFORT_MAX)
+    for i, turn in enumerate(turns):
+        role = turn["role"]
+        if role == "system":
+            out.append(turn["text"])
+            if turn.get("tools"):
+                out.append("\n\n" + render_tools(turn["tools"]))
+        elif role == "user":
+            out.append(USER + turn["text"])
+            nxt = turns[i + 1]["role"] if i + 1 < len(turns) else None
+            if nxt == "assistant" or (nxt is None and add_generation_prompt):
+                # Earlier turns with dropped reasoning were answered in chat form.
+                open_think = thinking and (not drop or i >= last_user)
+                out.append(ASSISTANT + (THINK_START if open_think else THINK_END))
+        else:
+            keep_reasoning = thinking and (not drop or i > last_user)
+            reasoning = turn["reasoning"] + THINK_END if keep_reasoning else ""
+            out.append(reasoning + turn["text"] + render_tool_calls(turn["calls"]) + EOS)
+    return "".join(out)
+
+
+def render_tools(functions: list[dict]) -> str:
+    """The `## Tools` system-prompt section for OpenAI `function` objects (key order kept)."""
+    schemas = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+    return TOOLS_HEADER + schemas + TOOLS_FOOTER
+
+
+def render_tool_calls(calls: list[tuple[str, dict]]) -> str:
+    """DSML block for (name, arguments) pairs, preceded by the blank line the model emits."""
+    if not calls:
+        return ""
+    invokes = []
+    for name, args in calls:
+        params = []
+        for key, value in args.items():
+            is_str = isinstance(value, str)
+            text = value if is_str else json.dumps(value, ensure_ascii=False)
+            params.append(
+                f'<{DSML}parameter name="{key}" string="{"true" if is_str else "false"}">'
+                f"{text}</{DSML}parameter>"
+            )
+        invokes.append(f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n</{DSML}invoke>")
+    return "\n\n" + CALLS_START + "\n" + "\n".join(invokes) + "\n" + CALLS_END
+
+
+# ---- validation and normalisation -------------------------------------------------------------
+
+
+def _check_tools(tools: list[dict] | None) -> list[dict]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    functions = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}] must be an object with type 'function'")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function must be an object with a non-empty 'name'")
+        functions.append(fn)
+    return functions
+
+
+def _text(content: Any, where: str, *, optional: bool) -> str:
+    if content is None:
+        if optional:
+            return ""
+        raise ValueError(f"{where} is required")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}] has type {kind!r}; only 'text' parts are supported")
+        texts.append(part["text"])
+    # Same joiner the reference uses for multi-part tool results.
+    return "\n\n".join(texts)
+
+
+def _check_calls(calls: Any, where: str) -> list[tuple[str, dict, str]]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise ValueError(f"{at} must be an object with type 'function'")
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{at}.function must be an object with a non-empty 'name'")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{at}.function.arguments is not valid JSON: {e}") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{at}.function.arguments must encode a JSON object")
+        out.append((fn["name"], args, call.get("id") or ""))
+    return out
+
+
+def _to_turns(messages: list[dict]) -> list[dict]:
+    """Validate messages; merge each run of user/tool messages into one user turn."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    turns: list[dict] = []
+    call_order: dict[str, int] = {}  # tool_call id -> position in the latest assistant's calls
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ValueError(f"{where} must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role {role!r} is not one of {', '.join(map(repr, ROLES))}")
+        if role == "system":
+            text = _text(msg.get("content"), f"{where}.content", optional=True)
+            turns.append({"role": "system", "text": text})
+        elif role == "assistant":
+            reasoning = msg.get("reasoning_content")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise ValueError(f"{where}.reasoning_content must be a string")
+            calls = _check_calls(msg.get("tool_calls"), f"{where}.tool_calls")
+            if calls:
+                call_order = {cid: k for k, (_, _, cid) in enumerate(calls) if cid}
+            turns.append(
+                {
+                    "role": "assistant",
+                    "text": _text(msg.get("content"), f"{where}.content", optional=True),
+                    "reasoning": reasoning or "",
+                    "calls": [(name, args) for name, args, _ in calls],
+                }
+            )
+        else:
+            if role == "user":
+                block = ("text", _text(msg.get("content"), f"{where}.content", optional=False), 0)
+            else:
+                call_id = msg.get("tool_call_id")
+                if call_id is not None and not isinstance(call_id, str):
+                    raise ValueError(f"{where}.tool_call_id must be a string")
+                text = _text(msg.get("content"), f"{where}.content", optional=False)
+                block = ("tool", f"<tool_result>{text}</tool_result>", call_order.get(call_id, 0))
+            if turns and turns[-1]["role"] == "user":
+                turns[-1]["blocks"].append(block)
+            else:
+                turns.append({"role": "user", "blocks": [block]})
+    for turn in turns:
+        if turn["role"] == "user":
+            turn["text"] = "\n\n".join(b[1] for b in _sort_tool_results(turn.pop("blocks")))
+    return turns
+
+
+def _sort_tool_results(blocks: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    # Tool results go back in the order the assistant made the calls; text blocks keep their slots.
+    results = iter(sorted((b for b in blocks if b[0] == "tool"), key=lambda b: b[2]))
+    return [next(results) if b[0] == "tool" else b for b in blocks]

@@ -1,0 +1,92 @@
+"""`dsv4` command line: generate | make-tiny | roofline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from dsv4.llm import LLM
+
+    llm = LLM(ns.model, device=ns.device, dtype=ns.dtype, quantized=ns.quantized,
+              max_seq_len=ns.max_seq_len)
+    outs = llm.generate(ns.prompt, max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos)
+    for prompt, out in zip(ns.prompt, outs):
+        if len(ns.prompt) > 1:
+            print(f"--- {prompt!r}")
+        print(out.text if llm.tokenizer is not None else out.token_ids)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _make_tiny(ns: argparse.Namespace) -> int:
+    from dsv4.config import CSA, HCA, SLIDING
+    from dsv4.tiny import LAYER_NAMES, make_tiny, tiny_args
+
+    over: dict = {"weight_dtype": ns.weight_dtype, "expert_dtype": ns.expert_dtype,
+                  "n_mtp_layers": 0 if ns.no_mtp else 1}
+    if ns.layers:
+        names = ns.layers.split(",")
+        bad = [n for n in names if n not in LAYER_NAMES]
+        if bad:
+            print(f"error: --layers entries must be in {sorted(LAYER_NAMES)}, got {bad}", file=sys.stderr)
+            return 2
+        over["layer_types"] = tuple(LAYER_NAMES[n] for n in names)
+    for key in ("vocab_size", "dim", "n_routed_experts"):
+        if getattr(ns, key) is not None:
+            over[key] = getattr(ns, key)
+    args = tiny_args(**over)
+    out = make_tiny(ns.out_dir, args, seed=ns.seed, tokenizer=ns.tokenizer)
+    kinds = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
+    print(f"wrote {out}: {args.n_layers} layers ({','.join(kinds[t] for t in args.layer_types)}), "
+          f"dense {args.weight_dtype}, experts {args.expert_dtype}, mtp={args.n_mtp_layers}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="greedy generation (default: the built-in demo model)")
+    g.add_argument("prompt", nargs="+", help="one or more prompts")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--quantized", action="store_true", help="keep FP8/FP4 weights packed")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-seq-len", type=int, default=4096)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(fn=_generate)
+
+    t = sub.add_parser("make-tiny", help="write a random tiny model in the official layout")
+    t.add_argument("out_dir")
+    t.add_argument("--layers", default=None, help="comma list of sliding|csa|hca (default s,c,h,c)")
+    t.add_argument("--dim", type=int, default=None)
+    t.add_argument("--vocab-size", type=int, default=None)
+    t.add_argument("--n-routed-experts", type=int, default=None)
+    t.add_argument("--weight-dtype", default="fp8", choices=["fp8", "bf16"])
+    t.add_argument("--expert-dtype", default="fp4", choices=["fp4", "nvfp4", "fp8", "bf16"])
+    t.add_argument("--no-mtp", action="store_true", help="omit the mtp.0.* tensors")
+    t.add_argument("--tokenizer", default="auto", choices=["auto", "deepseek", "bytes", "none"])
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=_make_tiny)
+
+    r = sub.add_parser("roofline", help="analytic floor of a decode/prefill step", add_help=False)
+    r.set_defaults(fn=None)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "roofline":
+        from dsv4.roofline import main as roofline_main
+
+        return roofline_main(argv[1:])
+    ns = p.parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except (ValueError, FileNotFoundError) as e:  # config/checkpoint/request errors: one clear line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Streaming parsers for DeepSeek-V4 output: reasoning vs content, and DSML tool calls."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from dsv4.chat import CALLS_END, CALLS_START, DSML, EOS, THINK_END, THINK_START
+
+INVOKE_START = f"<{DSML}invoke"
+INVOKE_END = f"</{DSML}invoke>"
+PARAM_START = f"<{DSML}parameter"
+PARAM_END = f"</{DSML}parameter>"
+_NAME = re.compile(r'\bname="([^"]*)"')
+_STRING = re.compile(r'\bstring="(true|false)"')
+_JSON_TYPES: dict[str, Any] = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "null": lambda v: v is None,
+}
+
+
+def _find_first(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    best, found = len(text), None
+    for m in markers:
+        i = text.find(m, 0, best + len(m))
+        if i != -1 and i < best:
+            best, found = i, m
+    return best, found
+
+
+def _partial_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a marker (held back)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class ReasoningParser:
+    """Splits model output into (reasoning, content) at `</think>`; drops EOS and what follows."""
+
+    def __init__(self, thinking: bool) -> None:
+        # A thinking-mode prompt ends with `<think>`, so the output starts inside the reasoning.
+        self._in_reasoning = thinking
+        self._at_start = thinking
+        self._buf = ""
+        self._done = False
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        if self._done:
+            return "", ""
+        self._buf += delta
+        reasoning, content = [], []
+        if self._at_start:  # tolerate a repeated `<think>` at the very start
+            if len(self._buf) < len(THINK_START) and THINK_START.startswith(self._buf):
+                return "", ""
+            if self._buf.startswith(THINK_START):
+                self._buf = self._buf[len(THINK_START) :]
+            self._at_start = False
+        while True:
+            # Tool calls end a reasoning block that never closed; the markup goes on as content.
+            markers = (THINK_END, CALLS_START, EOS) if self._in_reasoning else (EOS,)
+            out = reasoning if self._in_reasoning else content
+            i, marker = _find_first(self._buf, markers)
+            if marker is None:
+                cut = len(self._buf) - _partial_len(self._buf, markers)
+                if self._in_reasoning:  # whitespace before a tool block is not reasoning
+                    cut = len(self._buf[:cut].rstrip())
+                out.append(self._buf[:cut])
+                self._buf = self._buf[cut:]
+                break
+            out.append(self._buf[:i].rstrip() if marker == CALLS_START else self._buf[:i])
+            if marker == EOS:
+                self._done, self._buf = True, ""
+                break
+            self._in_reasoning = False
+            self._buf = self._buf[i + len(THINK_END) :] if marker == THINK_END else self._buf[i:]
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        # Held-back text never became a marker: it is ordinary text.
+        rest, self._buf = self._buf, ""
+        if self._done:
+            return "", ""
+        return (rest, "") if self._in_reasoning else ("", rest)
+
+
+class ToolCallParser:
+    """Turns DSML `tool_calls` blocks in content into OpenAI tool calls.
+
+    feed/finish return OpenAI-style deltas: {"content": str} or {"tool_calls": [call]} where call is
+    {"index", "id", "type": "function", "function": {"name", "arguments"}}. A call is emitted
+    whole once its `</invoke>` arrives, so its arguments are always complete JSON. Markup is
+    never emitted as content; an unfinished block at finish() is dropped.
+    """
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self._params: dict[str, dict] = {}  # tool name -> JSON-schema properties
+        for tool in tools or []:
+            fn = tool.get("function") or {}
+            props = (fn.get("parameters") or {}).get("properties")
+            if isinstance(fn.get("name"), str) and isinstance(props, dict):
+                self._params[fn["name"]] = props
+        self.tool_calls: list[dict] = []
+        self._buf = ""
+        self._in_block = False
+        self._lstrip = False  # drop whitespace that follows a block
+        self._call: dict | None = None  # the open invoke: name, args, loose text
+
+    def feed(self, delta: str) -> list[dict]:
+        self._buf += delta
+        events: list[dict] = []
+        while self._step_block(events) if self._in_block else self._step_content(events):
+            pass
+        return events
+
+    def finish(self) -> list[dict]:
+        events = []
+        if not self._in_block:
+            rest = self._buf.lstrip() if self._lstrip else self._buf
+            if rest:
+                events.append({"content": rest})
+        self._buf, self._call = "", None
+        return events
+
+    def _step_content(self, events: list[dict]) -> bool:
+        if self._lstrip:
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return False
+            self._lstrip = False
+        i = self._buf.find(CALLS_START)
+        if i == -1:
+            # Hold back a partial opening tag and the whitespace before it: the blank line
+            # that separates content from a block belongs to neither.
+            cut = len(self._buf) - _partial_len(self._buf, (CALLS_START,))
+            cut = len(self._buf[:cut].rstrip())
+            if cut:
+                events.append({"content": self._buf[:cut]})
+            self._buf = self._buf[cut:]
+            return False
+        text = self._buf[:i].rstrip()
+        if text:
+            events.append({"content": text})
+        self._buf = self._buf[i + len(CALLS_START) :]
+        self._in_block = True
+        return True
+
+    def _step_block(self, events: list[dict]) -> bool:
+        buf = self._buf
+        if self._call is None:
+            i, marker = _find_first(buf, (INVOKE_START, CALLS_END))
+            if marker is None:
+                # Text between invokes is ignored; keep only what may begin a tag.
+                self._buf = buf[len(buf) - _partial_len(buf, (INVOKE_START, CALLS_END)) :]
+                return False
+            if marker == CALLS_END:
+                self._close_block(i + len(CALLS_END))
+                return True
+            j = buf.find(">", i)
+            if j == -1:
+                self._buf = buf[i:]
+                return False
+            name = _NAME.search(buf, i, j)
+            self._call = {"name": name.group(1) if name else "", "args": {}, "loose": []}
+            self._buf = buf[j + 1 :]
+            return True
+        i, marker = _find_first(buf, (PARAM_START, INVOKE_END, CALLS_END))
+        if marker is None:
+            return False
+        self._call["loose"].append(buf[:i])
+        if marker == PARAM_START:
+            j = buf.find(">", i)
+            k = buf.find(PARAM_END, j) if j != -1 else -1
+            if k == -1:
+                self._call["loose"].pop()
+                return False
+            name, string = _NAME.search(buf, i, j), _STRING.search(buf, i, j)
+            if name and name.group(1) not in self._call["args"]:
+                value = self._typed(
+                    name.group(1), buf[j + 1 : k], string is None or string.group(1) == "true"
+                )
+                self._call["args"][name.group(1)] = value
+            self._buf = buf[k + len(PARAM_END) :]
+            return True
+        self._emit_call(events)
+        if marker == INVOKE_END:
+            self._buf = buf[i + len(INVOKE_END) :]
+        else:  # block closed without closing the invoke
+            self._close_block(i + len(CALLS_END))
+        return True
+
+    def _close_block(self, end: int) -> None:
+        self._buf = self._buf[end:]
+        self._in_block, self._lstrip = False, True
+
+    def _emit_call(self, events: list[dict]) -> None:
+        call, self._call = self._call, None
+        if not call["name"]:
+            return
+        args = call["args"]
+        loose = "".join(call["loose"]).strip()
+        if not args and loose.startswith("{"):
+            # Some outputs put a JSON object directly inside the invoke.
+            try:
+                direct = json.loads(loose)
+                args = direct if isinstance(direct, dict) else args
+            except json.JSONDecodeError:
+                pass
+        index = len(self.tool_calls)
+        fn = {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+        self.tool_calls.append(
+            {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": fn}
+        )
+        events.append(
+            {"tool_calls": [{"index": index, **self.tool_calls[-1], "function": dict(fn)}]}
+        )
+
+    def _typed(self, param: str, raw: str, is_string: bool) -> Any:
+        """DSML rule: string="true" is raw text, "false" is JSON (kept as text if it isn't)."""
+        schema = self._params.get(self._call["name"], {}).get(param)
+        types = schema.get("type") if isinstance(schema, dict) else None
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        if is_string and (not types or "string" in types):
+            return raw
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+        if not is_string:
+            return value
+        # Flagged as a string but the schema wants e.g. an integer: take the JSON if it fits.
+        return value if any(t in _JSON_TYPES and _JSON_TYPES[t](value) for t in types) else raw
+
+
+class StreamParser:
+    """Reasoning split plus tool-call parsing; feed/finish return OpenAI chat deltas."""
+
+    def __init__(self, thinking: bool, tools: list[dict] | None = None) -> None:
+        self.reasoning = ReasoningParser(thinking)
+        self.tools = ToolCallParser(tools)
+
+    def feed(self, delta: str) -> list[dict]:
+        return self._route(*self.reasoning.feed(delta), final=False)
+
+    def finish(self) -> list[dict]:
+        return self._route(*self.reasoning.finish(), final=True)
+
+    def _route(self, reasoning: str, content: str, *, final: bool) -> list[dict]:
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        deltas += self.tools.feed(content) if content else []
+        return deltas + self.tools.finish() if final else deltas
+
+
+def merge_deltas(deltas: list[dict]) -> dict:
+    """Fold chat deltas into a message: reasoning_content, content, tool_calls, finish_reason."""
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [
+        {k: v for k, v in c.items() if k != "index"}
+        for d in deltas
+        for c in d.get("tool_calls", [])
+    ]
+    return {
+        "reasoning_content": reasoning or None,
+        "content": content or None,
+        "tool_calls": calls,
+        "finish_reason": "tool_calls" if calls else "stop",
+    }
+
+
+def parse_completion(text: str, thinking: bool = False, tools: list[dict] | None = None) -> dict:
+    """Parse a whole completion; finish_reason is "tool_calls" or "stop" (the caller knows
+    about "length")."""
+    parser = StreamParser(thinking, tools)
+    return merge_deltas(parser.feed(text) + parser.finish())

@@ -1,0 +1,79 @@
+"""Python API, deterministic top-k, MTP forward, the demo model and `dsv4 generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import LLM
+from dsv4.cli import main
+from dsv4.ops import ref
+from dsv4.state import Batch
+from dsv4.tiny import make_tiny, tiny_args
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):  # noqa: ANN001, ANN201
+    return LLM(make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300)), progress=False)
+
+
+def test_score_shape_and_errors(llm):  # noqa: ANN001
+    assert llm.score([0, 1, 2, 3]).shape == (4, 300)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.score([0, 300])
+    with pytest.raises(ValueError, match="empty"):
+        llm.score([])
+
+
+def test_generate_text_and_ids(llm):  # noqa: ANN001
+    a, b = llm.generate(["hello", [0, 5, 6, 7]], max_tokens=4, ignore_eos=True)
+    assert len(a.token_ids) == len(b.token_ids) == 4 and a.finish_reason == "length"
+    assert a.prompt_token_ids[0] == llm.args.bos_token_id and isinstance(a.text, str)
+    # batched generation equals one-at-a-time generation
+    assert llm.generate("hello", max_tokens=4, ignore_eos=True)[0].token_ids == a.token_ids
+
+
+def test_stable_topk_ties_pick_lower_index():
+    s = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    assert ref.stable_topk(s, 2).tolist() == [[1, 2]]
+    # indexer: equal (zero) scores everywhere -> the lowest entry ids; invisible entries -> -1
+    q, w = torch.zeros(1, 2, 4), torch.ones(1, 2)
+    keys = torch.randn(6, 4)
+    cand = torch.tensor([[0, 1, 2, 3, -1, -1]])
+    assert ref.index_topk(q, w, keys, cand, 3).tolist() == [[0, 1, 2]]
+    assert ref.index_topk(q, w, keys, cand, 6).tolist() == [[0, 1, 2, 3, -1, -1]]
+
+
+def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
+    # the MTP block keeps its own window ring: chunked MTP passes equal one full pass
+    m = llm.model
+    ids = list(range(2, 30))
+    nxt = ids[1:] + [5]
+
+    def run(chunk: int) -> torch.Tensor:
+        out = []
+        for s in range(0, len(ids), chunk):
+            b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.state.max_seqs)
+            h = m(torch.tensor(ids[s : s + chunk]), b, llm.state)
+            out.append(m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.state)[1])
+        return torch.cat(out)
+
+    full = run(len(ids))
+    assert full.shape == (len(ids), 300) and full.isfinite().all()
+    assert torch.allclose(run(3), full, rtol=1e-5, atol=1e-5)
+    b = Batch.build([0], [0], [len(ids)], llm.state.max_seqs)
+    h = m(torch.tensor(ids), b, llm.state)
+    other = m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.state)[1]
+    assert not torch.allclose(other, full)  # depends on the next-token embedding
+
+
+def test_demo_generate_cli(tmp_path, monkeypatch, capsys):  # noqa: ANN001
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["generate", "The capital of France is", "--max-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "finish_reason=length" in captured.err and captured.out.strip()
+
+
+def test_generate_cli_bad_model(tmp_path, capsys):  # noqa: ANN001
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "config file not found" in capsys.readouterr().err

@@ -1,0 +1,126 @@
+"""The model against transformers' DeepseekV4ForCausalLM (fp32), and prefill == chunked == decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.config import CSA, HCA, SLIDING, YarnArgs
+from dsv4.llm import LLM
+from dsv4.tiny import make_tiny, tiny_args
+from tests.reference import hf_greedy, hf_logits, hf_model, independent_dequant
+
+# Three tiny configs that together cover every layer type, both MLP types, several layer orders,
+# YaRN on and off, FP8/MXFP4/NVFP4/BF16 weights and odd sizes.
+CONFIGS = {
+    "sch": tiny_args(vocab_size=300),  # sliding, CSA, HCA, CSA; hash layer 0; YaRN; fp8 + mxfp4
+    "order": tiny_args(
+        vocab_size=280, layer_types=(HCA, CSA, SLIDING, HCA, CSA),
+        mlp_layer_types=("hash_moe", "hash_moe", "moe", "moe", "moe"), hca_ratio=8, window_size=16,
+        index_topk=3, yarn=None, expert_dtype="nvfp4", n_mtp_layers=0),
+    "odd": tiny_args(
+        vocab_size=263, dim=72, n_heads=6, head_dim=40, rope_head_dim=8, q_lora_rank=24, o_groups=3,
+        o_lora_rank=20, moe_inter_dim=40, n_routed_experts=5, n_activated_experts=3, window_size=5,
+        index_n_heads=3, index_head_dim=12, index_topk=2, layer_types=(CSA, SLIDING, HCA, CSA),
+        mlp_layer_types=("moe", "hash_moe", "moe", "moe"), hca_ratio=6,
+        yarn=YarnArgs(factor=8.0, original_seq_len=4096, beta_fast=16, beta_slow=2),
+        weight_dtype="fp8", expert_dtype="fp8"),
+}
+
+
+def boundary_lengths(args) -> list[int]:  # noqa: ANN001
+    m, mh, w = args.csa_ratio, args.hca_ratio, args.window_size
+    lens = {1, m - 1, m, m + 1, mh - 1, mh, mh + 1, w - 1, w, w + 1}
+    lens.add(m * (args.index_topk + 3) + 2)  # more visible CSA entries than index_topk: top-k prunes
+    lens.add(max(lens) + 2 * mh + 3)
+    return sorted(x for x in lens if x >= 1)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def case(request, tmp_path_factory):  # noqa: ANN001, ANN201
+    args = CONFIGS[request.param]
+    d = make_tiny(tmp_path_factory.mktemp(request.param), args, seed=7, tokenizer="bytes")
+    weights = independent_dequant(d)
+    return d, LLM(d, progress=False), hf_model(d, weights), weights
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_weights_equal_independent_dequant(case):  # noqa: ANN001
+    _, llm, _, weights = case
+    sd = llm.model.state_dict()
+    assert set(sd) == set(weights)
+    for name, ref in weights.items():
+        got = sd[name]
+        assert got.dtype == (torch.int64 if ref.dtype == torch.int64 else torch.float32), name
+        assert torch.equal(got, ref), f"{name} differs from the independent dequantization"
+
+
+def test_logits_match_transformers(case):  # noqa: ANN001
+    _, llm, hf, _ = case
+    g = torch.Generator().manual_seed(1)
+    for T in boundary_lengths(llm.args):
+        ids = torch.randint(2, llm.args.vocab_size, (T,), generator=g).tolist()
+        err = _rel(llm.score(ids), hf_logits(hf, ids))
+        assert err <= 1e-4, f"T={T}: max relative error {err:.2e}"
+
+
+def test_top_k_prunes_in_long_prompt(case):  # noqa: ANN001
+    # the boundary list really exercises the pruning regime: some query sees > index_topk entries
+    args = case[1].args
+    if CSA in args.layer_types:
+        assert (max(boundary_lengths(args)) + 1) // args.csa_ratio > args.index_topk
+
+
+def test_prefill_equals_chunked_equals_decode(case):  # noqa: ANN001
+    _, llm, _, _ = case
+    g = torch.Generator().manual_seed(2)
+    T = max(boundary_lengths(llm.args))
+    ids = torch.randint(2, llm.args.vocab_size, (T,), generator=g).tolist()
+    full = llm.score(ids)
+    for chunk in (1, 3, llm.args.csa_ratio + 1, llm.args.window_size + 1, llm.args.hca_ratio):
+        err = float((llm.score(ids, chunk_size=chunk) - full).abs().max() / full.abs().max())
+        assert err <= 1e-5, f"chunk={chunk}: {err:.2e}"
+
+
+def test_ragged_batch_equals_single(case):  # noqa: ANN001
+    # sequences of different lengths and phases in one step give their single-sequence logits
+    _, llm, _, _ = case
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(2, llm.args.vocab_size, (n,), generator=g).tolist() for n in (23, 5, 17)]
+    single = [llm.score(s) for s in seqs]
+    cuts = [(9, 14), (1, 4), (16, 1)]  # first chunk, second chunk per sequence
+    logits = [[], [], []]
+    for step in range(2):
+        slots, starts, ids = [2, 0, 1], [], []
+        for s, (a, b) in zip(seqs, cuts):
+            lo, hi = (0, a) if step == 0 else (a, a + b)
+            starts.append(lo)
+            ids.append(s[lo:hi])
+        h = llm._forward(slots, starts, ids)
+        out = llm.model.logits(h).split([len(x) for x in ids])
+        for i in range(3):
+            logits[i].append(out[i])
+    for i in range(3):
+        err = float((torch.cat(logits[i]) - single[i]).abs().max() / single[i].abs().max())
+        assert err <= 1e-5, f"sequence {i}: {err:.2e}"
+
+
+def test_quantized_in_memory_matches_dequantized(case):  # noqa: ANN001
+    d, llm, _, _ = case
+    q = LLM(d, progress=False, quantized=True)
+    kinds = {p.dtype for p in q.model.state_dict().values()}
+    assert kinds & {torch.float8_e4m3fn, torch.int8, torch.uint8}, kinds
+    ids = list(range(2, 40))
+    assert torch.equal(q.score(ids), llm.score(ids))
+
+
+def test_greedy_generate_matches_transformers(case):  # noqa: ANN001
+    _, llm, hf, _ = case
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, llm.args.vocab_size, (n,), generator=g).tolist() for n in (3, 11, 20)]
+    outs = llm.generate(prompts, max_tokens=6, ignore_eos=True)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 6)

@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4.parsers import (
+    ReasoningParser,
+    StreamParser,
+    ToolCallParser,
+    merge_deltas,
+    parse_completion,
+)
+
+EOS = "<｜end▁of▁sentence｜>"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
+]
+
+
+def invoke(name, *params):
+    tag = '<｜DSML｜parameter name="{}" string="{}">{}</｜DSML｜parameter>\n'
+    body = "".join(tag.format(*p) for p in params)
+    return f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n'
+
+
+def block(*invokes):
+    return "\n\n<｜DSML｜tool_calls>\n" + "".join(invokes) + "</｜DSML｜tool_calls>"
+
+
+PARIS = invoke("get_weather", ("city", "true", "Paris"), ("days", "false", "3"))
+ROME = invoke("get_weather", ("city", "true", 'Rome <old> & "new"'), ("days", "true", "2"))
+SEARCH = invoke(
+    "search",
+    ("q", "true", "a\nb"),
+    ("filters", "false", '{"lang": ["en", "fr"]}'),
+    ("strict", "false", "true"),
+    ("n", "false", "not json"),
+)
+
+
+def call(name, args):
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+def result(reasoning=None, content=None, calls=()):
+    calls = list(calls)
+    return {
+        "reasoning_content": reasoning,
+        "content": content,
+        "tool_calls": calls,
+        "finish_reason": "tool_calls" if calls else "stop",
+    }
+
+
+# (text, thinking, expected message without tool-call ids)
+CASES = {
+    "plain": (
+        "Hello, world!\n\nSecond paragraph.",
+        False,
+        result(content="Hello, world!\n\nSecond paragraph."),
+    ),
+    "plain_eos": ("Hi there" + EOS, False, result(content="Hi there")),
+    "reasoning_content": (
+        "Let me think.\nx < y </thin k>.</think>The answer is 4." + EOS,
+        True,
+        result("Let me think.\nx < y </thin k>.", "The answer is 4."),
+    ),
+    "reasoning_only_truncated": ("Still thinking </thi", True, result("Still thinking </thi")),
+    "repeated_think_tag": ("<think>r</think>c", True, result("r", "c")),
+    "content_tool_call": (
+        "I'll check." + block(PARIS) + EOS,
+        False,
+        result(content="I'll check.", calls=[call("get_weather", {"city": "Paris", "days": 3})]),
+    ),
+    "multiple_tool_calls": (
+        "Plan</think>" + block(PARIS, ROME, SEARCH) + EOS,
+        True,
+        result(
+            "Plan",
+            None,
+            [
+                call("get_weather", {"city": "Paris", "days": 3}),
+                # string="true" but the schema says integer: typed from the schema.
+                call("get_weather", {"city": 'Rome <old> & "new"', "days": 2}),
+                call(
+                    "search",
+                    {
+                        "q": "a\nb",
+                        "filters": {"lang": ["en", "fr"]},
+                        "strict": True,
+                        "n": "not json",
+                    },
+                ),
+            ],
+        ),
+    ),
+    "tool_call_without_think_end": (
+        "r" + block(PARIS),
+        True,
+        result("r", None, [call("get_weather", {"city": "Paris", "days": 3})]),
+    ),
+    "markup_lookalikes": (
+        'Use <｜DSML｜tool_call> or <invoke name="x"> and <｜DSML｜invoke name="y">; '
+        "end <｜DSML｜tool_calls",
+        False,
+        result(
+            content='Use <｜DSML｜tool_call> or <invoke name="x"> and '
+            '<｜DSML｜invoke name="y">; end <｜DSML｜tool_calls'
+        ),
+    ),
+    "unclosed_block": (
+        "Text" + block(PARIS)[:-19],
+        False,
+        result(content="Text", calls=[call("get_weather", {"city": "Paris", "days": 3})]),
+    ),
+    "unfinished_invoke_dropped": ("Text" + block(PARIS)[:-30], False, result(content="Text")),
+    "direct_json_and_text_after": (
+        'A\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">{"q": "x"}</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>\n\nB",
+        False,
+        result(content="AB", calls=[call("search", {"q": "x"})]),
+    ),
+}
+
+
+def normalise(message):
+    calls = [
+        {
+            "type": c["type"],
+            "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+        }
+        for c in message["tool_calls"]
+    ]
+    for c, raw in zip(calls, message["tool_calls"], strict=True):
+        assert raw["id"].startswith("call_")
+        json.loads(c["function"]["arguments"])
+    return {**message, "tool_calls": calls}
+
+
+def stream(text, thinking, size):
+    parser, deltas = StreamParser(thinking, TOOLS), []
+    for i in range(0, len(text), size):
+        deltas += parser.feed(text[i : i + size])
+    return deltas + parser.finish()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_shot(name):
+    text, thinking, expected = CASES[name]
+    assert normalise(parse_completion(text, thinking, TOOLS)) == expected
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_chunk_size_matches_one_shot(name):
+    text, thinking, _ = CASES[name]
+    one_shot = normalise(parse_completion(text, thinking, TOOLS))
+    for size in range(1, len(text) + 1):
+        deltas = stream(text, thinking, size)
+        for d in deltas:  # markup never leaks into the text channels
+            assert "｜DSML｜parameter" not in d.get("content", "")
+            assert EOS not in d.get("content", "") + d.get("reasoning_content", "")
+        assert normalise(merge_deltas(deltas)) == one_shot, f"chunk size {size}"
+
+
+def test_tool_call_deltas_have_openai_shape():
+    parser = ToolCallParser(TOOLS)
+    events = parser.feed("x" + block(PARIS, SEARCH)) + parser.finish()
+    assert events[0] == {"content": "x"}
+    (first,), (second,) = events[1]["tool_calls"], events[2]["tool_calls"]
+    assert [first["index"], second["index"]] == [0, 1]
+    assert first["type"] == "function" and first["id"] != second["id"]
+    assert parser.tool_calls[1]["function"]["name"] == "search"
+
+
+def test_partial_markup_is_held_back():
+    parser = ToolCallParser()
+    assert parser.feed("Hi\n\n<｜DSML｜tool") == [{"content": "Hi"}]
+    assert parser.feed('_calls>\n<｜DSML｜invoke name="f">\n') == []
+    assert parser.feed("</｜DSML｜invoke>")[0]["tool_calls"][0]["function"] == {
+        "name": "f",
+        "arguments": "{}",
+    }
+    assert parser.finish() == []
+
+
+def test_reasoning_parser_streams_incrementally():
+    parser = ReasoningParser(thinking=True)
+    assert parser.feed("abc</th") == ("abc", "")
+    assert parser.feed("ink>de") == ("", "de")
+    assert parser.feed(EOS + "junk") == ("", "")
+    assert parser.finish() == ("", "")
+
+
+def test_reasoning_parser_chat_mode_is_all_content():
+    parser = ReasoningParser(thinking=False)
+    assert parser.feed("a</think>b") == ("", "a</think>b")
+    assert parser.finish() == ("", "")
