@@ -1,0 +1,355 @@
+"""Sampling: vLLM-compatible SamplingParams, a batched Sampler, and the per-request StopChecker."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# temperature below this is greedy (vLLM's _SAMPLING_EPS); dividing by ~0 would overflow fp32
+GREEDY_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stop settings, named as in vLLM's SamplingParams."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + output tokens
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until EOS or the context limit
+    min_tokens: int = 0
+    stop: list[str] | str | None = None  # normalized to list[str]
+    stop_token_ids: list[int] | None = None  # normalized to list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs; 0 = only the chosen token's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+        t = self.temperature
+        _check(
+            isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+            f"temperature must be a finite number >= 0, got {t!r}",
+        )
+        _check(
+            _is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
+            f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}",
+        )
+        _check(
+            isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+            f"min_p must be in [0, 1], got {self.min_p!r}",
+        )
+        r = self.repetition_penalty
+        _check(
+            isinstance(r, (int, float)) and math.isfinite(r) and r > 0,
+            f"repetition_penalty must be a finite number > 0, got {r!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(
+                isinstance(v, (int, float)) and -2 <= v <= 2,
+                f"{name} must be in [-2, 2], got {v!r}",
+            )
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an int, got {self.seed!r}")
+        _check(
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be >= 0, got {self.min_tokens!r}",
+        )
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be non-empty strings, got {self.stop!r}",
+        )
+        _check(
+            all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+            f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}",
+        )
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be >= 0, got {self.logprobs!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request RNG for a seeded request; it must live on the logits' device."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class SampleOutput:
+    """Sampled ids plus raw-model logprobs (log_softmax of unprocessed logits, vLLM's default)."""
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor | None = None  # [B] fp32 logprob of token_ids; None unless some row asked
+    # [B, n] int64, n = max requested; row i reads [: params[i].logprobs]
+    top_ids: Tensor | None = None
+    top_logprobs: Tensor | None = None  # [B, n] fp32, descending
+
+
+def _token_counts(ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    # -> [B, V] fp32 occurrence counts; the flat ids travel to the device, not the [B, V] table
+    flat = torch.tensor([t for row in ids for t in row], dtype=torch.long).to(device)
+    rows = torch.repeat_interleave(
+        torch.arange(len(ids)), torch.tensor([len(row) for row in ids], dtype=torch.long)
+    ).to(device)
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+    return counts.index_put_(
+        (rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True
+    )
+
+
+def apply_penalties(
+    logits: Tensor,
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+) -> Tensor:
+    """vLLM penalties on logits [B, V] fp32; returns a new tensor (logits itself if none apply)."""
+    if all(
+        p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+        for p in params
+    ):
+        return logits
+    B, V = logits.shape
+    dev = logits.device
+    out_counts = _token_counts(output_ids, V, dev)  # [B, V]
+    if any(p.repetition_penalty != 1 for p in params):
+        # only rows with a repetition penalty need their (possibly long) prompt scattered
+        prompts = [prompt_ids[i] if p.repetition_penalty != 1 else [] for i, p in enumerate(params)]
+        seen = (_token_counts(prompts, V, dev) > 0) | (out_counts > 0)  # [B, V] bool
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)
+        r = torch.where(seen, rep[:, None], 1.0)  # [B, V]
+        # divide positive logits, multiply negative ones: both push seen tokens down for r > 1
+        logits = torch.where(logits > 0, logits / r, logits * r)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)
+    return logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0)
+
+
+class Sampler:
+    """Next token per row from last-position logits, processed in vLLM v1's order."""
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_id = eos_token_id
+
+    def mask_min_tokens(
+        self, logits: Tensor, params: list[SamplingParams], output_ids: list[list[int]]
+    ) -> Tensor:
+        # EOS (unless ignore_eos) and stop_token_ids get -inf until min_tokens tokens exist
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, p in enumerate(params):
+            if len(output_ids[i]) < p.min_tokens:
+                stops = p.stop_token_ids + ([] if p.ignore_eos else [self.eos_token_id])
+                rows += [i] * len(stops)
+                cols += stops
+        if not rows:
+            return logits
+        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        return logits.index_put(idx, torch.tensor(-math.inf, device=logits.device))
+
+    def process(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> Tensor:
+        """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax)."""
+        # min_tokens mask -> penalties -> temperature -> min_p -> top_k -> top_p (vLLM v1 order);
+        # greedy rows stop after the penalties
+        B, V = logits.shape
+        dev = logits.device
+        logits = self.mask_min_tokens(logits, params, output_ids)
+        logits = apply_penalties(logits, params, prompt_ids, output_ids)
+        if all(p.greedy for p in params):
+            return logits
+        # greedy rows ride along with neutral settings: T=1, no filters (argmax is unchanged)
+        temp = [1.0 if p.greedy else p.temperature for p in params]
+        logits = logits / torch.tensor(temp, dtype=torch.float32, device=dev)[:, None]
+
+        min_p = [0.0 if p.greedy else p.min_p for p in params]
+        if any(min_p):
+            probs = logits.softmax(-1)  # [B, V]
+            thresh = torch.tensor(min_p, device=dev)[:, None] * probs.amax(-1, keepdim=True)
+            logits = logits.masked_fill(probs < thresh, -math.inf)
+
+        top_k = [p.top_k if not p.greedy and 0 < p.top_k < V else V for p in params]
+        top_p = [p.top_p if not p.greedy and p.top_p < 1 else math.inf for p in params]
+        if any(k < V for k in top_k) or any(p < 1 for p in top_p):
+            # stable descending sort: ties keep the lower index first, so top_k keeps exactly k
+            # tokens and breaks ties like greedy does
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+            pos = torch.arange(V, device=dev)
+            k = torch.tensor(top_k, device=dev)[:, None]
+            sorted_logits = sorted_logits.masked_fill(pos >= k, -math.inf)
+            if any(p < 1 for p in top_p):
+                # top_p over the top_k-renormalized distribution: keep the smallest prefix whose
+                # mass reaches p, i.e. drop a token once the mass before it is already >= p
+                sp = sorted_logits.softmax(-1)
+                mass_before = sp.cumsum(-1) - sp
+                p = torch.tensor(top_p, device=dev)[:, None]
+                sorted_logits = sorted_logits.masked_fill(mass_before >= p, -math.inf)
+            logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        return logits
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> SampleOutput:
+        B, V = logits.shape
+        assert logits.dtype == torch.float32, f"logits must be fp32, got {logits.dtype}"
+        assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == B, (
+            f"batch mismatch: logits B={B}, params={len(params)}, prompt_ids={len(prompt_ids)}, "
+            f"output_ids={len(output_ids)}, generators={len(generators)}"
+        )
+        processed = self.process(logits, params, prompt_ids, output_ids)  # [B, V] fp32
+        token_ids = processed.argmax(-1)  # [B]; torch.argmax returns the first maximal index
+        rand_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rand_rows:
+            # exponential race: argmax(p / q), q ~ Exp(1), draws i with probability p_i (equivalent
+            # to Gumbel-max). Unseeded rows share one draw; a seeded row redraws its own [V] noise
+            # from its generator, so its tokens do not depend on the rest of the batch.
+            probs = processed.softmax(-1)
+            q = torch.empty_like(probs).exponential_()
+            for i in rand_rows:
+                if generators[i] is not None:
+                    q[i].exponential_(generator=generators[i])
+            q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would turn a masked 0/0 into nan
+            sampled = probs.div(q).argmax(-1)
+            is_rand = torch.zeros(B, dtype=torch.bool)
+            is_rand[rand_rows] = True
+            token_ids = torch.where(is_rand.to(logits.device), sampled, token_ids)
+
+        out = SampleOutput(token_ids=token_ids)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if asked:
+            raw = logits.log_softmax(-1)  # [B, V] fp32: raw-model logprobs, before any processing
+            out.logprobs = raw.gather(-1, token_ids[:, None]).squeeze(-1)
+            out.top_logprobs, out.top_ids = raw.topk(min(max(asked), V), dim=-1)
+        return out
+
+
+@dataclass
+class StopResult:
+    """What one StopChecker.step decided."""
+
+    delta: str  # text safe to stream now (possible stop-string beginnings are held back)
+    finish_reason: str | None  # "stop" | "length" | None (still running)
+    num_tokens: int  # how many of the step's ids belong to the output; the rest came after a stop
+    stop_reason: int | str | None = None  # the stop token id or stop string; None: EOS or length
+
+
+class StopChecker:
+    """Per-request finish rule: EOS, stop_token_ids, stop strings, max_tokens."""
+
+    def __init__(self, params: SamplingParams, eos_token_id: int | None) -> None:
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.num_tokens = 0  # output tokens seen, stopping token included
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._stop_ids = set(params.stop_token_ids)
+        self._streamed: list[str] = []  # deltas returned so far
+        # text not streamed yet. A stop string that ends in new text starts inside it: its start
+        # was a held tail (a stop-string prefix), so the search never looks at streamed text and
+        # each step costs O(held + new) however long the output is.
+        self._pending = ""
+
+    @property
+    def output_text(self) -> str:
+        return "".join(self._streamed)
+
+    def step(self, new_token_ids: list[int], detokenize: Callable[[list[int]], str]) -> StopResult:
+        """Consume new ids one at a time; detokenize (e.g. IncrementalDetokenizer.step) gives the
+        text of each id that is not itself a stop token."""
+        assert self.finish_reason is None, f"step() after finish ({self.finish_reason})"
+        p = self.params
+        for n, tok in enumerate(new_token_ids, 1):
+            self.num_tokens += 1
+            # the first min_tokens tokens never stop the request (the Sampler masks stop ids too)
+            can_stop = self.num_tokens > p.min_tokens
+            is_eos = tok == self.eos_token_id and not p.ignore_eos
+            if can_stop and (is_eos or tok in self._stop_ids):
+                # a stop token ends the output and its text is not part of it
+                return self._finish(n, "stop", None if is_eos else tok)
+            old_len = len(self._pending)
+            self._pending += detokenize([tok])
+            if can_stop and (hit := self._find_stop(old_len)) is not None:
+                self._pending = self._pending[: hit[0]]  # trim just before the stop string
+                return self._finish(n, "stop", hit[1])
+            if p.max_tokens is not None and self.num_tokens >= p.max_tokens:
+                return self._finish(n, "length", None)
+        held = self._held()
+        delta = self._pending[: len(self._pending) - held]
+        self._pending = self._pending[len(delta) :]
+        self._streamed.append(delta)
+        return StopResult(delta, None, len(new_token_ids))
+
+    def _finish(self, n: int, reason: str, stop_reason: int | str | None) -> StopResult:
+        # held-back text was not a stop string after all (or was trimmed off): release the rest
+        delta, self._pending = self._pending, ""
+        self._streamed.append(delta)
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return StopResult(delta, reason, n, stop_reason)
+
+    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
+        # earliest stop string that ends in the new text (earlier ends were checked before)
+        best: tuple[int, str] | None = None
+        for s in self.params.stop:
+            i = self._pending.find(s, max(0, old_len - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        return best
+
+    def _held(self) -> int:
+        # length of the longest tail of pending text that is a proper prefix of a stop string
+        held = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(self._pending)), held, -1):
+                if self._pending.endswith(s[:k]):
+                    held = k
+                    break
+        return held

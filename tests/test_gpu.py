@@ -1,0 +1,33 @@
+"""GPU smoke tests (skipped without CUDA): the same model on the GPU matches the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.llm import LLM
+from dsv4.tiny import make_tiny, tiny_args
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # noqa: ANN001, ANN201
+    return make_tiny(tmp_path_factory.mktemp("gpu"), tiny_args(vocab_size=300), tokenizer="bytes")
+
+
+def test_cuda_fp32_matches_cpu(tiny):  # noqa: ANN001
+    ids = list(range(2, 70))
+    cpu = LLM(tiny, progress=False).score(ids)
+    gpu = LLM(tiny, device="cuda", progress=False).score(ids).cpu()
+    assert float((gpu - cpu).abs().max() / cpu.abs().max()) < 1e-3
+
+
+def test_cuda_quantized_bf16_generates(tiny):  # noqa: ANN001
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", quantized=True, progress=False)
+    ref = LLM(tiny, progress=False)
+    ids = list(range(2, 40))
+    a, b = llm.score(ids).cpu(), ref.score(ids)
+    assert float((a - b).abs().max() / b.abs().max()) < 0.1  # bf16 vs fp32
+    outs = llm.generate(["hello", "a longer prompt"], max_tokens=8, ignore_eos=True)
+    assert all(len(o.token_ids) == 8 for o in outs)
