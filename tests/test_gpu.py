@@ -28,6 +28,8 @@ def test_cuda_quantized_bf16_generates(tiny):  # noqa: ANN001
     ref = LLM(tiny, progress=False)
     ids = list(range(2, 40))
     a, b = llm.score(ids).cpu(), ref.score(ids)
-    assert float((a - b).abs().max() / b.abs().max()) < 0.1  # bf16 vs fp32
+    # bf16 activations through random layers: ~4% norm error on CPU too; same argmax almost always
+    assert float((a - b).norm() / b.norm()) < 0.08
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     outs = llm.generate(["hello", "a longer prompt"], max_tokens=8, ignore_eos=True)
     assert all(len(o.token_ids) == 8 for o in outs)
