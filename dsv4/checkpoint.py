@@ -17,14 +17,23 @@ from dsv4.config import CSA, HASH_MOE, SLIDING, ModelArgs
 
 INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-    "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # tensors that travel with a quantized `.weight`, per format (NVFP4 follows NVIDIA ModelOpt names)
-SCALE_SUFFIXES = {"fp8": ("scale",), "fp4": ("scale",), "nvfp4": ("weight_scale", "weight_scale_2",
-                                                                  "input_scale")}
+SCALE_SUFFIXES = {
+    "fp8": ("scale",),
+    "fp4": ("scale",),
+    "nvfp4": ("weight_scale", "weight_scale_2", "input_scale"),
+}
 
 
 class CheckpointError(ValueError):
@@ -39,6 +48,7 @@ class TensorSpec:
 
 
 # ---- the table -------------------------------------------------------------------------------
+
 
 def _linear(out: dict, name: str, n_out: int, n_in: int, fmt: str) -> None:
     """Tensors of one linear layer `name` ([out, in]) stored in `fmt` (fp8 | fp4 | nvfp4 | bf16)."""
@@ -85,7 +95,9 @@ def _block(out: dict, p: str, a: ModelArgs, kind: str, hash_moe: bool) -> None:
         _compressor(out, f"{p}.attn.indexer.compressor", a, a.csa_ratio, 2 * di, di)
     out[f"{p}.ffn.gate.weight"] = TensorSpec((a.n_routed_experts, D), BF16)
     if hash_moe:
-        out[f"{p}.ffn.gate.tid2eid"] = TensorSpec((a.vocab_size, a.n_activated_experts), torch.int64)
+        out[f"{p}.ffn.gate.tid2eid"] = TensorSpec(
+            (a.vocab_size, a.n_activated_experts), torch.int64
+        )
     else:
         out[f"{p}.ffn.gate.bias"] = TensorSpec((a.n_routed_experts,), F32)
     for e in range(a.n_routed_experts):
@@ -134,6 +146,7 @@ def checkpoint_tensors(args: ModelArgs) -> dict[str, TensorSpec]:
 
 # ---- reading ---------------------------------------------------------------------------------
 
+
 def checkpoint_files(ckpt_dir: str | Path) -> dict[str, Path]:
     """tensor name -> shard file, from the index (or the single model.safetensors)."""
     ckpt_dir = Path(ckpt_dir)
@@ -171,7 +184,9 @@ class _Shards:
             try:
                 self.handles[path] = safe_open(path, "pt")
             except Exception as e:  # safetensors raises its own types for bad headers
-                raise CheckpointError(f"shard {path.name}: unreadable safetensors file ({e})") from None
+                raise CheckpointError(
+                    f"shard {path.name}: unreadable safetensors file ({e})"
+                ) from None
         return self.handles[path]
 
     def header(self, name: str) -> tuple[str, tuple[int, ...]]:
@@ -184,7 +199,9 @@ class _Shards:
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"tensor {name} in {self.files[name].name}: unreadable ({e})") from None
+            raise CheckpointError(
+                f"tensor {name} in {self.files[name].name}: unreadable ({e})"
+            ) from None
 
     def keys_in(self, path: Path) -> set[str]:
         return set(self._f(next(n for n, p in self.files.items() if p == path)).keys())
@@ -196,16 +213,22 @@ def verify(args: ModelArgs, files: dict[str, Path], shards: _Shards) -> dict[str
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(set(files) - set(expected))
     if missing:
-        raise CheckpointError(f"missing tensors ({len(missing)}): {missing[:8]}"
-                              + (" ..." if len(missing) > 8 else ""))
+        raise CheckpointError(
+            f"missing tensors ({len(missing)}): {missing[:8]}"
+            + (" ..." if len(missing) > 8 else "")
+        )
     if unexpected:
-        raise CheckpointError(f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
-                              + (" ..." if len(unexpected) > 8 else ""))
+        raise CheckpointError(
+            f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
+            + (" ..." if len(unexpected) > 8 else "")
+        )
     for shard in sorted(set(files.values())):
         listed = {n for n, p in files.items() if p == shard}
         absent = sorted(listed - shards.keys_in(shard))
         if absent:
-            raise CheckpointError(f"{shard.name}: index lists tensors it does not hold: {absent[:8]}")
+            raise CheckpointError(
+                f"{shard.name}: index lists tensors it does not hold: {absent[:8]}"
+            )
     for name, spec in expected.items():
         dtype, shape = shards.header(name)
         want = DTYPE_NAMES[spec.dtype]
@@ -216,7 +239,8 @@ def verify(args: ModelArgs, files: dict[str, Path], shards: _Shards) -> dict[str
             elif spec.fmt == "fp8" and dtype in ("I8", "U8"):
                 hint = " (an FP4-packed tensor where the config says FP8)"
             raise CheckpointError(
-                f"tensor {name}: expected {want} {list(spec.shape)}, found {dtype} {list(shape)}{hint}")
+                f"tensor {name}: expected {want} {list(spec.shape)}, found {dtype} {list(shape)}{hint}"
+            )
     return expected
 
 
@@ -235,8 +259,12 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     params = {k: v for k, v in params.items() if k in model.state_dict()}
-    companions = {f"{n[:-len('weight')]}{s}" for n, sp in expected.items() if sp.fmt != "dense"
-                  for s in SCALE_SUFFIXES[sp.fmt]}
+    companions = {
+        f"{n[: -len('weight')]}{s}"
+        for n, sp in expected.items()
+        if sp.fmt != "dense"
+        for s in SCALE_SUFFIXES[sp.fmt]
+    }
     written: set[str] = set()
     consumed: set[str] = set()
     names = sorted((n for n in expected if n not in companions), key=lambda n: (str(files[n]), n))
@@ -261,12 +289,20 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
         _copy(params, name, tensor, written)
     missing = sorted(set(params) - written)
     if missing or consumed != set(expected):
-        raise CheckpointError(f"parameters not written: {missing[:8]}; "
-                              f"tensors not consumed: {sorted(set(expected) - consumed)[:8]}")
+        raise CheckpointError(
+            f"parameters not written: {missing[:8]}; "
+            f"tensors not consumed: {sorted(set(expected) - consumed)[:8]}"
+        )
 
 
-def _dequant(name: str, t: torch.Tensor, fmt: str, s1: torch.Tensor, s2: torch.Tensor | None,
-             dtype: torch.dtype) -> torch.Tensor:
+def _dequant(
+    name: str,
+    t: torch.Tensor,
+    fmt: str,
+    s1: torch.Tensor,
+    s2: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     try:
         if fmt == "fp8":
             return quant.dequant_fp8(t, s1, dtype)
@@ -288,8 +324,9 @@ def _copy(params: dict[str, torch.Tensor], name: str, t: torch.Tensor, written: 
         loader(p, t)
     else:
         if tuple(p.shape) != tuple(t.shape):
-            raise CheckpointError(f"tensor {name}: parameter shape {list(p.shape)}, "
-                                  f"checkpoint {list(t.shape)}")
+            raise CheckpointError(
+                f"tensor {name}: parameter shape {list(p.shape)}, checkpoint {list(t.shape)}"
+            )
         if not t.is_floating_point() and p.is_floating_point():
             raise CheckpointError(f"tensor {name}: integer {t.dtype} into float parameter")
         with torch.no_grad():
@@ -307,8 +344,10 @@ def _progress(items: list, enabled: bool, desc: str) -> Iterable:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-def save_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path,
-                    shard_bytes: int = 64 << 20) -> int:
+
+def save_checkpoint(
+    tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | Path, shard_bytes: int = 64 << 20
+) -> int:
     """Write (name, tensor) pairs as sharded safetensors + index; returns the number of shards."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,7 +377,9 @@ def save_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str | 
     final = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for tmp, name in zip(tmp_names, final):
         os.replace(out_dir / tmp, out_dir / name)
-    index = {"metadata": {"total_size": total},
-             "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: final[v] for k, v in sorted(weight_map.items())},
+    }
     (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return n

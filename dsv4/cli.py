@@ -9,8 +9,13 @@ import sys
 def _generate(ns: argparse.Namespace) -> int:
     from dsv4.llm import LLM
 
-    llm = LLM(ns.model, device=ns.device, dtype=ns.dtype, quantized=ns.quantized,
-              max_seq_len=ns.max_seq_len)
+    llm = LLM(
+        ns.model,
+        device=ns.device,
+        dtype=ns.dtype,
+        quantized=ns.quantized,
+        max_seq_len=ns.max_seq_len,
+    )
     outs = llm.generate(ns.prompt, max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos)
     for prompt, out in zip(ns.prompt, outs):
         if len(ns.prompt) > 1:
@@ -24,13 +29,19 @@ def _make_tiny(ns: argparse.Namespace) -> int:
     from dsv4.config import CSA, HCA, SLIDING
     from dsv4.tiny import LAYER_NAMES, make_tiny, tiny_args
 
-    over: dict = {"weight_dtype": ns.weight_dtype, "expert_dtype": ns.expert_dtype,
-                  "n_mtp_layers": 0 if ns.no_mtp else 1}
+    over: dict = {
+        "weight_dtype": ns.weight_dtype,
+        "expert_dtype": ns.expert_dtype,
+        "n_mtp_layers": 0 if ns.no_mtp else 1,
+    }
     if ns.layers:
         names = ns.layers.split(",")
         bad = [n for n in names if n not in LAYER_NAMES]
         if bad:
-            print(f"error: --layers entries must be in {sorted(LAYER_NAMES)}, got {bad}", file=sys.stderr)
+            print(
+                f"error: --layers entries must be in {sorted(LAYER_NAMES)}, got {bad}",
+                file=sys.stderr,
+            )
             return 2
         over["layer_types"] = tuple(LAYER_NAMES[n] for n in names)
     for key in ("vocab_size", "dim", "n_routed_experts"):
@@ -39,8 +50,10 @@ def _make_tiny(ns: argparse.Namespace) -> int:
     args = tiny_args(**over)
     out = make_tiny(ns.out_dir, args, seed=ns.seed, tokenizer=ns.tokenizer)
     kinds = {SLIDING: "sliding", CSA: "csa", HCA: "hca"}
-    print(f"wrote {out}: {args.n_layers} layers ({','.join(kinds[t] for t in args.layer_types)}), "
-          f"dense {args.weight_dtype}, experts {args.expert_dtype}, mtp={args.n_mtp_layers}")
+    print(
+        f"wrote {out}: {args.n_layers} layers ({','.join(kinds[t] for t in args.layer_types)}), "
+        f"dense {args.weight_dtype}, experts {args.expert_dtype}, mtp={args.n_mtp_layers}"
+    )
     return 0
 
 

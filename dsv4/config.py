@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 HASH_MOE, MOE = "hash_moe", "moe"
 WEIGHT_DTYPES = ("fp8", "bf16")
 EXPERT_DTYPES = ("fp4", "nvfp4", "fp8", "bf16")
@@ -284,14 +288,18 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
                 f"{n} or num_hidden_layers + num_nextn_predict_layers={n + n_mtp}"
             )
         if any(r != 0 for r in ratios[n:]):
-            raise ConfigError(f"{source}: compress_ratios for MTP layers must be 0, got {ratios[n:]}")
+            raise ConfigError(
+                f"{source}: compress_ratios for MTP layers must be 0, got {ratios[n:]}"
+            )
         ratios = list(ratios[:n])
         csa_r = rates.get(CSA, 4)
         hca_values = sorted({r for r in ratios if r not in (0, csa_r)})
         if len(hca_values) > 1:
             raise ConfigError(f"{source}: compress_ratios mixes HCA ratios {hca_values}")
         if any((not isinstance(r, int)) or r < 0 for r in ratios):
-            raise ConfigError(f"{source}: compress_ratios entries must be non-negative ints: {ratios}")
+            raise ConfigError(
+                f"{source}: compress_ratios entries must be non-negative ints: {ratios}"
+            )
         hca_r = hca_values[0] if hca_values else rates.get(HCA, 128)
         if rates.get(HCA, hca_r) != hca_r:
             raise ConfigError(
@@ -314,7 +322,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
     n_hash, mlp_types = cfg.get("num_hash_layers"), cfg.get("mlp_layer_types")
     if mlp_types is not None:
         if len(mlp_types) < n:
-            raise ConfigError(f"{source}: mlp_layer_types has {len(mlp_types)} entries, expected {n}")
+            raise ConfigError(
+                f"{source}: mlp_layer_types has {len(mlp_types)} entries, expected {n}"
+            )
         mlp_types = tuple(mlp_types[:n])
         if n_hash is not None and mlp_types != _hash_schedule(n, n_hash):
             raise ConfigError(f"{source}: mlp_layer_types contradicts num_hash_layers={n_hash}")
@@ -329,7 +339,10 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
         main, comp = rp["main"], rp.get("compress")
         if not isinstance(comp, dict):
             raise ConfigError(f"{source}: rope_parameters.compress missing")
-        for label, theta_key, sub in (("main", "rope_theta", main), ("compress", "compress_rope_theta", comp)):
+        for label, theta_key, sub in (
+            ("main", "rope_theta", main),
+            ("compress", "compress_rope_theta", comp),
+        ):
             if "rope_theta" in sub:
                 if theta_key in cfg and cfg[theta_key] != sub["rope_theta"]:
                     raise ConfigError(
@@ -341,7 +354,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
             raise ConfigError(f"{source}: rope_parameters.main.rope_type must be 'default'")
         if comp.get("rope_type", comp.get("type", "default")) == "yarn":
             if yarn_cfg is not None:
-                raise ConfigError(f"{source}: both rope_scaling and rope_parameters.compress give YaRN")
+                raise ConfigError(
+                    f"{source}: both rope_scaling and rope_parameters.compress give YaRN"
+                )
             yarn_cfg = comp
     elif isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) == "yarn":
         yarn_cfg = yarn_cfg or rp
@@ -350,7 +365,9 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
         if kind != "yarn":
             raise ConfigError(f"{source}: rope_scaling.type must be 'yarn', got {kind!r}")
         if yarn_cfg.get("attention_factor", 1.0) != 1.0:
-            raise ConfigError(f"{source}: rope_scaling.attention_factor must be 1.0 for DeepSeek-V4")
+            raise ConfigError(
+                f"{source}: rope_scaling.attention_factor must be 1.0 for DeepSeek-V4"
+            )
         for k in ("factor", "original_max_position_embeddings"):
             if k not in yarn_cfg:
                 raise ConfigError(f"{source}: rope_scaling missing required field '{k}'")
@@ -368,9 +385,13 @@ def _parse(cfg: dict[str, Any], source: str) -> ModelArgs:
     else:
         method = qc.get("quant_method")
         if method != "fp8":
-            raise ConfigError(f"{source}: quantization_config.quant_method {method!r} unsupported (fp8)")
+            raise ConfigError(
+                f"{source}: quantization_config.quant_method {method!r} unsupported (fp8)"
+            )
         if qc.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"{source}: quantization_config.fmt must be 'e4m3', got {qc.get('fmt')!r}")
+            raise ConfigError(
+                f"{source}: quantization_config.fmt must be 'e4m3', got {qc.get('fmt')!r}"
+            )
         if qc.get("scale_fmt", "ue8m0") != "ue8m0":
             raise ConfigError(
                 f"{source}: quantization_config.scale_fmt must be 'ue8m0', got {qc.get('scale_fmt')!r}"
@@ -399,32 +420,65 @@ def _validate(a: ModelArgs) -> None:
     for f in dataclasses.fields(a):
         v = getattr(a, f.name)
         if f.type == "int":
-            need(isinstance(v, int) and not isinstance(v, bool), f"{f.name} must be an int, got {v!r}")
-    for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "head_dim",
-                 "q_lora_rank", "o_groups", "o_lora_rank", "window_size", "n_routed_experts",
-                 "n_activated_experts", "index_n_heads", "index_head_dim", "hc_mult"):
+            need(
+                isinstance(v, int) and not isinstance(v, bool),
+                f"{f.name} must be an int, got {v!r}",
+            )
+    for name in (
+        "vocab_size",
+        "dim",
+        "moe_inter_dim",
+        "n_layers",
+        "n_heads",
+        "head_dim",
+        "q_lora_rank",
+        "o_groups",
+        "o_lora_rank",
+        "window_size",
+        "n_routed_experts",
+        "n_activated_experts",
+        "index_n_heads",
+        "index_head_dim",
+        "hc_mult",
+    ):
         need(getattr(a, name) > 0, f"{name} must be positive, got {getattr(a, name)}")
-    need(len(a.layer_types) == a.n_layers,
-         f"layer_types has {len(a.layer_types)} entries, num_hidden_layers={a.n_layers}")
+    need(
+        len(a.layer_types) == a.n_layers,
+        f"layer_types has {len(a.layer_types)} entries, num_hidden_layers={a.n_layers}",
+    )
     bad = [t for t in a.layer_types if t not in (SLIDING, CSA, HCA)]
     need(not bad, f"layer_types has unknown entries {bad}")
-    need(len(a.mlp_layer_types) == a.n_layers,
-         f"mlp_layer_types has {len(a.mlp_layer_types)} entries, num_hidden_layers={a.n_layers}")
+    need(
+        len(a.mlp_layer_types) == a.n_layers,
+        f"mlp_layer_types has {len(a.mlp_layer_types)} entries, num_hidden_layers={a.n_layers}",
+    )
     bad = [t for t in a.mlp_layer_types if t not in (HASH_MOE, MOE)]
     need(not bad, f"mlp_layer_types has unknown entries {bad}")
-    need(a.csa_ratio > 0 and a.hca_ratio > 0, f"compress rates must be positive ({a.csa_ratio}, "
-         f"{a.hca_ratio})")
+    need(
+        a.csa_ratio > 0 and a.hca_ratio > 0,
+        f"compress rates must be positive ({a.csa_ratio}, {a.hca_ratio})",
+    )
     need(a.csa_ratio != a.hca_ratio, f"CSA and HCA ratios must differ (both {a.csa_ratio})")
-    need(0 < a.rope_head_dim <= a.head_dim and a.rope_head_dim % 2 == 0,
-         f"qk_rope_head_dim={a.rope_head_dim} must be even and <= head_dim={a.head_dim}")
-    need(a.rope_head_dim <= a.index_head_dim,
-         f"qk_rope_head_dim={a.rope_head_dim} exceeds index_head_dim={a.index_head_dim}")
-    need(a.n_heads % a.o_groups == 0,
-         f"num_attention_heads={a.n_heads} not divisible by o_groups={a.o_groups}")
-    need(a.n_activated_experts <= a.n_routed_experts,
-         f"num_experts_per_tok={a.n_activated_experts} > n_routed_experts={a.n_routed_experts}")
+    need(
+        0 < a.rope_head_dim <= a.head_dim and a.rope_head_dim % 2 == 0,
+        f"qk_rope_head_dim={a.rope_head_dim} must be even and <= head_dim={a.head_dim}",
+    )
+    need(
+        a.rope_head_dim <= a.index_head_dim,
+        f"qk_rope_head_dim={a.rope_head_dim} exceeds index_head_dim={a.index_head_dim}",
+    )
+    need(
+        a.n_heads % a.o_groups == 0,
+        f"num_attention_heads={a.n_heads} not divisible by o_groups={a.o_groups}",
+    )
+    need(
+        a.n_activated_experts <= a.n_routed_experts,
+        f"num_experts_per_tok={a.n_activated_experts} > n_routed_experts={a.n_routed_experts}",
+    )
     need(a.n_shared_experts in (0, 1), f"n_shared_experts must be 0 or 1, got {a.n_shared_experts}")
-    need(a.score_func == "sqrtsoftplus", f"scoring_func {a.score_func!r} unsupported (sqrtsoftplus)")
+    need(
+        a.score_func == "sqrtsoftplus", f"scoring_func {a.score_func!r} unsupported (sqrtsoftplus)"
+    )
     need(a.index_topk > 0, f"index_topk must be positive, got {a.index_topk}")
     need(a.weight_dtype in WEIGHT_DTYPES, f"weight dtype {a.weight_dtype!r} not in {WEIGHT_DTYPES}")
     need(a.expert_dtype in EXPERT_DTYPES, f"expert_dtype {a.expert_dtype!r} not in {EXPERT_DTYPES}")
@@ -432,13 +486,17 @@ def _validate(a: ModelArgs) -> None:
         pass  # 128x128 blocks may be partial at the edges
     if a.expert_dtype in ("fp4", "nvfp4"):
         for name in ("dim", "moe_inter_dim"):
-            need(getattr(a, name) % 32 == 0,
-                 f"{name}={getattr(a, name)} must be a multiple of 32 for {a.expert_dtype} experts")
+            need(
+                getattr(a, name) % 32 == 0,
+                f"{name}={getattr(a, name)} must be a multiple of 32 for {a.expert_dtype} experts",
+            )
     need(a.n_mtp_layers >= 0, f"num_nextn_predict_layers must be >= 0, got {a.n_mtp_layers}")
     if a.yarn is not None:
         need(a.yarn.factor >= 1.0, f"rope_scaling.factor must be >= 1, got {a.yarn.factor}")
-    need(0 <= a.bos_token_id < a.vocab_size and 0 <= a.eos_token_id < a.vocab_size,
-         f"bos/eos ids ({a.bos_token_id}, {a.eos_token_id}) outside vocab {a.vocab_size}")
+    need(
+        0 <= a.bos_token_id < a.vocab_size and 0 <= a.eos_token_id < a.vocab_size,
+        f"bos/eos ids ({a.bos_token_id}, {a.eos_token_id}) outside vocab {a.vocab_size}",
+    )
 
 
 def flash_args() -> ModelArgs:
@@ -446,20 +504,49 @@ def flash_args() -> ModelArgs:
     ratios = [0, 0] + [4, 128] * 20 + [4]
     return ModelArgs.from_dict(
         {
-            "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048,
-            "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512,
-            "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-            "sliding_window": 128, "compress_ratios": ratios + [0], "num_hash_layers": 3,
-            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
-            "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "index_n_heads": 64,
-            "index_head_dim": 128, "index_topk": 512, "swiglu_limit": 10.0, "hc_mult": 4,
-            "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "compress_rope_theta": 160000.0, "num_nextn_predict_layers": 1,
-            "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                             "beta_fast": 32, "beta_slow": 1},
-            "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                    "quant_method": "fp8", "scale_fmt": "ue8m0",
-                                    "weight_block_size": [128, 128]},
+            "vocab_size": 129280,
+            "hidden_size": 4096,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 43,
+            "num_attention_heads": 64,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 1024,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "sliding_window": 128,
+            "compress_ratios": ratios + [0],
+            "num_hash_layers": 3,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 6,
+            "routed_scaling_factor": 1.5,
+            "scoring_func": "sqrtsoftplus",
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "swiglu_limit": 10.0,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "compress_rope_theta": 160000.0,
+            "num_nextn_predict_layers": 1,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "quantization_config": {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128],
+            },
             "expert_dtype": "fp4",
         },
         source="flash preset",
@@ -492,7 +579,9 @@ class EngineConfig:
         if self.ops not in ("ref", "triton"):
             raise ConfigError(f"ops must be 'ref' or 'triton', got {self.ops!r}")
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
-            raise ConfigError(f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0")
+            raise ConfigError(
+                f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
+            )
 
     @property
     def torch_dtype(self):  # noqa: ANN201 - torch imported lazily
@@ -511,7 +600,9 @@ def yarn_inv_freq(rope_dim: int, theta: float, yarn: YarnArgs | None):  # -> fp3
         return inv
 
     def corr(rot: float) -> float:
-        return rope_dim * math.log(yarn.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        return (
+            rope_dim * math.log(yarn.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
+        )
 
     low = max(math.floor(corr(yarn.beta_fast)), 0)
     high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)

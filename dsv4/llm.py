@@ -41,12 +41,26 @@ class RequestOutput:
 class LLM:
     """A loaded DeepSeek-V4 model with its decode state."""
 
-    def __init__(self, model_dir: str | Path | None = None, device: str = "cpu",
-                 dtype: str = "float32", quantized: bool = False, ops: str = "ref",
-                 max_seqs: int = 8, max_seq_len: int = 4096, progress: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        quantized: bool = False,
+        ops: str = "ref",
+        max_seqs: int = 8,
+        max_seq_len: int = 4096,
+        progress: bool = True,
+    ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
-        self.config = EngineConfig(device=device, dtype=dtype, ops=ops, quantized=quantized,
-                                   max_seqs=max_seqs, max_seq_len=max_seq_len)
+        self.config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            ops=ops,
+            quantized=quantized,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+        )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
@@ -95,33 +109,45 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids")
-            return [self.args.bos_token_id] + self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return [self.args.bos_token_id] + self.tokenizer.encode(
+                prompt, add_special_tokens=False
+            ).ids
         return list(prompt)
 
     @torch.inference_mode()
-    def generate(self, prompts: str | list[int] | list[str | list[int]], max_tokens: int = 16,
-                 ignore_eos: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        max_tokens: int = 16,
+        ignore_eos: bool = False,
+    ) -> list[RequestOutput]:
         """Greedy decoding of a batch: all prompts prefilled together, then batched decode steps."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         outs: list[RequestOutput] = []
         for start in range(0, len(prompts), self.config.max_seqs):
-            outs += self._generate_group(prompts[start : start + self.config.max_seqs], max_tokens,
-                                         ignore_eos)
+            outs += self._generate_group(
+                prompts[start : start + self.config.max_seqs], max_tokens, ignore_eos
+            )
         return outs
 
-    def _generate_group(self, prompts: list, max_tokens: int, ignore_eos: bool) -> list[RequestOutput]:
+    def _generate_group(
+        self, prompts: list, max_tokens: int, ignore_eos: bool
+    ) -> list[RequestOutput]:
         reqs = [RequestOutput(self.encode(p)) for p in prompts]
         for r in reqs:
             self._check_ids(r.prompt_token_ids)
             if len(r.prompt_token_ids) + max_tokens > self.config.max_seq_len:
-                raise ValueError(f"prompt + max_tokens exceeds max_seq_len={self.config.max_seq_len}")
+                raise ValueError(
+                    f"prompt + max_tokens exceeds max_seq_len={self.config.max_seq_len}"
+                )
         slots, starts = list(range(len(reqs))), [0] * len(reqs)
         ids = [r.prompt_token_ids for r in reqs]
         active = list(range(len(reqs)))
         while active and max_tokens > 0:
-            h = self._forward([slots[i] for i in active], [starts[i] for i in active],
-                              [ids[i] for i in active])
+            h = self._forward(
+                [slots[i] for i in active], [starts[i] for i in active], [ids[i] for i in active]
+            )
             last = torch.cumsum(torch.tensor([len(ids[i]) for i in active]), 0) - 1
             next_ids = self.model.logits(h[last]).argmax(-1).tolist()
             still = []

@@ -25,17 +25,24 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x Wᵀ with W as stored in the checkpoint: dense, FP8 (128x128 UE8M0), MXFP4 or NVFP4."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype,
-                 ops: ModuleType) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype, ops: ModuleType
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.fmt, self.ops = in_features, out_features, fmt, ops
+        self.in_features, self.out_features, self.fmt, self.ops = (
+            in_features,
+            out_features,
+            fmt,
+            ops,
+        )
         self.scale = self.scale2 = None
         if fmt == "dense":
             self.weight = _param(out_features, in_features, dtype=dtype)
         elif fmt == "fp8":
             self.weight = _param(out_features, in_features, dtype=torch.float8_e4m3fn)
-            self.scale = _param(-(-out_features // 128), -(-in_features // 128),
-                                dtype=torch.float8_e8m0fnu)
+            self.scale = _param(
+                -(-out_features // 128), -(-in_features // 128), dtype=torch.float8_e8m0fnu
+            )
         elif fmt == "fp4":
             self.weight = _param(out_features, in_features // 2, dtype=torch.int8)
             self.scale = _param(out_features, in_features // 32, dtype=torch.float8_e8m0fnu)
@@ -73,8 +80,15 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
 class Compressor(nn.Module):
     """Softmax-gated pooling of m tokens into one KV entry (CSA: overlapping 2m slots; HCA: m)."""
 
-    def __init__(self, args: ModelArgs, ratio: int, head_dim: int, overlap: bool, dtype: torch.dtype,
-                 ops: ModuleType) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        ratio: int,
+        head_dim: int,
+        overlap: bool,
+        dtype: torch.dtype,
+        ops: ModuleType,
+    ) -> None:
         super().__init__()
         self.ratio, self.head_dim, self.overlap, self.ops = ratio, head_dim, overlap, ops
         c = 2 if overlap else 1
@@ -83,7 +97,9 @@ class Compressor(nn.Module):
         self.ape = _param(ratio, c * head_dim, dtype=torch.float32)
         self.norm = RMSNorm(head_dim, args.norm_eps, ops)
 
-    def forward(self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor) -> None:
+    def forward(
+        self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor
+    ) -> None:
         m, d = self.ratio, self.head_dim
         a = self.wkv(x).float()  # [T, c*d]
         z = self.wgate(x).float() + self.ape[batch.positions % m]  # [T, c*d]
@@ -112,14 +128,25 @@ class Indexer(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, quant: str, ops: ModuleType) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.ops = (
-            args.index_n_heads, args.index_head_dim, args.index_topk, ops)
+            args.index_n_heads,
+            args.index_head_dim,
+            args.index_topk,
+            ops,
+        )
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, quant, dtype, ops)
         self.weights_proj = Linear(args.dim, self.n_heads, "dense", dtype, ops)
         self.compressor = Compressor(args, args.csa_ratio, self.head_dim, True, dtype, ops)
         self.softmax_scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: Batch, ls: LayerState,
-                rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        batch: Batch,
+        ls: LayerState,
+        rope: Rope,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
         # returns [T, k] compressed entry ids (0..), -1 = none
         self.compressor(x, batch, ls.indexer, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
@@ -132,8 +159,9 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """Shared K=V MQA over window ∪ compressed entries ∪ sink, with grouped low-rank output."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
-                 ops: ModuleType) -> None:
+    def __init__(
+        self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str, ops: ModuleType
+    ) -> None:
         super().__init__()
         self.layer_id, self.ops = layer_id, ops
         self.kind = args.layer_types[layer_id] if layer_id < args.n_layers else SLIDING
@@ -144,8 +172,13 @@ class Attention(nn.Module):
         self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, quant, dtype, ops)
         self.wkv = Linear(args.dim, args.head_dim, quant, dtype, ops)
         self.kv_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
-        self.wo_a = Linear(args.n_heads * args.head_dim // args.o_groups,
-                           args.o_groups * args.o_lora_rank, quant, dtype, ops)
+        self.wo_a = Linear(
+            args.n_heads * args.head_dim // args.o_groups,
+            args.o_groups * args.o_lora_rank,
+            quant,
+            dtype,
+            ops,
+        )
         self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, quant, dtype, ops)
         self.attn_sink = _param(args.n_heads, dtype=torch.float32)
         if self.kind != SLIDING:
@@ -154,8 +187,9 @@ class Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(args, dtype, quant, ops)
 
-    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope,
-                inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
         # ---- queries: low-rank, per-head unweighted RMS, RoPE on the trailing dims
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
@@ -183,8 +217,13 @@ class Attention(nn.Module):
         ls.window[rows] = kv[tok].to(ls.window.dtype)
         # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
         o = self.ops.rotary(o, *rope, inverse=True)
-        o = self.ops.grouped_linear(o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt,
-                                    self.wo_a.scale, self.wo_a.scale2)
+        o = self.ops.grouped_linear(
+            o.reshape(T, self.o_groups, -1),
+            self.wo_a.weight,
+            self.wo_a.fmt,
+            self.wo_a.scale,
+            self.wo_a.scale2,
+        )
         return self.wo_b(o.flatten(1))
 
 
@@ -198,11 +237,14 @@ class Gate(nn.Module):
         self.weight = _param(args.n_routed_experts, args.dim, dtype=dtype)
         if self.hash:
             self.tid2eid = nn.Parameter(
-                torch.empty(args.vocab_size, self.topk, dtype=torch.int64), requires_grad=False)
+                torch.empty(args.vocab_size, self.topk, dtype=torch.int64), requires_grad=False
+            )
         else:
             self.bias = _param(args.n_routed_experts, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E] fp32
         if self.hash:
             idx = self.tid2eid[input_ids]
@@ -215,8 +257,9 @@ class Gate(nn.Module):
 class Expert(nn.Module):
     """SwiGLU expert with the asymmetric clamp (gate <= limit, |up| <= limit)."""
 
-    def __init__(self, dim: int, inter_dim: int, fmt: str, limit: float, dtype: torch.dtype,
-                 ops: ModuleType) -> None:
+    def __init__(
+        self, dim: int, inter_dim: int, fmt: str, limit: float, dtype: torch.dtype, ops: ModuleType
+    ) -> None:
         super().__init__()
         self.limit = limit
         self.w1 = Linear(dim, inter_dim, fmt, dtype, ops)
@@ -235,16 +278,33 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of n_routed) plus one shared expert."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
-                 expert_quant: str, ops: ModuleType) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        quant: str,
+        expert_quant: str,
+        ops: ModuleType,
+    ) -> None:
         super().__init__()
         self.gate = Gate(layer_id, args, dtype, ops)
         self.experts = nn.ModuleList(
             Expert(args.dim, args.moe_inter_dim, expert_quant, args.swiglu_limit, dtype, ops)
-            for _ in range(args.n_routed_experts))
-        self.shared_experts = (Expert(args.dim, args.moe_inter_dim * args.n_shared_experts, quant,
-                                      args.swiglu_limit, dtype, ops)
-                               if args.n_shared_experts else None)
+            for _ in range(args.n_routed_experts)
+        )
+        self.shared_experts = (
+            Expert(
+                args.dim,
+                args.moe_inter_dim * args.n_shared_experts,
+                quant,
+                args.swiglu_limit,
+                dtype,
+                ops,
+            )
+            if args.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)  # [T, k] each
@@ -260,8 +320,15 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """One layer: hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post on n residual streams."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
-                 expert_quant: str, ops: ModuleType) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        quant: str,
+        expert_quant: str,
+        ops: ModuleType,
+    ) -> None:
         super().__init__()
         self.args, self.ops = args, ops
         mix = (2 + args.hc_mult) * args.hc_mult
@@ -280,8 +347,15 @@ class Block(nn.Module):
         a = self.args
         return self.ops.hc_pre(x, fn, scale, base, a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, batch: Batch, ls: LayerState,
-                rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        batch: Batch,
+        ls: LayerState,
+        rope: Rope,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
         # x: [T, n, D]
         residual = x
         y, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
@@ -300,16 +374,24 @@ class HcHead(nn.Module):
         super().__init__()
         self.args, self.ops = args, ops
 
-    def forward(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
-                base: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
+    ) -> torch.Tensor:
         return self.ops.hc_head(x, fn, scale, base, self.args.norm_eps, self.args.hc_eps)
 
 
 class MTPBlock(Block):
     """Next-n prediction layer: mixes the main streams with the next token's embedding."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str,
-                 expert_quant: str, ops: ModuleType) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        args: ModelArgs,
+        dtype: torch.dtype,
+        quant: str,
+        expert_quant: str,
+        ops: ModuleType,
+    ) -> None:
         super().__init__(layer_id, args, dtype, quant, expert_quant, ops)
         self.e_proj = Linear(args.dim, args.dim, quant, dtype, ops)
         self.h_proj = Linear(args.dim, args.dim, quant, dtype, ops)
@@ -320,8 +402,16 @@ class MTPBlock(Block):
         self.hc_head_base = _param(args.hc_mult, dtype=torch.float32)
         self.hc_head_scale = _param(1, dtype=torch.float32)
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor, input_ids: torch.Tensor, batch: Batch,
-                ls: LayerState, rope: Rope, inv_freq: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        e: torch.Tensor,
+        input_ids: torch.Tensor,
+        batch: Batch,
+        ls: LayerState,
+        rope: Rope,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
         # h: [T, n, D] main streams before hc_head ; e: [T, D] embedding of the next token
         x = self.e_proj(self.enorm(e)).unsqueeze(1) + self.h_proj(self.hnorm(h))
         return super().forward(x, input_ids, batch, ls, rope, inv_freq)
@@ -330,8 +420,13 @@ class MTPBlock(Block):
 class Transformer(nn.Module):
     """DeepSeek-V4: embedding, n_layers Blocks on hc_mult streams, hc_head, norm, head (+ MTP)."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, quantized: bool = False,
-                 ops: ModuleType | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        dtype: torch.dtype = torch.float32,
+        quantized: bool = False,
+        ops: ModuleType | None = None,
+    ) -> None:
         super().__init__()
         if ops is None:
             from dsv4.ops import ref as ops
@@ -341,7 +436,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            Block(i, args, dtype, quant, expert_quant, ops) for i in range(args.n_layers))
+            Block(i, args, dtype, quant, expert_quant, ops) for i in range(args.n_layers)
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps, ops)
         self.head = Linear(args.dim, args.vocab_size, "dense", dtype, ops)
         self.hc_head_fn = _param(args.hc_mult, args.hc_dim, dtype=torch.float32)
@@ -350,17 +446,25 @@ class Transformer(nn.Module):
         self.hc_head = HcHead(args, ops)
         self.mtp = nn.ModuleList(
             MTPBlock(args.n_layers + i, args, dtype, quant, expert_quant, ops)
-            for i in range(args.n_mtp_layers))
+            for i in range(args.n_mtp_layers)
+        )
         rd = args.rope_head_dim
-        self.register_buffer("freqs_main", yarn_inv_freq(rd, args.rope_theta, None), persistent=False)
-        self.register_buffer("freqs_compress",
-                             yarn_inv_freq(rd, args.compress_rope_theta, args.yarn), persistent=False)
+        self.register_buffer(
+            "freqs_main", yarn_inv_freq(rd, args.rope_theta, None), persistent=False
+        )
+        self.register_buffer(
+            "freqs_compress",
+            yarn_inv_freq(rd, args.compress_rope_theta, args.yarn),
+            persistent=False,
+        )
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
         """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""
         x = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
-        ropes = {kind: rope_at(inv, batch.positions)
-                 for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))}
+        ropes = {
+            kind: rope_at(inv, batch.positions)
+            for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))
+        }
         for i, layer in enumerate(self.layers):
             kind = "main" if self.args.layer_types[i] == SLIDING else "compress"
             inv = self.freqs_main if kind == "main" else self.freqs_compress
@@ -372,15 +476,28 @@ class Transformer(nn.Module):
         x = self.norm(self.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base))
         return F.linear(x.float(), self.head.weight.float())
 
-    def mtp_forward(self, h: torch.Tensor, next_ids: torch.Tensor, batch: Batch, state: DecodeState,
-                    depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_forward(
+        self,
+        h: torch.Tensor,
+        next_ids: torch.Tensor,
+        batch: Batch,
+        state: DecodeState,
+        depth: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer `depth` on main streams h [T, n, D] and the next tokens [T] -> (streams, logits).
 
         Position convention (UNCONFIRMED upstream): the MTP block runs at the positions of `h`.
         """
         mtp = self.mtp[depth]
         inv = self.freqs_main
-        x = mtp(h, self.embed(next_ids), next_ids, batch, state.layers[self.args.n_layers + depth],
-                rope_at(inv, batch.positions), inv)
+        x = mtp(
+            h,
+            self.embed(next_ids),
+            next_ids,
+            batch,
+            state.layers[self.args.n_layers + depth],
+            rope_at(inv, batch.positions),
+            inv,
+        )
         y = mtp.norm(self.hc_head(x, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base))
         return x, F.linear(y.float(), self.head.weight.float())

@@ -73,7 +73,9 @@ class DecodeState:
         self.layers: list[LayerState] = []
         for i in range(args.n_layers + args.n_mtp_layers):
             kind = args.layer_types[i] if i < args.n_layers else None
-            layer = LayerState(window=torch.zeros(S * args.window_size, hd, dtype=dtype, device=device))
+            layer = LayerState(
+                window=torch.zeros(S * args.window_size, hd, dtype=dtype, device=device)
+            )
             if kind == CSA:
                 layer.compressor = comp(args.csa_ratio, hd, True)
                 layer.indexer = comp(args.csa_ratio, args.index_head_dim, True)
@@ -114,7 +116,9 @@ class Batch:
         device: torch.device | str = "cpu",
     ) -> Batch:
         if not (len(slots) == len(start_pos) == len(lens)) or not slots:
-            raise ValueError(f"batch lists differ or are empty: {len(slots)}, {len(start_pos)}, {len(lens)}")
+            raise ValueError(
+                f"batch lists differ or are empty: {len(slots)}, {len(start_pos)}, {len(lens)}"
+            )
         if len(set(slots)) != len(slots) or min(slots) < 0 or max(slots) >= max_seqs:
             raise ValueError(f"slots {slots} must be distinct and in [0, {max_seqs})")
         if min(lens) <= 0 or min(start_pos) < 0:
@@ -146,7 +150,12 @@ class Batch:
     def _tok(self, name: str) -> torch.Tensor:
         key = ("tok", name)
         if key not in self._cache:
-            v = {"slot": self.slots, "start": self.start_pos, "off": self.cu_lens[:-1], "len": self.lens}
+            v = {
+                "slot": self.slots,
+                "start": self.start_pos,
+                "off": self.cu_lens[:-1],
+                "len": self.lens,
+            }
             self._cache[key] = v[name][self.token_seq]
         return self._cache[key]
 
@@ -173,7 +182,12 @@ class Batch:
         """[T, W] rows (ring | chunk) of each token's window p-W+1 .. p."""
 
         def build() -> torch.Tensor:
-            pos = self.positions[:, None] - window + 1 + torch.arange(window, device=self.positions.device)
+            pos = (
+                self.positions[:, None]
+                - window
+                + 1
+                + torch.arange(window, device=self.positions.device)
+            )
             tok = torch.arange(self.num_tokens, device=pos.device)[:, None].expand_as(pos)
             return self.history_rows(pos, tok, window)
 
@@ -207,7 +221,9 @@ class Batch:
 
         return self._memo(("close", ratio, overlap), build)
 
-    def visible_entries(self, ratio: int, entries_per_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def visible_entries(
+        self, ratio: int, entries_per_seq: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, C] rows of the compressed entries each token may see, -1 = not yet; [T] counts).
 
         Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.

@@ -20,13 +20,33 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 def tiny_args(**overrides: object) -> ModelArgs:
     """A small config covering every layer type (defaults are the built-in demo model)."""
     kw: dict = dict(
-        vocab_size=129280, dim=64, moe_inter_dim=32, n_layers=4, n_heads=4, head_dim=32,
-        rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, window_size=8,
-        layer_types=(SLIDING, CSA, HCA, CSA), mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
-        csa_ratio=4, hca_ratio=16, n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
-        index_n_heads=2, index_head_dim=16, index_topk=4, hc_sinkhorn_iters=20,
-        yarn=YarnArgs(factor=4.0, original_seq_len=16384), max_position_embeddings=65536,
-        n_mtp_layers=1, weight_dtype="fp8", expert_dtype="fp4",
+        vocab_size=129280,
+        dim=64,
+        moe_inter_dim=32,
+        n_layers=4,
+        n_heads=4,
+        head_dim=32,
+        rope_head_dim=16,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        window_size=8,
+        layer_types=(SLIDING, CSA, HCA, CSA),
+        mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
+        csa_ratio=4,
+        hca_ratio=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_activated_experts=2,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        hc_sinkhorn_iters=20,
+        yarn=YarnArgs(factor=4.0, original_seq_len=16384),
+        max_position_embeddings=65536,
+        n_mtp_layers=1,
+        weight_dtype="fp8",
+        expert_dtype="fp4",
     )
     kw.update(overrides)
     if "layer_types" in overrides and "mlp_layer_types" not in overrides:
@@ -116,8 +136,15 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 
 def _tokenizer_config(out_dir: Path) -> None:
-    cfg = {"add_bos_token": False, "add_eos_token": False, "bos_token": BOS, "eos_token": EOS,
-           "pad_token": EOS, "model_max_length": 1048576, "tokenizer_class": "PreTrainedTokenizerFast"}
+    cfg = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "model_max_length": 1048576,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -129,8 +156,13 @@ def copy_deepseek_tokenizer(out_dir: Path) -> None:
     _tokenizer_config(out_dir)
 
 
-def make_tiny(out_dir: str | Path, args: ModelArgs | None = None, seed: int = 0,
-              tokenizer: str = "auto", shard_bytes: int = 16 << 20) -> Path:
+def make_tiny(
+    out_dir: str | Path,
+    args: ModelArgs | None = None,
+    seed: int = 0,
+    tokenizer: str = "auto",
+    shard_bytes: int = 16 << 20,
+) -> Path:
     """Write a random model: config.json, sharded safetensors + index, tokenizer files."""
     args = args or tiny_args()
     out = Path(out_dir)

@@ -58,26 +58,50 @@ def hf_config(args: ModelArgs):  # noqa: ANN201
 
     rope = None
     if args.yarn is not None:
-        rope = {"rope_type": "yarn", "factor": args.yarn.factor,
-                "original_max_position_embeddings": args.yarn.original_seq_len,
-                "beta_fast": args.yarn.beta_fast, "beta_slow": args.yarn.beta_slow}
+        rope = {
+            "rope_type": "yarn",
+            "factor": args.yarn.factor,
+            "original_max_position_embeddings": args.yarn.original_seq_len,
+            "beta_fast": args.yarn.beta_fast,
+            "beta_slow": args.yarn.beta_slow,
+        }
     cfg = DeepseekV4Config(
-        vocab_size=args.vocab_size, hidden_size=args.dim, moe_intermediate_size=args.moe_inter_dim,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=1,
-        head_dim=args.head_dim, q_lora_rank=args.q_lora_rank,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        moe_intermediate_size=args.moe_inter_dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=1,
+        head_dim=args.head_dim,
+        q_lora_rank=args.q_lora_rank,
         partial_rotary_factor=args.rope_head_dim / args.head_dim,
-        num_experts_per_tok=args.n_activated_experts, n_routed_experts=args.n_routed_experts,
-        n_shared_experts=args.n_shared_experts, routed_scaling_factor=args.route_scale,
-        layer_types=list(args.layer_types), mlp_layer_types=list(args.mlp_layer_types),
-        compress_rates={"compressed_sparse_attention": args.csa_ratio,
-                        "heavily_compressed_attention": args.hca_ratio},
-        compress_rope_theta=args.compress_rope_theta, rope_theta=args.rope_theta,
-        hc_mult=args.hc_mult, hc_sinkhorn_iters=args.hc_sinkhorn_iters, hc_eps=args.hc_eps,
-        swiglu_limit=args.swiglu_limit, sliding_window=args.window_size, o_groups=args.o_groups,
-        o_lora_rank=args.o_lora_rank, index_n_heads=args.index_n_heads,
-        index_head_dim=args.index_head_dim, index_topk=args.index_topk, rms_norm_eps=args.norm_eps,
-        max_position_embeddings=args.max_position_embeddings, rope_parameters=rope,
-        bos_token_id=args.bos_token_id, eos_token_id=args.eos_token_id,
+        num_experts_per_tok=args.n_activated_experts,
+        n_routed_experts=args.n_routed_experts,
+        n_shared_experts=args.n_shared_experts,
+        routed_scaling_factor=args.route_scale,
+        layer_types=list(args.layer_types),
+        mlp_layer_types=list(args.mlp_layer_types),
+        compress_rates={
+            "compressed_sparse_attention": args.csa_ratio,
+            "heavily_compressed_attention": args.hca_ratio,
+        },
+        compress_rope_theta=args.compress_rope_theta,
+        rope_theta=args.rope_theta,
+        hc_mult=args.hc_mult,
+        hc_sinkhorn_iters=args.hc_sinkhorn_iters,
+        hc_eps=args.hc_eps,
+        swiglu_limit=args.swiglu_limit,
+        sliding_window=args.window_size,
+        o_groups=args.o_groups,
+        o_lora_rank=args.o_lora_rank,
+        index_n_heads=args.index_n_heads,
+        index_head_dim=args.index_head_dim,
+        index_topk=args.index_topk,
+        rms_norm_eps=args.norm_eps,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_parameters=rope,
+        bos_token_id=args.bos_token_id,
+        eos_token_id=args.eos_token_id,
     )
     cfg._attn_implementation = "eager"
     return cfg
@@ -85,18 +109,30 @@ def hf_config(args: ModelArgs):  # noqa: ANN201
 
 # official name -> transformers name (applied in order; experts handled separately)
 _RENAMES = [
-    (r"^embed\.weight$", "model.embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
-    (r"^norm\.weight$", "model.norm.weight"), (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
-    (r"^layers\.", "model.layers."), (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"^layers\.", "model.layers."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
     (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
     (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
     (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
-    (r"\.attn\.indexer\.", ".self_attn.compressor.indexer."), (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."), (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."), (r"\.attn_sink$", ".sinks"),
-    (r"\.ape$", ".position_bias"), (r"(compressor|indexer)\.norm\.", r"\1.kv_norm."),
+    (r"\.attn\.indexer\.", ".self_attn.compressor.indexer."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.ape$", ".position_bias"),
+    (r"(compressor|indexer)\.norm\.", r"\1.kv_norm."),
     (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
@@ -119,7 +155,8 @@ def hf_state_dict(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str
         w3 = torch.stack([weights[f"{p}.{e}.w3.weight"] for e in range(E)])
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)
         out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
-            [weights[f"{p}.{e}.w2.weight"] for e in range(E)])
+            [weights[f"{p}.{e}.w2.weight"] for e in range(E)]
+        )
     return out
 
 

@@ -58,7 +58,7 @@ def test_every_parameter_written(good: Path):
             p.fill_(float("nan")) if p.is_floating_point() else p.fill_(-1)
     load_checkpoint(model, good, progress=False)
     for name, t in model.state_dict().items():
-        assert (t.isfinite().all() if t.is_floating_point() else (t >= 0).all()), name
+        assert t.isfinite().all() if t.is_floating_point() else (t >= 0).all(), name
 
 
 def test_mtp_is_optional(tmp_path: Path):
@@ -72,6 +72,7 @@ def test_mtp_is_optional(tmp_path: Path):
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------
+
 
 def _copy(good: Path, tmp: Path) -> Path:
     d = tmp / "bad"
@@ -129,14 +130,18 @@ def test_refuses_scale_of_wrong_shape(good: Path, tmp_path: Path):
 def test_refuses_missing_tensor(good: Path, tmp_path: Path):
     d = _copy(good, tmp_path)
     _rewrite(d, "layers.2.attn.compressor.ape", None)
-    with pytest.raises(CheckpointError, match=r"missing tensors \(1\): \['layers\.2\.attn\.compressor\.ape'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors \(1\): \['layers\.2\.attn\.compressor\.ape'\]"
+    ):
         _load(d)
 
 
 def test_refuses_unexpected_tensor(good: Path, tmp_path: Path):
     d = _copy(good, tmp_path)
     _rewrite(d, "norm.weight", torch.zeros(3), new_name="layers.0.attn.extra")
-    with pytest.raises(CheckpointError, match=r"unexpected tensors \(1\): \['layers\.0\.attn\.extra'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensors \(1\): \['layers\.0\.attn\.extra'\]"
+    ):
         _load(d)
 
 
@@ -185,7 +190,10 @@ def test_refuses_config_that_disagrees_with_checkpoint(good: Path, tmp_path: Pat
     cfg = json.loads((d / "config.json").read_text())
     cfg["expert_dtype"] = "fp8"  # the shards hold MXFP4 experts
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight: expected F8_E4M3 \[32, 64\], found I8 \[32, 32\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"experts\.0\.w1\.weight: expected F8_E4M3 \[32, 64\], found I8 \[32, 32\]",
+    ):
         LLM(d, progress=False)
 
 
@@ -201,6 +209,6 @@ def test_refuses_config_missing_field(good: Path, tmp_path: Path):
 def test_refuses_truncated_shard(good: Path, tmp_path: Path):
     d = _copy(good, tmp_path)
     shard = sorted(d.glob("model-*.safetensors"))[0]
-    shard.write_bytes(shard.read_bytes()[: 1000])
+    shard.write_bytes(shard.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match=shard.name):
         _load(d)

@@ -22,8 +22,14 @@ def transformers_style() -> dict:
     d["partial_rotary_factor"] = 64 / 512
     d["rope_parameters"] = {
         "main": {"rope_type": "default", "rope_theta": 10000.0},
-        "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 16,
-                     "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+        "compress": {
+            "rope_type": "yarn",
+            "rope_theta": 160000.0,
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
     }
     return d
 
@@ -67,7 +73,10 @@ def test_yarn_frequencies_match_spec():
         (lambda d: d.update(mlp_layer_types=["moe"] * 43), "mlp_layer_types"),
         (lambda d: d["quantization_config"].update(fmt="e5m2"), "quantization_config.fmt"),
         (lambda d: d["quantization_config"].update(scale_fmt="fp32"), "scale_fmt"),
-        (lambda d: d["quantization_config"].update(weight_block_size=[1, 128]), "weight_block_size"),
+        (
+            lambda d: d["quantization_config"].update(weight_block_size=[1, 128]),
+            "weight_block_size",
+        ),
         (lambda d: d["rope_scaling"].pop("factor"), "factor"),
         (lambda d: d.update(partial_rotary_factor=0.25), "partial_rotary_factor"),
         (lambda d: d.update(num_key_value_heads=8), "num_key_value_heads"),

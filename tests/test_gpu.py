@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dsv4.llm import LLM
 from dsv4.tiny import make_tiny, tiny_args

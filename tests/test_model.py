@@ -15,23 +15,48 @@ from tests.reference import hf_greedy, hf_logits, hf_model, independent_dequant
 CONFIGS = {
     "sch": tiny_args(vocab_size=300),  # sliding, CSA, HCA, CSA; hash layer 0; YaRN; fp8 + mxfp4
     "order": tiny_args(
-        vocab_size=280, layer_types=(HCA, CSA, SLIDING, HCA, CSA),
-        mlp_layer_types=("hash_moe", "hash_moe", "moe", "moe", "moe"), hca_ratio=8, window_size=16,
-        index_topk=3, yarn=None, expert_dtype="nvfp4", n_mtp_layers=0),
+        vocab_size=280,
+        layer_types=(HCA, CSA, SLIDING, HCA, CSA),
+        mlp_layer_types=("hash_moe", "hash_moe", "moe", "moe", "moe"),
+        hca_ratio=8,
+        window_size=16,
+        index_topk=3,
+        yarn=None,
+        expert_dtype="nvfp4",
+        n_mtp_layers=0,
+    ),
     "odd": tiny_args(
-        vocab_size=263, dim=72, n_heads=6, head_dim=40, rope_head_dim=8, q_lora_rank=24, o_groups=3,
-        o_lora_rank=20, moe_inter_dim=40, n_routed_experts=5, n_activated_experts=3, window_size=5,
-        index_n_heads=3, index_head_dim=12, index_topk=2, layer_types=(CSA, SLIDING, HCA, CSA),
-        mlp_layer_types=("moe", "hash_moe", "moe", "moe"), hca_ratio=6,
+        vocab_size=263,
+        dim=72,
+        n_heads=6,
+        head_dim=40,
+        rope_head_dim=8,
+        q_lora_rank=24,
+        o_groups=3,
+        o_lora_rank=20,
+        moe_inter_dim=40,
+        n_routed_experts=5,
+        n_activated_experts=3,
+        window_size=5,
+        index_n_heads=3,
+        index_head_dim=12,
+        index_topk=2,
+        layer_types=(CSA, SLIDING, HCA, CSA),
+        mlp_layer_types=("moe", "hash_moe", "moe", "moe"),
+        hca_ratio=6,
         yarn=YarnArgs(factor=8.0, original_seq_len=4096, beta_fast=16, beta_slow=2),
-        weight_dtype="fp8", expert_dtype="fp8"),
+        weight_dtype="fp8",
+        expert_dtype="fp8",
+    ),
 }
 
 
 def boundary_lengths(args) -> list[int]:  # noqa: ANN001
     m, mh, w = args.csa_ratio, args.hca_ratio, args.window_size
     lens = {1, m - 1, m, m + 1, mh - 1, mh, mh + 1, w - 1, w, w + 1}
-    lens.add(m * (args.index_topk + 3) + 2)  # more visible CSA entries than index_topk: top-k prunes
+    lens.add(
+        m * (args.index_topk + 3) + 2
+    )  # more visible CSA entries than index_topk: top-k prunes
     lens.add(max(lens) + 2 * mh + 3)
     return sorted(x for x in lens if x >= 1)
 
@@ -120,7 +145,9 @@ def test_quantized_in_memory_matches_dequantized(case):  # noqa: ANN001
 def test_greedy_generate_matches_transformers(case):  # noqa: ANN001
     _, llm, hf, _ = case
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(2, llm.args.vocab_size, (n,), generator=g).tolist() for n in (3, 11, 20)]
+    prompts = [
+        torch.randint(2, llm.args.vocab_size, (n,), generator=g).tolist() for n in (3, 11, 20)
+    ]
     outs = llm.generate(prompts, max_tokens=6, ignore_eos=True)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 6)

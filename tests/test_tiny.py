@@ -17,22 +17,45 @@ from tests.reference import independent_dequant
 @pytest.mark.parametrize("expert", ["fp4", "nvfp4", "fp8", "bf16"])
 def test_make_tiny_cli(tmp_path, expert, capsys):  # noqa: ANN001
     out = tmp_path / "m"
-    assert main(["make-tiny", str(out), "--vocab-size", "300", "--expert-dtype", expert,
-                 "--layers", "hca,sliding,csa"]) == 0
+    assert (
+        main(
+            [
+                "make-tiny",
+                str(out),
+                "--vocab-size",
+                "300",
+                "--expert-dtype",
+                expert,
+                "--layers",
+                "hca,sliding,csa",
+            ]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     args = ModelArgs.from_json(out)
     assert args.expert_dtype == expert and args.n_layers == 3
     for f in ("config.json", "model.safetensors.index.json", "tokenizer.json"):
         assert (out / f).exists()
     w = independent_dequant(out)
-    for name in ("layers.0.attn.attn_sink", "layers.1.ffn.gate.bias", "layers.0.attn.compressor.ape",
-                 "hc_head_base", "layers.2.attn.indexer.compressor.ape"):
+    for name in (
+        "layers.0.attn.attn_sink",
+        "layers.1.ffn.gate.bias",
+        "layers.0.attn.compressor.ape",
+        "hc_head_base",
+        "layers.2.attn.indexer.compressor.ape",
+    ):
         assert (w[name] != 0).all(), f"{name} has zeros"
     tid = w["layers.0.ffn.gate.tid2eid"]
     assert tid.dtype == torch.int64 and (tid.sort(-1).values.diff(dim=-1) > 0).all()
     dtypes = {n: t.dtype for n, t in _raw(out).items()}
     assert dtypes["layers.0.attn.wq_a.weight"] == torch.float8_e4m3fn
-    want = {"fp4": torch.int8, "nvfp4": torch.uint8, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+    want = {
+        "fp4": torch.int8,
+        "nvfp4": torch.uint8,
+        "fp8": torch.float8_e4m3fn,
+        "bf16": torch.bfloat16,
+    }
     assert dtypes["layers.1.ffn.experts.0.w1.weight"] == want[expert]
     assert LLM(out, progress=False).score([0, 5, 6]).shape == (3, 300)
 

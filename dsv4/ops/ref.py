@@ -60,7 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     # x: [T, ..., d] ; cos/sin: [T, rd/2] fp32 ; rotate pairs (2i, 2i+1) of the trailing rd channels
     rd = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
@@ -103,7 +105,9 @@ def hc_pre(
     # x: [T, n, D] -> y: [T, D] (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
     n = x.shape[1]
     flat = x.flatten(1).float()  # [T, n*D], stream 0 first
-    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(
+        flat.square().mean(-1, keepdim=True) + norm_eps
+    )
     pre = torch.sigmoid(mixes[:, :n] * hc_scale[0] + hc_base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * hc_scale[1] + hc_base[n : 2 * n])
     comb = mixes[:, 2 * n :].view(-1, n, n) * hc_scale[2] + hc_base[2 * n :].view(n, n)
@@ -127,12 +131,18 @@ def hc_post(
 
 
 def hc_head(
-    x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
-    norm_eps: float, hc_eps: float,
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
 ) -> torch.Tensor:
     # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
     flat = x.flatten(1).float()
-    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(
+        flat.square().mean(-1, keepdim=True) + norm_eps
+    )
     pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
 
