@@ -100,7 +100,7 @@ class LLM:
 
     def _forward(self, slots: list[int], starts: list[int], ids: list[list[int]]) -> torch.Tensor:
         dev = self.config.device
-        batch = Batch.build(slots, starts, [len(x) for x in ids], self.config.max_seqs, dev)
+        batch = Batch.build(slots, starts, [len(x) for x in ids], self.state)
         flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=dev)
         return self.model(flat, batch, self.state)
 

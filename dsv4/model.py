@@ -103,7 +103,7 @@ class Compressor(nn.Module):
         m, d = self.ratio, self.head_dim
         a = self.wkv(x).float()  # [T, c*d]
         z = self.wgate(x).float() + self.ape[batch.positions % m]  # [T, c*d]
-        tok, w, slot, rows = batch.closing_windows(m, self.overlap)
+        tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1)
             empty = (rows < 0)[..., None]
@@ -115,7 +115,9 @@ class Compressor(nn.Module):
             c = self.ops.compress_pool(ga.to(x.dtype), gz)  # [n, d]
             c = self.norm(c)
             c = self.ops.rotary(c, *rope_at(inv_freq, w * m))  # RoPE at the window's first token
-            st.kv_cache[slot * st.entries_per_seq + w] = c.to(st.kv_cache.dtype)
+            if bool((dest < 0).any()):
+                raise RuntimeError("a compressed entry closed in a block with no page allocated")
+            st.kv_cache[dest] = c.to(st.kv_cache.dtype)
         # ---- keep the raw projections of the last R tokens of each sequence
         tok, rows = batch.ring_writes(st.ring)
         st.kv_state[rows] = a[tok]
@@ -152,7 +154,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = self.ops.rotary(q, *rope)
         weights = self.weights_proj(x).float() * (self.softmax_scale * self.n_heads**-0.5)
-        cand, _ = batch.visible_entries(self.compressor.ratio, ls.indexer.entries_per_seq)
+        cand, _ = batch.visible_entries(self.compressor.ratio)
         return self.ops.index_topk(q, weights, ls.indexer.kv_cache, cand, self.topk)
 
 
@@ -205,10 +207,9 @@ class Attention(nn.Module):
             self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
             if self.kind == CSA:
                 ent = self.indexer(x, qr, batch, ls, rope, inv_freq)
-                slot = batch.slots[batch.token_seq][:, None]
-                rows = torch.where(ent >= 0, slot * st.entries_per_seq + ent, -1)
+                rows = batch.entry_rows(batch.token_seq[:, None].expand_as(ent), ent, st.ratio)
             else:
-                rows, _ = batch.visible_entries(st.ratio, st.entries_per_seq)
+                rows, _ = batch.visible_entries(st.ratio)
             base = ls.window.shape[0] + T
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
             sources.append(st.kv_cache)

@@ -2,7 +2,8 @@
 
 Every sequence owns one state slot. Within a layer all attention keys live in row-addressed tensors:
   window ring   [max_seqs * W, hd]       token p of slot s at row s*W + p % W
-  compressed    [max_seqs * E, hd]       entry w of slot s at row s*E + w     (E = max_seq_len // m)
+  compressed    [num_blocks * b/m, hd]   entry w of a sequence at row page*(b/m) + w % (b/m),
+                                          page = block_table[slot, w // (b/m)], b = block_size
   compressor    [max_seqs * R, c*hd] x2  raw (a, z + ape) of token p at row s*R + p % R (fp32)
                                           R = 2m for CSA (last closed window's A-half + open window),
                                           R = m for HCA (open window)
@@ -11,6 +12,7 @@ The model turns positions into row index lists here; attention only ever sees in
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +22,9 @@ from dsv4.config import CSA, HCA, ModelArgs
 
 @dataclass
 class CompressorState:
-    """Emitted entries plus the raw projections of tokens whose window is still needed."""
+    """Emitted entries (paged) plus the raw projections of tokens whose window is still needed."""
 
-    kv_cache: torch.Tensor  # [S*E, d] emitted entries (normed, RoPE'd)
+    kv_cache: torch.Tensor  # [num_blocks * block_size/m, d] emitted entries (normed, RoPE'd)
     kv_state: torch.Tensor  # [S*R, c*d] fp32 raw W_kv x
     score_state: torch.Tensor  # [S*R, c*d] fp32 raw W_gate x + ape
     ratio: int
@@ -31,10 +33,6 @@ class CompressorState:
     @property
     def ring(self) -> int:
         return 2 * self.ratio if self.overlap else self.ratio
-
-    @property
-    def entries_per_seq(self) -> int:
-        return self.kv_cache.shape[0] // (self.kv_state.shape[0] // self.ring)
 
 
 @dataclass
@@ -46,8 +44,36 @@ class LayerState:
     indexer: CompressorState | None = None
 
 
+def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> float:
+    """Growing state per token (all layers): compressed KV + indexer keys (spec 9.6)."""
+    el = torch.empty((), dtype=dtype).element_size()
+    total = 0.0
+    for kind in args.layer_types:
+        if kind == CSA:
+            total += (args.head_dim + args.index_head_dim) * el / args.csa_ratio
+        elif kind == HCA:
+            total += args.head_dim * el / args.hca_ratio
+    return total
+
+
+def bytes_per_seq(args: ModelArgs, dtype: torch.dtype) -> int:
+    """Fixed state per sequence: window rings (main + MTP) and fp32 compressor partial state."""
+    el = torch.empty((), dtype=dtype).element_size()
+    total = (args.n_layers + args.n_mtp_layers) * args.window_size * args.head_dim * el
+    for kind in args.layer_types:
+        if kind == CSA:  # 2m slots x (kv + score) x 2 halves, main and indexer, fp32
+            total += 2 * args.csa_ratio * 2 * 2 * (args.head_dim + args.index_head_dim) * 4
+        elif kind == HCA:
+            total += args.hca_ratio * 2 * args.head_dim * 4
+    return total
+
+
 class DecodeState:
-    """All layers' state for `max_seqs` sequences of up to `max_seq_len` tokens."""
+    """All layers' state: `max_seqs` slots (rings) and `num_blocks` pages of compressed entries.
+
+    A block holds `block_size` tokens' worth of compressed entries in every compressed layer
+    (block_size/m entries each). Sequences map logical blocks to pages through `block_table`.
+    """
 
     def __init__(
         self,
@@ -56,14 +82,32 @@ class DecodeState:
         max_seq_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
     ) -> None:
+        if block_size is None:  # the smallest multiple of both ratios >= 256 tokens
+            lcm = math.lcm(args.csa_ratio, args.hca_ratio)
+            block_size = lcm * -(-256 // lcm)
+        for m in {args.csa_ratio, args.hca_ratio}:
+            if block_size % m:
+                raise ValueError(f"block_size={block_size} must be a multiple of ratio {m}")
+        self.max_blocks_per_seq = -(-max_seq_len // block_size)
+        static = num_blocks is None
+        if static:  # room for every slot at full length, pages assigned once
+            num_blocks = max_seqs * self.max_blocks_per_seq
         self.max_seqs, self.max_seq_len, self.window_size = max_seqs, max_seq_len, args.window_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         S, hd = max_seqs, args.head_dim
+        self.block_table = torch.full(
+            (max_seqs, self.max_blocks_per_seq), -1, dtype=torch.long, device=device
+        )
+        if static:
+            self.block_table.copy_(torch.arange(num_blocks, device=device).view(max_seqs, -1))
 
         def comp(m: int, d: int, overlap: bool) -> CompressorState:
             c, r = (2, 2 * m) if overlap else (1, m)
             return CompressorState(
-                kv_cache=torch.zeros(S * (max_seq_len // m), d, dtype=dtype, device=device),
+                kv_cache=torch.zeros(num_blocks * (block_size // m), d, dtype=dtype, device=device),
                 kv_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 score_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 ratio=m,
@@ -82,6 +126,20 @@ class DecodeState:
             elif kind == HCA:
                 layer.compressor = comp(args.hca_ratio, hd, False)
             self.layers.append(layer)
+
+    @staticmethod
+    def blocks_for_budget(
+        args: ModelArgs, max_seqs: int, budget_bytes: int, dtype: torch.dtype, block_size: int
+    ) -> int:
+        """How many pages fit in `budget_bytes` after the fixed per-slot state."""
+        free = budget_bytes - max_seqs * bytes_per_seq(args, dtype)
+        per_block = bytes_per_token(args, dtype) * block_size
+        if free <= 0 or per_block <= 0:
+            raise ValueError(
+                f"memory budget {budget_bytes} B does not cover {max_seqs} sequences' fixed state "
+                f"({bytes_per_seq(args, dtype)} B each)"
+            )
+        return int(free // per_block)
 
     def nbytes(self) -> int:
         total = 0
@@ -103,6 +161,8 @@ class Batch:
     positions: torch.Tensor  # [T]
     token_seq: torch.Tensor  # [T] sequence (0..B-1) of each token
     cu_lens: torch.Tensor  # [B+1] flat offset of each sequence's first token
+    block_table: torch.Tensor  # [B, max_blocks] pages of each sequence (-1 = none)
+    block_size: int
     max_seqs: int
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -112,9 +172,9 @@ class Batch:
         slots: list[int],
         start_pos: list[int],
         lens: list[int],
-        max_seqs: int,
-        device: torch.device | str = "cpu",
+        state: DecodeState,
     ) -> Batch:
+        max_seqs, device = state.max_seqs, state.block_table.device
         if not (len(slots) == len(start_pos) == len(lens)) or not slots:
             raise ValueError(
                 f"batch lists differ or are empty: {len(slots)}, {len(start_pos)}, {len(lens)}"
@@ -136,6 +196,8 @@ class Batch:
             positions=positions,
             token_seq=token_seq,
             cu_lens=cu,
+            block_table=state.block_table[torch.tensor(slots, device=device)],
+            block_size=state.block_size,
             max_seqs=max_seqs,
         )
 
@@ -204,7 +266,7 @@ class Batch:
         return self._memo(("ring", ring), build)
 
     def closing_windows(self, ratio: int, overlap: bool) -> tuple[torch.Tensor, ...]:
-        """Windows closed by a token of this step: (token, entry row-in-seq w, slot, source rows [n, slots]).
+        """Windows closed by a token of this step: (token, entry w, pool row of w, source rows [n, slots]).
 
         Window w closes at token m*w + m - 1. Its slots are tokens m*w-m .. m*w+m-1 (CSA: the first m
         give their A-half, the last m their B-half) or m*w .. m*w+m-1 (HCA), as ring | chunk rows.
@@ -217,13 +279,18 @@ class Batch:
             pos = first[:, None] + torch.arange(n_slots, device=tok.device)
             ring = 2 * ratio if overlap else ratio
             rows = self.history_rows(pos, tok[:, None].expand_as(pos), ring)
-            return tok, w, self._tok("slot")[tok], rows
+            return tok, w, self.entry_rows(self.token_seq[tok], w, ratio), rows
 
         return self._memo(("close", ratio, overlap), build)
 
-    def visible_entries(
-        self, ratio: int, entries_per_seq: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def entry_rows(self, seq: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Rows of compressed entries w (of sequences `seq`, same shape) in the paged pool; w<0 -> -1."""
+        epb = self.block_size // ratio
+        blk = (w.clamp(min=0) // epb).clamp(max=self.block_table.shape[1] - 1)
+        page = self.block_table[seq, blk]
+        return torch.where((w >= 0) & (page >= 0), page * epb + w.remainder(epb), -1)
+
+    def visible_entries(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
         """([T, C] rows of the compressed entries each token may see, -1 = not yet; [T] counts).
 
         Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.
@@ -232,8 +299,8 @@ class Batch:
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             count = (self.positions + 1) // ratio
             C = max(int(count.max()), 1)
-            w = torch.arange(C, device=count.device)[None, :]
-            rows = self._tok("slot")[:, None] * entries_per_seq + w
-            return torch.where(w < count[:, None], rows, -1), count
+            w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
+            w = torch.where(w < count[:, None], w, -1)
+            return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count
 
-        return self._memo(("vis", ratio, entries_per_seq), build)
+        return self._memo(("vis", ratio), build)

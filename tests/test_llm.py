@@ -53,7 +53,7 @@ def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
     def run(chunk: int) -> torch.Tensor:
         out = []
         for s in range(0, len(ids), chunk):
-            b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.state.max_seqs)
+            b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.state)
             h = m(torch.tensor(ids[s : s + chunk]), b, llm.state)
             out.append(m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.state)[1])
         return torch.cat(out)
@@ -61,7 +61,7 @@ def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
     full = run(len(ids))
     assert full.shape == (len(ids), 300) and full.isfinite().all()
     assert torch.allclose(run(3), full, rtol=1e-5, atol=1e-5)
-    b = Batch.build([0], [0], [len(ids)], llm.state.max_seqs)
+    b = Batch.build([0], [0], [len(ids)], llm.state)
     h = m(torch.tensor(ids), b, llm.state)
     other = m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.state)[1]
     assert not torch.allclose(other, full)  # depends on the next-token embedding

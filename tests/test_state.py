@@ -1,0 +1,36 @@
+"""State sizing (spec 9.6) and paging: any page assignment gives the same logits."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.config import flash_args
+from dsv4.llm import LLM
+from dsv4.state import DecodeState, bytes_per_seq, bytes_per_token
+from dsv4.tiny import make_tiny, tiny_args
+
+
+def test_flash_growing_state_is_6880_bytes_per_token_bf16():
+    assert bytes_per_token(flash_args(), torch.bfloat16) == 6880
+    # fixed part: 44 window rings of 128 x 512 bf16 plus fp32 compressor state
+    rings = 44 * 128 * 1024
+    assert bytes_per_seq(flash_args(), torch.bfloat16) > rings
+
+
+def test_blocks_for_budget():
+    a = tiny_args(vocab_size=300)
+    n = DecodeState.blocks_for_budget(a, 4, 1 << 20, torch.float32, 16)
+    per_block = bytes_per_token(a, torch.float32) * 16
+    assert n == int((1 << 20) - 4 * bytes_per_seq(a, torch.float32)) // int(per_block)
+
+
+def test_shuffled_small_pages_equal_default(tmp_path):  # noqa: ANN001
+    llm = LLM(make_tiny(tmp_path / "m", tiny_args(vocab_size=300)), progress=False)
+    ids = torch.randint(2, 300, (90,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = llm.score(ids, chunk_size=13)
+    st = DecodeState(llm.args, 2, 96, torch.float32, "cpu", num_blocks=20, block_size=16)
+    st.block_table.fill_(-1)
+    st.block_table[0, :6] = torch.randperm(20)[:6]
+    llm.state = st
+    got = llm.score(ids, chunk_size=13)
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
