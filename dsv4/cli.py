@@ -8,6 +8,7 @@ import sys
 
 def _generate(ns: argparse.Namespace) -> int:
     from dsv4.llm import LLM
+    from dsv4.sampling import SamplingParams
 
     llm = LLM(
         ns.model,
@@ -16,7 +17,11 @@ def _generate(ns: argparse.Namespace) -> int:
         quantized=ns.quantized,
         max_seq_len=ns.max_seq_len,
     )
-    outs = llm.generate(ns.prompt, max_tokens=ns.max_tokens, ignore_eos=ns.ignore_eos)
+    params = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
+                            min_p=ns.min_p, seed=ns.seed, max_tokens=ns.max_tokens,
+                            ignore_eos=ns.ignore_eos, stop=ns.stop,
+                            repetition_penalty=ns.repetition_penalty)
+    outs = llm.generate(ns.prompt, params)
     for prompt, out in zip(ns.prompt, outs):
         if len(ns.prompt) > 1:
             print(f"--- {prompt!r}")
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="greedy generation (default: the built-in demo model)")
+    g = sub.add_parser("generate", help="generate text (default: the built-in demo model)")
     g.add_argument("prompt", nargs="+", help="one or more prompts")
     g.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
     g.add_argument("--device", default="cpu")
@@ -70,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--max-seq-len", type=int, default=4096)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.set_defaults(fn=_generate)
 
     t = sub.add_parser("make-tiny", help="write a random tiny model in the official layout")

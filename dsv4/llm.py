@@ -1,8 +1,9 @@
-"""Offline Python API: LLM(model_dir).score(token_ids) and a minimal batched greedy generate."""
+"""Offline Python API: LLM(model_dir).generate(prompts, params) and .score(token_ids)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -10,36 +11,31 @@ import torch
 from dsv4 import ops as ops_pkg
 from dsv4.checkpoint import has_mtp, load_checkpoint
 from dsv4.config import EngineConfig, ModelArgs
+from dsv4.engine import Engine, RequestOutput
 from dsv4.model import Transformer
-from dsv4.state import Batch, DecodeState
+from dsv4.sampling import SamplingParams
+from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token
+
+log = logging.getLogger("dsv4")
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "demo_model_dir"]
 
 
 def demo_model_dir() -> Path:
-    """The built-in demo model (random weights, real DeepSeek-V4 tokenizer), created on first use."""
-    import os
-
+    """The built-in demo model (random weights, real DeepSeek-V4 tokenizer), made on first use."""
     from dsv4.tiny import make_tiny, tiny_args
 
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dsv4" / "demo-v1"
     if not (root / "model.safetensors.index.json").exists():
         tmp = root.with_name(root.name + ".tmp")
         make_tiny(tmp, tiny_args(), seed=0, tokenizer="deepseek")
-        tmp.replace(root) if not root.exists() else None
+        if not root.exists():
+            tmp.replace(root)
     return root
 
 
-@dataclass
-class RequestOutput:
-    """One finished request."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-
-
 class LLM:
-    """A loaded DeepSeek-V4 model with its decode state."""
+    """A loaded DeepSeek-V4 model with its decode state and continuous-batching engine."""
 
     def __init__(
         self,
@@ -50,17 +46,15 @@ class LLM:
         ops: str = "ref",
         max_seqs: int = 8,
         max_seq_len: int = 4096,
+        max_step_tokens: int = 2048,
+        chunk_size: int = 512,
+        max_memory: int | None = None,
+        block_size: int | None = None,
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
-        self.config = EngineConfig(
-            device=device,
-            dtype=dtype,
-            ops=ops,
-            quantized=quantized,
-            max_seqs=max_seqs,
-            max_seq_len=max_seq_len,
-        )
+        self.config = EngineConfig(device=device, dtype=dtype, ops=ops, quantized=quantized,
+                                   max_seqs=max_seqs, max_seq_len=max_seq_len)
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
@@ -69,12 +63,29 @@ class LLM:
             self.model = Transformer(args, self.config.torch_dtype, quantized, ops_pkg.select(ops))
         load_checkpoint(self.model, self.model_dir, progress=progress)
         self.model.eval()
-        self.state = DecodeState(args, max_seqs, max_seq_len, self.config.torch_dtype, device)
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        # ---- state pools: fixed part per slot, pages for the growing part
+        tdt = self.config.torch_dtype
+        probe = DecodeState(args, 1, max_seq_len, tdt, "meta", num_blocks=1, block_size=block_size)
+        if max_memory is None:  # every slot can reach max_seq_len
+            num_blocks = max_seqs * probe.max_blocks_per_seq
+        else:
+            num_blocks = DecodeState.blocks_for_budget(args, max_seqs, max_memory, tdt,
+                                                       probe.block_size)
+        self.state = DecodeState(args, max_seqs, max_seq_len, tdt, device, num_blocks=num_blocks,
+                                 block_size=probe.block_size)
+        self.state.block_table.fill_(-1)  # the scheduler hands out pages
+        log.info("state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
+                 "%d tokens; %.1f MiB", bytes_per_token(args, tdt), bytes_per_seq(args, tdt),
+                 self.state.num_blocks, self.state.block_size,
+                 self.state.num_blocks * self.state.block_size, self.state.nbytes() / 2**20)
+        self.engine = Engine(self.model, self.state, self.tokenizer, max_running=max_seqs,
+                             max_step_tokens=max_step_tokens, chunk_size=chunk_size)
+        self._score_state: DecodeState | None = None
 
     # ---- scoring -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -84,8 +95,7 @@ class LLM:
         chunk = chunk_size or len(token_ids)
         out = []
         for start in range(0, len(token_ids), chunk):
-            ids = token_ids[start : start + chunk]
-            h = self._forward([0], [start], [ids])
+            h = self._forward([0], [start], [token_ids[start : start + chunk]])
             out.append(self.model.logits(h))
         return torch.cat(out)
 
@@ -98,72 +108,64 @@ class LLM:
         if bad:
             raise ValueError(f"token ids out of range [0, {self.args.vocab_size}): {bad[:5]}")
 
+    def score_state(self) -> DecodeState:
+        """Static-paged state used by score() (apart from the engine's pools)."""
+        if self._score_state is None:
+            with torch.inference_mode(False):  # normal tensors: usable inside and outside
+                self._score_state = self._new_state()
+        return self._score_state
+
+    def _new_state(self) -> DecodeState:
+        return DecodeState(self.args, self.config.max_seqs, self.config.max_seq_len,
+                                            self.config.torch_dtype, self.config.device)
+
     def _forward(self, slots: list[int], starts: list[int], ids: list[list[int]]) -> torch.Tensor:
-        dev = self.config.device
-        batch = Batch.build(slots, starts, [len(x) for x in ids], self.state)
-        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=dev)
-        return self.model(flat, batch, self.state)
+        state = self.score_state()
+        batch = Batch.build(slots, starts, [len(x) for x in ids], state)
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long,
+                            device=self.config.device)
+        return self.model(flat, batch, state)
 
     # ---- generation --------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer.json; pass token ids")
-            return [self.args.bos_token_id] + self.tokenizer.encode(
-                prompt, add_special_tokens=False
-            ).ids
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            return [self.args.bos_token_id] + ids
         return list(prompt)
 
-    @torch.inference_mode()
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        return self.engine.add_request(self.encode(prompt), params, request_id)
+
     def generate(
         self,
         prompts: str | list[int] | list[str | list[int]],
-        max_tokens: int = 16,
-        ignore_eos: bool = False,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Greedy decoding of a batch: all prompts prefilled together, then batched decode steps."""
+        """Run prompts (strings or token-id lists) to completion with continuous batching."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        outs: list[RequestOutput] = []
-        for start in range(0, len(prompts), self.config.max_seqs):
-            outs += self._generate_group(
-                prompts[start : start + self.config.max_seqs], max_tokens, ignore_eos
-            )
-        return outs
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
 
-    def _generate_group(
-        self, prompts: list, max_tokens: int, ignore_eos: bool
-    ) -> list[RequestOutput]:
-        reqs = [RequestOutput(self.encode(p)) for p in prompts]
-        for r in reqs:
-            self._check_ids(r.prompt_token_ids)
-            if len(r.prompt_token_ids) + max_tokens > self.config.max_seq_len:
-                raise ValueError(
-                    f"prompt + max_tokens exceeds max_seq_len={self.config.max_seq_len}"
-                )
-        slots, starts = list(range(len(reqs))), [0] * len(reqs)
-        ids = [r.prompt_token_ids for r in reqs]
-        active = list(range(len(reqs)))
-        while active and max_tokens > 0:
-            h = self._forward(
-                [slots[i] for i in active], [starts[i] for i in active], [ids[i] for i in active]
-            )
-            last = torch.cumsum(torch.tensor([len(ids[i]) for i in active]), 0) - 1
-            next_ids = self.model.logits(h[last]).argmax(-1).tolist()
-            still = []
-            for i, t in zip(active, next_ids):
-                r = reqs[i]
-                starts[i] += len(ids[i])
-                r.token_ids.append(t)
-                ids[i] = [t]
-                if t == self.args.eos_token_id and not ignore_eos:
-                    r.finish_reason = "stop"
-                elif len(r.token_ids) >= max_tokens:
-                    r.finish_reason = "length"
-                else:
-                    still.append(i)
-            active = still
-        for r in reqs:
-            if self.tokenizer is not None:
-                r.text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-        return reqs
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]

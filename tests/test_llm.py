@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import LLM
+from dsv4 import LLM, SamplingParams
 from dsv4.cli import main
 from dsv4.ops import ref
 from dsv4.state import Batch
@@ -26,11 +26,12 @@ def test_score_shape_and_errors(llm):  # noqa: ANN001
 
 
 def test_generate_text_and_ids(llm):  # noqa: ANN001
-    a, b = llm.generate(["hello", [0, 5, 6, 7]], max_tokens=4, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b = llm.generate(["hello", [0, 5, 6, 7]], sp)
     assert len(a.token_ids) == len(b.token_ids) == 4 and a.finish_reason == "length"
     assert a.prompt_token_ids[0] == llm.args.bos_token_id and isinstance(a.text, str)
     # batched generation equals one-at-a-time generation
-    assert llm.generate("hello", max_tokens=4, ignore_eos=True)[0].token_ids == a.token_ids
+    assert llm.generate("hello", sp)[0].token_ids == a.token_ids
 
 
 def test_stable_topk_ties_pick_lower_index():
@@ -53,17 +54,17 @@ def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
     def run(chunk: int) -> torch.Tensor:
         out = []
         for s in range(0, len(ids), chunk):
-            b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.state)
-            h = m(torch.tensor(ids[s : s + chunk]), b, llm.state)
-            out.append(m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.state)[1])
+            b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.score_state())
+            h = m(torch.tensor(ids[s : s + chunk]), b, llm.score_state())
+            out.append(m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.score_state())[1])
         return torch.cat(out)
 
     full = run(len(ids))
     assert full.shape == (len(ids), 300) and full.isfinite().all()
     assert torch.allclose(run(3), full, rtol=1e-5, atol=1e-5)
-    b = Batch.build([0], [0], [len(ids)], llm.state)
-    h = m(torch.tensor(ids), b, llm.state)
-    other = m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.state)[1]
+    b = Batch.build([0], [0], [len(ids)], llm.score_state())
+    h = m(torch.tensor(ids), b, llm.score_state())
+    other = m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.score_state())[1]
     assert not torch.allclose(other, full)  # depends on the next-token embedding
 
 

@@ -7,6 +7,7 @@ import torch
 
 from dsv4.config import CSA, HCA, SLIDING, YarnArgs
 from dsv4.llm import LLM
+from dsv4.sampling import SamplingParams
 from dsv4.tiny import make_tiny, tiny_args
 from tests.reference import hf_greedy, hf_logits, hf_model, independent_dequant
 
@@ -148,6 +149,6 @@ def test_greedy_generate_matches_transformers(case):  # noqa: ANN001
     prompts = [
         torch.randint(2, llm.args.vocab_size, (n,), generator=g).tolist() for n in (3, 11, 20)
     ]
-    outs = llm.generate(prompts, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 6)

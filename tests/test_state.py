@@ -31,6 +31,6 @@ def test_shuffled_small_pages_equal_default(tmp_path):  # noqa: ANN001
     st = DecodeState(llm.args, 2, 96, torch.float32, "cpu", num_blocks=20, block_size=16)
     st.block_table.fill_(-1)
     st.block_table[0, :6] = torch.randperm(20)[:6]
-    llm.state = st
+    llm._score_state = st
     got = llm.score(ids, chunk_size=13)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5

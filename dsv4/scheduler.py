@@ -1,0 +1,156 @@
+"""Requests, admission, chunked prefill mixed with decodes, preemption by recompute."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4.sampling import SamplingParams
+from dsv4.state import DecodeState
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and where its state lives."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose state is in the pools
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_ids))
+    extra: dict[str, Any] = field(default_factory=dict)  # sampler/detokenizer state (engine)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Work:
+    """A slice of one request to run this step: tokens [start, start + n)."""
+
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:  # the chunk reaches the last known token: its logits give the next
+        return self.start + self.n == self.request.num_tokens
+
+
+class Scheduler:
+    """FCFS; decodes and unfinished prefills first, then new requests, within a token budget."""
+
+    def __init__(self, state: DecodeState, max_running: int, max_step_tokens: int,
+                 chunk_size: int) -> None:
+        self.state = state
+        self.max_running = min(max_running, state.max_seqs)
+        self.max_step_tokens, self.chunk_size = max_step_tokens, chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(state.max_seqs))[::-1]
+        self.free_pages = list(range(state.num_blocks))[::-1]
+        self.num_preemptions = 0
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        need = self._pages_for(req.num_tokens + req.max_tokens - len(req.output_ids))
+        if need > min(self.state.num_blocks, self.state.max_blocks_per_seq):
+            raise ValueError(f"request {req.request_id} needs {need} pages; the pool has "
+                             f"{self.state.num_blocks} ({self.state.max_blocks_per_seq} per sequence)")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.state.block_size)
+
+    def _release(self, req: Request) -> None:
+        if req.slot is not None:
+            self.state.block_table[req.slot].fill_(-1)
+            self.free_slots.append(req.slot)
+        self.free_pages.extend(req.pages)
+        req.slot, req.pages, req.num_computed = None, [], 0
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in list(self.running) + list(self.waiting):
+            if req.request_id == request_id:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                self.finish(req)
+                req.finish_reason = req.finish_reason or "abort"
+                return req
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Free everything `req` holds; it recomputes prompt + output when readmitted."""
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _grow(self, req: Request, n_tokens: int) -> bool:
+        need = self._pages_for(n_tokens) - len(req.pages)
+        if need > len(self.free_pages):
+            return False
+        for _ in range(need):
+            page = self.free_pages.pop()
+            self.state.block_table[req.slot, len(req.pages)] = page
+            req.pages.append(page)
+        return True
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        budget, work = self.max_step_tokens, []
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req not in self.running or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed, self.chunk_size, budget)
+            while not self._grow(req, req.num_computed + n):
+                victim = max(self.running, key=lambda r: r.arrival)  # newest first
+                self._preempt(victim)
+                work = [w for w in work if w.request is not victim]
+                if victim is req:
+                    break
+            if req in self.running:
+                work.append(Work(req, req.num_computed, n))
+                budget -= n
+        while self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            n = min(req.num_tokens, self.chunk_size, budget)
+            if self._pages_for(n) > len(self.free_pages):
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            self._grow(req, n)
+            self.running.append(req)
+            work.append(Work(req, 0, n))
+            budget -= n
+        return work
+
+    def advance(self, work: list[Work]) -> None:
+        for w in work:
+            w.request.num_computed = w.start + w.n
