@@ -17,10 +17,17 @@ def _generate(ns: argparse.Namespace) -> int:
         quantized=ns.quantized,
         max_seq_len=ns.max_seq_len,
     )
-    params = SamplingParams(temperature=ns.temperature, top_k=ns.top_k, top_p=ns.top_p,
-                            min_p=ns.min_p, seed=ns.seed, max_tokens=ns.max_tokens,
-                            ignore_eos=ns.ignore_eos, stop=ns.stop,
-                            repetition_penalty=ns.repetition_penalty)
+    params = SamplingParams(
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        min_p=ns.min_p,
+        seed=ns.seed,
+        max_tokens=ns.max_tokens,
+        ignore_eos=ns.ignore_eos,
+        stop=ns.stop,
+        repetition_penalty=ns.repetition_penalty,
+    )
     outs = llm.generate(ns.prompt, params)
     for prompt, out in zip(ns.prompt, outs):
         if len(ns.prompt) > 1:
@@ -28,6 +35,69 @@ def _generate(ns: argparse.Namespace) -> int:
         print(out.text if llm.tokenizer is not None else out.token_ids)
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _load(ns: argparse.Namespace):  # noqa: ANN202
+    import logging
+
+    from dsv4.llm import LLM
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return LLM(
+        ns.model,
+        device=ns.device,
+        dtype=ns.dtype,
+        quantized=ns.quantized,
+        max_seq_len=ns.max_seq_len,
+        max_seqs=ns.max_seqs,
+        chunk_size=ns.chunk_size,
+        max_memory=ns.max_memory,
+        memory_fraction=ns.memory_fraction,
+    )
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    from dsv4.chat import encode_messages
+    from dsv4.sampling import SamplingParams
+
+    llm = _load(ns)
+    if llm.tokenizer is None:
+        print("error: the model has no tokenizer", file=sys.stderr)
+        return 2
+    params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
+    messages: list[dict] = []
+    print("dsv4 chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = encode_messages(messages, thinking=ns.thinking)
+        ids = llm.tokenizer.encode(prompt, add_special_tokens=False).ids
+        out = llm.generate([ids], params)[0]
+        print(f"assistant> {out.text}")
+        messages.append({"role": "assistant", "content": out.text})
+    return 0
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantized", action="store_true", help="keep FP8/FP4 weights packed")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-seqs", type=int, default=8, help="max running sequences")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens)")
+    p.add_argument("--max-memory", type=int, default=None, help="state budget in bytes")
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="state budget as a fraction of free device memory after weights",
+    )
 
 
 def _make_tiny(ns: argparse.Namespace) -> int:
@@ -68,12 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate text (default: the built-in demo model)")
     g.add_argument("prompt", nargs="+", help="one or more prompts")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--quantized", action="store_true", help="keep FP8/FP4 weights packed")
+    _engine_flags(g)
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--max-seq-len", type=int, default=4096)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=-1)
@@ -83,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.set_defaults(fn=_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (DeepSeek-V4 prompt format)")
+    _engine_flags(c)
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--thinking", action="store_true", help="thinking mode prompt")
+    c.set_defaults(fn=_chat)
 
     t = sub.add_parser("make-tiny", help="write a random tiny model in the official layout")
     t.add_argument("out_dir")

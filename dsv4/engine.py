@@ -38,8 +38,16 @@ class RequestOutput:
 class Engine:
     """Continuous batching over one model and its decode state."""
 
-    def __init__(self, model: Transformer, state: DecodeState, tokenizer, *, max_running: int,  # noqa: ANN001
-                 max_step_tokens: int, chunk_size: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        state: DecodeState,
+        tokenizer,
+        *,
+        max_running: int,  # noqa: ANN001
+        max_step_tokens: int,
+        chunk_size: int,
+    ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
         self.args = model.args
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
@@ -47,28 +55,38 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         bad = [t for t in prompt_ids if not 0 <= t < self.args.vocab_size]
         if not prompt_ids or bad:
-            raise ValueError(f"prompt must be non-empty ids in [0, {self.args.vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"prompt must be non-empty ids in [0, {self.args.vocab_size}): {bad[:5]}"
+            )
         room = self.state.max_seq_len - len(prompt_ids)
         if room <= 0:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len="
-                             f"{self.state.max_seq_len}")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len={self.state.max_seq_len}"
+            )
         max_tokens = min(params.max_tokens or room, room)
         req = Request(request_id, list(prompt_ids), params, max_tokens)
         req.extra["stop"] = StopChecker(params, self.args.eos_token_id)
-        req.extra["gen"] = (make_generator(params.seed, self.state.block_table.device)
-                            if params.seed is not None else None)
-        req.extra["detok"] = (IncrementalDetokenizer(self.tokenizer, prompt_ids,
-                                                     params.skip_special_tokens)
-                              if self.tokenizer is not None else None)
-        req.extra["out"] = RequestOutput(request_id, list(prompt_ids),
-                                         logprobs=[] if params.logprobs is not None else None)
+        req.extra["gen"] = (
+            make_generator(params.seed, self.state.block_table.device)
+            if params.seed is not None
+            else None
+        )
+        req.extra["detok"] = (
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+        )
+        req.extra["out"] = RequestOutput(
+            request_id, list(prompt_ids), logprobs=[] if params.logprobs is not None else None
+        )
         self.scheduler.add(req)
         self.requests[request_id] = req
         return request_id
@@ -93,10 +111,14 @@ class Engine:
 
     def _run(self, work: list[Work]) -> torch.Tensor:
         dev = self.state.block_table.device
-        batch = Batch.build([w.request.slot for w in work], [w.start for w in work],
-                            [w.n for w in work], self.state)
-        flat = torch.tensor([t for w in work for t in w.request.all_ids[w.start:w.start + w.n]],
-                            dtype=torch.long, device=dev)
+        batch = Batch.build(
+            [w.request.slot for w in work], [w.start for w in work], [w.n for w in work], self.state
+        )
+        flat = torch.tensor(
+            [t for w in work for t in w.request.all_ids[w.start : w.start + w.n]],
+            dtype=torch.long,
+            device=dev,
+        )
         h = self.model(flat, batch, self.state)
         last = batch.last_token_idx()[torch.tensor([w.samples for w in work], device=dev)]
         return self.model.logits(h[last])
@@ -105,8 +127,13 @@ class Engine:
         reqs = [w.request for w in work]
         if not reqs:
             return []
-        sample = self.sampler(logits, [r.params for r in reqs], [r.prompt_ids for r in reqs],
-                              [r.output_ids for r in reqs], [r.extra["gen"] for r in reqs])
+        sample = self.sampler(
+            logits,
+            [r.params for r in reqs],
+            [r.prompt_ids for r in reqs],
+            [r.output_ids for r in reqs],
+            [r.extra["gen"] for r in reqs],
+        )
         outs = []
         for i, req in enumerate(reqs):
             tok = int(sample.token_ids[i])
@@ -122,8 +149,9 @@ class Engine:
                 n = req.params.logprobs
                 entry = {"token_id": tok, "logprob": float(sample.logprobs[i])}
                 if n:
-                    entry["top"] = list(zip(sample.top_ids[i, :n].tolist(),
-                                            sample.top_logprobs[i, :n].tolist()))
+                    entry["top"] = list(
+                        zip(sample.top_ids[i, :n].tolist(), sample.top_logprobs[i, :n].tolist())
+                    )
                 out.logprobs.append(entry)
             if res.finish_reason is None and len(req.output_ids) >= req.max_tokens:
                 res.finish_reason = "length"
@@ -159,12 +187,17 @@ class AsyncEngine:
                 target = self._queues.get(out.request_id)
                 if target is not None:
                     loop, q = target
-                    snapshot = RequestOutput(**{k: (list(v) if isinstance(v, list) else v)
-                                                for k, v in out.__dict__.items()})
+                    snapshot = RequestOutput(
+                        **{
+                            k: (list(v) if isinstance(v, list) else v)
+                            for k, v in out.__dict__.items()
+                        }
+                    )
                     loop.call_soon_threadsafe(q.put_nowait, snapshot)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             rid = self.engine.add_request(prompt_ids, params, request_id)

@@ -49,12 +49,19 @@ class LLM:
         max_step_tokens: int = 2048,
         chunk_size: int = 512,
         max_memory: int | None = None,
+        memory_fraction: float | None = None,
         block_size: int | None = None,
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
-        self.config = EngineConfig(device=device, dtype=dtype, ops=ops, quantized=quantized,
-                                   max_seqs=max_seqs, max_seq_len=max_seq_len)
+        self.config = EngineConfig(
+            device=device,
+            dtype=dtype,
+            ops=ops,
+            quantized=quantized,
+            max_seqs=max_seqs,
+            max_seq_len=max_seq_len,
+        )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
@@ -71,20 +78,46 @@ class LLM:
         # ---- state pools: fixed part per slot, pages for the growing part
         tdt = self.config.torch_dtype
         probe = DecodeState(args, 1, max_seq_len, tdt, "meta", num_blocks=1, block_size=block_size)
+        if memory_fraction is not None:  # like peers' mem-fraction: of what is free after weights
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+            if torch.device(device).type != "cuda":
+                raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
+            max_memory = int(torch.cuda.mem_get_info(torch.device(device))[0] * memory_fraction)
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * probe.max_blocks_per_seq
         else:
-            num_blocks = DecodeState.blocks_for_budget(args, max_seqs, max_memory, tdt,
-                                                       probe.block_size)
-        self.state = DecodeState(args, max_seqs, max_seq_len, tdt, device, num_blocks=num_blocks,
-                                 block_size=probe.block_size)
+            num_blocks = DecodeState.blocks_for_budget(
+                args, max_seqs, max_memory, tdt, probe.block_size
+            )
+        self.state = DecodeState(
+            args,
+            max_seqs,
+            max_seq_len,
+            tdt,
+            device,
+            num_blocks=num_blocks,
+            block_size=probe.block_size,
+        )
         self.state.block_table.fill_(-1)  # the scheduler hands out pages
-        log.info("state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
-                 "%d tokens; %.1f MiB", bytes_per_token(args, tdt), bytes_per_seq(args, tdt),
-                 self.state.num_blocks, self.state.block_size,
-                 self.state.num_blocks * self.state.block_size, self.state.nbytes() / 2**20)
-        self.engine = Engine(self.model, self.state, self.tokenizer, max_running=max_seqs,
-                             max_step_tokens=max_step_tokens, chunk_size=chunk_size)
+        log.info(
+            "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
+            "%d tokens; %.1f MiB",
+            bytes_per_token(args, tdt),
+            bytes_per_seq(args, tdt),
+            self.state.num_blocks,
+            self.state.block_size,
+            self.state.num_blocks * self.state.block_size,
+            self.state.nbytes() / 2**20,
+        )
+        self.engine = Engine(
+            self.model,
+            self.state,
+            self.tokenizer,
+            max_running=max_seqs,
+            max_step_tokens=max_step_tokens,
+            chunk_size=chunk_size,
+        )
         self._score_state: DecodeState | None = None
 
     # ---- scoring -----------------------------------------------------------------------------
@@ -116,14 +149,20 @@ class LLM:
         return self._score_state
 
     def _new_state(self) -> DecodeState:
-        return DecodeState(self.args, self.config.max_seqs, self.config.max_seq_len,
-                                            self.config.torch_dtype, self.config.device)
+        return DecodeState(
+            self.args,
+            self.config.max_seqs,
+            self.config.max_seq_len,
+            self.config.torch_dtype,
+            self.config.device,
+        )
 
     def _forward(self, slots: list[int], starts: list[int], ids: list[list[int]]) -> torch.Tensor:
         state = self.score_state()
         batch = Batch.build(slots, starts, [len(x) for x in ids], state)
-        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long,
-                            device=self.config.device)
+        flat = torch.tensor(
+            [t for x in ids for t in x], dtype=torch.long, device=self.config.device
+        )
         return self.model(flat, batch, state)
 
     # ---- generation --------------------------------------------------------------------------
@@ -135,8 +174,9 @@ class LLM:
             return [self.args.bos_token_id] + ids
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
         return self.engine.add_request(self.encode(prompt), params, request_id)
 
     def generate(

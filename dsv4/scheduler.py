@@ -58,8 +58,9 @@ class Work:
 class Scheduler:
     """FCFS; decodes and unfinished prefills first, then new requests, within a token budget."""
 
-    def __init__(self, state: DecodeState, max_running: int, max_step_tokens: int,
-                 chunk_size: int) -> None:
+    def __init__(
+        self, state: DecodeState, max_running: int, max_step_tokens: int, chunk_size: int
+    ) -> None:
         self.state = state
         self.max_running = min(max_running, state.max_seqs)
         self.max_step_tokens, self.chunk_size = max_step_tokens, chunk_size
@@ -73,8 +74,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         need = self._pages_for(req.num_tokens + req.max_tokens - len(req.output_ids))
         if need > min(self.state.num_blocks, self.state.max_blocks_per_seq):
-            raise ValueError(f"request {req.request_id} needs {need} pages; the pool has "
-                             f"{self.state.num_blocks} ({self.state.max_blocks_per_seq} per sequence)")
+            raise ValueError(
+                f"request {req.request_id} needs {need} pages; the pool has "
+                f"{self.state.num_blocks} ({self.state.max_blocks_per_seq} per sequence)"
+            )
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -138,7 +141,9 @@ class Scheduler:
             if req in self.running:
                 work.append(Work(req, req.num_computed, n))
                 budget -= n
-        while self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running:
+        while (
+            self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running
+        ):
             req = self.waiting[0]
             n = min(req.num_tokens, self.chunk_size, budget)
             if self._pages_for(n) > len(self.free_pages):

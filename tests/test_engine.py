@@ -58,8 +58,15 @@ def test_preemption_gives_the_same_outputs(ckpt, prompts):  # noqa: ANN001
     # 8 pages beyond the fixed per-slot state: 8 prompts needing up to 3 pages each must preempt
     per_page = int(bytes_per_token(ARGS, torch.float32) * 16)
     budget = 8 * bytes_per_seq(ARGS, torch.float32) + 8 * per_page
-    llm = LLM(ckpt, progress=False, max_seqs=8, max_step_tokens=64, chunk_size=64,
-              max_memory=budget, block_size=16)
+    llm = LLM(
+        ckpt,
+        progress=False,
+        max_seqs=8,
+        max_step_tokens=64,
+        chunk_size=64,
+        max_memory=budget,
+        block_size=16,
+    )
     assert llm.state.num_blocks == 8
     long = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # decodes cross pages
     outs = llm.generate(prompts, long)
@@ -125,3 +132,25 @@ def test_bad_requests(ckpt):  # noqa: ANN001
         llm.generate([[]], GREEDY)
     with pytest.raises(ValueError, match="SamplingParams for"):
         llm.generate([[2], [3]], [GREEDY])
+
+
+def test_stop_string_and_logprobs_through_engine(ckpt, prompts):  # noqa: ANN001
+    llm = LLM(ckpt, progress=False, block_size=16)
+    free = llm.generate([prompts[4]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    text = free[0].text
+    assert len(text) >= 4
+    stop = text[2:4]  # spans whatever tokens produced those characters
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], logprobs=2)
+    out = llm.generate([prompts[4]], sp)[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    assert len(out.logprobs) == len(out.token_ids) and len(out.logprobs[0]["top"]) == 2
+    assert out.logprobs[0]["logprob"] <= 0.0
+
+
+def test_chat_cli(ckpt, monkeypatch, capsys):  # noqa: ANN001
+    from dsv4.cli import main
+
+    lines = iter(["hi there", ""])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    assert main(["chat", "--model", str(ckpt), "--max-tokens", "3"]) == 0
+    assert "assistant>" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4.llm import LLM
+from dsv4.sampling import SamplingParams
 from dsv4.tiny import make_tiny, tiny_args
 
 pytestmark = pytest.mark.gpu
@@ -30,5 +31,6 @@ def test_cuda_quantized_bf16_generates(tiny):  # noqa: ANN001
     # bf16 activations through random layers: ~4% norm error on CPU too; same argmax almost always
     assert float((a - b).norm() / b.norm()) < 0.08
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
-    outs = llm.generate(["hello", "a longer prompt"], max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(temperature=0.7, seed=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(["hello", "a longer prompt"], sp)
     assert all(len(o.token_ids) == 8 for o in outs)
