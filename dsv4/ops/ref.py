@@ -93,6 +93,14 @@ def sparse_attn(
     return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
 
 
+def _hc_mixes(x: torch.Tensor, hc_fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    # x: [T, n, D] -> fn . RMS-normalised flatten(x) (unweighted norm over all n*D, stream 0 first)
+    flat = x.flatten(1).float()
+    return F.linear(flat, hc_fn.float()) * torch.rsqrt(
+        flat.square().mean(-1, keepdim=True) + norm_eps
+    )
+
+
 def hc_pre(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -104,10 +112,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x: [T, n, D] -> y: [T, D] (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
     n = x.shape[1]
-    flat = x.flatten(1).float()  # [T, n*D], stream 0 first
-    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(
-        flat.square().mean(-1, keepdim=True) + norm_eps
-    )
+    mixes = _hc_mixes(x, hc_fn, norm_eps)  # [T, (2+n)*n]
     pre = torch.sigmoid(mixes[:, :n] * hc_scale[0] + hc_base[:n]) + hc_eps
     post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * hc_scale[1] + hc_base[n : 2 * n])
     comb = mixes[:, 2 * n :].view(-1, n, n) * hc_scale[2] + hc_base[2 * n :].view(n, n)
@@ -139,10 +144,7 @@ def hc_head(
     hc_eps: float,
 ) -> torch.Tensor:
     # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
-    flat = x.flatten(1).float()
-    mixes = F.linear(flat, hc_fn.float()) * torch.rsqrt(
-        flat.square().mean(-1, keepdim=True) + norm_eps
-    )
+    mixes = _hc_mixes(x, hc_fn, norm_eps)  # [T, n]
     pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
 
