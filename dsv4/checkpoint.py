@@ -203,8 +203,9 @@ class _Shards:
                 f"tensor {name} in {self.files[name].name}: unreadable ({e})"
             ) from None
 
-    def keys_in(self, path: Path) -> set[str]:
-        return set(self._f(next(n for n, p in self.files.items() if p == path)).keys())
+    def shard_keys(self, name: str) -> set[str]:
+        """Every tensor name in the shard that holds `name`."""
+        return set(self._f(name).keys())
 
 
 def verify(args: ModelArgs, files: dict[str, Path], shards: _Shards) -> dict[str, TensorSpec]:
@@ -222,9 +223,11 @@ def verify(args: ModelArgs, files: dict[str, Path], shards: _Shards) -> dict[str
             f"unexpected tensors ({len(unexpected)}): {unexpected[:8]}"
             + (" ..." if len(unexpected) > 8 else "")
         )
-    for shard in sorted(set(files.values())):
-        listed = {n for n, p in files.items() if p == shard}
-        absent = sorted(listed - shards.keys_in(shard))
+    by_shard: dict[Path, set[str]] = {}
+    for name, shard in files.items():
+        by_shard.setdefault(shard, set()).add(name)
+    for shard, listed in sorted(by_shard.items()):
+        absent = sorted(listed - shards.shard_keys(next(iter(listed))))
         if absent:
             raise CheckpointError(
                 f"{shard.name}: index lists tensors it does not hold: {absent[:8]}"
@@ -244,6 +247,16 @@ def verify(args: ModelArgs, files: dict[str, Path], shards: _Shards) -> dict[str
     return expected
 
 
+def companion_names(specs: dict[str, TensorSpec]) -> set[str]:
+    """Scale tensors that travel with a quantized `.weight` (loaded and written with it)."""
+    return {
+        f"{n[: -len('weight')]}{s}"
+        for n, sp in specs.items()
+        if sp.fmt != "dense"
+        for s in SCALE_SUFFIXES[sp.fmt]
+    }
+
+
 def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool = True) -> None:
     """Stream the checkpoint into `model` tensor by tensor, strictly.
 
@@ -256,15 +269,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
     files = checkpoint_files(ckpt_dir)
     shards = _Shards(files)
     expected = verify(args, files, shards)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    params = {k: v for k, v in params.items() if k in model.state_dict()}
-    companions = {
-        f"{n[: -len('weight')]}{s}"
-        for n, sp in expected.items()
-        if sp.fmt != "dense"
-        for s in SCALE_SUFFIXES[sp.fmt]
-    }
+    params = model.state_dict(keep_vars=True)  # persistent parameters and buffers, by key
+    companions = companion_names(expected)
     written: set[str] = set()
     consumed: set[str] = set()
     names = sorted((n for n in expected if n not in companions), key=lambda n: (str(files[n]), n))

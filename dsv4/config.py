@@ -93,10 +93,6 @@ class ModelArgs:
     def n_hash_layers(self) -> int:
         return sum(t == HASH_MOE for t in self.mlp_layer_types)
 
-    def compress_ratio(self, layer_id: int) -> int:
-        """Ratio of main layer `layer_id`; MTP layers (id >= n_layers) are sliding-only."""
-        return self.compress_ratios[layer_id] if layer_id < self.n_layers else 0
-
     # ---- io ------------------------------------------------------------------------------
     @classmethod
     def from_json(cls, path: str | Path) -> ModelArgs:

@@ -35,6 +35,18 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def check_prompt(ids: list[int], vocab_size: int, max_seq_len: int, generate: bool) -> None:
+    """Refuse empty, out-of-vocabulary or too-long prompts (`generate`: room for one more token)."""
+    if not ids:
+        raise ValueError("empty prompt: it must be non-empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(ids) + int(generate) > max_seq_len:
+        room = " with room to generate" if generate else ""
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds max_seq_len={max_seq_len}{room}")
+
+
 class Engine:
     """Continuous batching over one model and its decode state."""
 
@@ -61,16 +73,8 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.args.vocab_size]
-        if not prompt_ids or bad:
-            raise ValueError(
-                f"prompt must be non-empty ids in [0, {self.args.vocab_size}): {bad[:5]}"
-            )
+        check_prompt(prompt_ids, self.args.vocab_size, self.state.max_seq_len, generate=True)
         room = self.state.max_seq_len - len(prompt_ids)
-        if room <= 0:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens exceeds max_seq_len={self.state.max_seq_len}"
-            )
         max_tokens = min(params.max_tokens or room, room)
         req = Request(request_id, list(prompt_ids), params, max_tokens)
         req.extra["stop"] = StopChecker(params, self.args.eos_token_id)

@@ -11,10 +11,10 @@ import torch
 from dsv4 import ops as ops_pkg
 from dsv4.checkpoint import has_mtp, load_checkpoint
 from dsv4.config import EngineConfig, ModelArgs
-from dsv4.engine import Engine, RequestOutput
+from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
-from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token
+from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token, default_block_size
 
 log = logging.getLogger("dsv4")
 
@@ -77,7 +77,7 @@ class LLM:
             self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         # ---- state pools: fixed part per slot, pages for the growing part
         tdt = self.config.torch_dtype
-        probe = DecodeState(args, 1, max_seq_len, tdt, "meta", num_blocks=1, block_size=block_size)
+        block_size = block_size or default_block_size(args)
         if memory_fraction is not None:  # like peers' mem-fraction: of what is free after weights
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -85,21 +85,13 @@ class LLM:
                 raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
             max_memory = int(torch.cuda.mem_get_info(torch.device(device))[0] * memory_fraction)
         if max_memory is None:  # every slot can reach max_seq_len
-            num_blocks = max_seqs * probe.max_blocks_per_seq
+            num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
-            num_blocks = DecodeState.blocks_for_budget(
-                args, max_seqs, max_memory, tdt, probe.block_size
-            )
+            num_blocks = DecodeState.blocks_for_budget(args, max_seqs, max_memory, tdt, block_size)
+        # the scheduler hands out these pages (block tables start empty)
         self.state = DecodeState(
-            args,
-            max_seqs,
-            max_seq_len,
-            tdt,
-            device,
-            num_blocks=num_blocks,
-            block_size=probe.block_size,
+            args, max_seqs, max_seq_len, tdt, device, num_blocks=num_blocks, block_size=block_size
         )
-        self.state.block_table.fill_(-1)  # the scheduler hands out pages
         log.info(
             "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
             "%d tokens; %.1f MiB",
@@ -124,7 +116,7 @@ class LLM:
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Teacher-forced fp32 logits for every position: [T, vocab]. Chunked prefill if asked."""
-        self._check_ids(token_ids)
+        check_prompt(token_ids, self.args.vocab_size, self.config.max_seq_len, generate=False)
         chunk = chunk_size or len(token_ids)
         out = []
         for start in range(0, len(token_ids), chunk):
@@ -132,30 +124,15 @@ class LLM:
             out.append(self.model.logits(h))
         return torch.cat(out)
 
-    def _check_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("empty prompt")
-        if len(ids) > self.config.max_seq_len:
-            raise ValueError(f"{len(ids)} tokens exceed max_seq_len={self.config.max_seq_len}")
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {self.args.vocab_size}): {bad[:5]}")
-
     def score_state(self) -> DecodeState:
         """Static-paged state used by score() (apart from the engine's pools)."""
         if self._score_state is None:
             with torch.inference_mode(False):  # normal tensors: usable inside and outside
-                self._score_state = self._new_state()
+                c = self.config
+                self._score_state = DecodeState(
+                    self.args, c.max_seqs, c.max_seq_len, c.torch_dtype, c.device
+                )
         return self._score_state
-
-    def _new_state(self) -> DecodeState:
-        return DecodeState(
-            self.args,
-            self.config.max_seqs,
-            self.config.max_seq_len,
-            self.config.torch_dtype,
-            self.config.device,
-        )
 
     def _forward(self, slots: list[int], starts: list[int], ids: list[list[int]]) -> torch.Tensor:
         state = self.score_state()

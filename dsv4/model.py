@@ -6,6 +6,7 @@ H = heads, hd = head_dim. Per-sequence bookkeeping lives in `Batch` and `DecodeS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -22,6 +23,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
+def _hc_params(module: nn.Module, prefix: str, rows: int, n_scales: int, hc_dim: int) -> None:
+    """Register `{prefix}_fn [rows, hc_dim]`, `{prefix}_base [rows]`, `{prefix}_scale` (fp32)."""
+    module.register_parameter(f"{prefix}_fn", _param(rows, hc_dim, dtype=torch.float32))
+    module.register_parameter(f"{prefix}_base", _param(rows, dtype=torch.float32))
+    module.register_parameter(f"{prefix}_scale", _param(n_scales, dtype=torch.float32))
+
+
 class Linear(nn.Module):
     """y = x Wᵀ with W as stored in the checkpoint: dense, FP8 (128x128 UE8M0), MXFP4 or NVFP4."""
 
@@ -29,13 +37,7 @@ class Linear(nn.Module):
         self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype, ops: ModuleType
     ) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.fmt, self.ops = (
-            in_features,
-            out_features,
-            fmt,
-            ops,
-        )
-        self.scale = self.scale2 = None
+        self.fmt, self.ops = fmt, ops
         if fmt == "dense":
             self.weight = _param(out_features, in_features, dtype=dtype)
         elif fmt == "fp8":
@@ -51,12 +53,35 @@ class Linear(nn.Module):
             self.weight_scale = _param(out_features, in_features // 16, dtype=torch.float8_e4m3fn)
             self.weight_scale_2 = _param(dtype=torch.float32)
             self.input_scale = _param(dtype=torch.float32)
-            self.scale, self.scale2 = self.weight_scale, self.weight_scale_2
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(block scale, global scale) of the stored format; no aliases, so state_dict keys stay
+        exactly the checkpoint's."""
+        if self.fmt == "nvfp4":
+            return self.weight_scale, self.weight_scale_2
+        return getattr(self, "scale", None), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.fmt, self.scale, self.scale2)
+        return self.ops.linear(x, self.weight, self.fmt, *self.scales())
+
+
+@dataclass(frozen=True)
+class Build:
+    """How modules are built: config, compute dtype, weight formats kept in memory, op backend."""
+
+    args: ModelArgs
+    dtype: torch.dtype
+    quant: str  # dense projections: "dense" (dequantized) | "fp8"
+    expert_quant: str  # routed experts: "dense" | "fp8" | "fp4" | "nvfp4"
+    ops: ModuleType
+
+    def linear(self, n_in: int, n_out: int, fmt: str | None = None) -> Linear:
+        return Linear(n_in, n_out, self.quant if fmt is None else fmt, self.dtype, self.ops)
+
+    def norm(self, dim: int) -> RMSNorm:
+        return RMSNorm(dim, self.args.norm_eps, self.ops)
 
 
 class RMSNorm(nn.Module):
@@ -80,22 +105,14 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
 class Compressor(nn.Module):
     """Softmax-gated pooling of m tokens into one KV entry (CSA: overlapping 2m slots; HCA: m)."""
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        ratio: int,
-        head_dim: int,
-        overlap: bool,
-        dtype: torch.dtype,
-        ops: ModuleType,
-    ) -> None:
+    def __init__(self, b: Build, ratio: int, head_dim: int, overlap: bool) -> None:
         super().__init__()
-        self.ratio, self.head_dim, self.overlap, self.ops = ratio, head_dim, overlap, ops
+        self.ratio, self.head_dim, self.overlap, self.ops = ratio, head_dim, overlap, b.ops
         c = 2 if overlap else 1
-        self.wkv = Linear(args.dim, c * head_dim, "dense", dtype, ops)
-        self.wgate = Linear(args.dim, c * head_dim, "dense", dtype, ops)
+        self.wkv = b.linear(b.args.dim, c * head_dim, "dense")
+        self.wgate = b.linear(b.args.dim, c * head_dim, "dense")
         self.ape = _param(ratio, c * head_dim, dtype=torch.float32)
-        self.norm = RMSNorm(head_dim, args.norm_eps, ops)
+        self.norm = b.norm(head_dim)
 
     def forward(
         self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor
@@ -115,8 +132,6 @@ class Compressor(nn.Module):
             c = self.ops.compress_pool(ga.to(x.dtype), gz)  # [n, d]
             c = self.norm(c)
             c = self.ops.rotary(c, *rope_at(inv_freq, w * m))  # RoPE at the window's first token
-            if bool((dest < 0).any()):
-                raise RuntimeError("a compressed entry closed in a block with no page allocated")
             st.kv_cache[dest] = c.to(st.kv_cache.dtype)
         # ---- keep the raw projections of the last R tokens of each sequence
         tok, rows = batch.ring_writes(st.ring)
@@ -127,17 +142,13 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: I(p, w) = sum_h w_h ReLU(q_h . k_w); keeps the top-k compressed entries."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, quant: str, ops: ModuleType) -> None:
+    def __init__(self, b: Build) -> None:
         super().__init__()
-        self.n_heads, self.head_dim, self.topk, self.ops = (
-            args.index_n_heads,
-            args.index_head_dim,
-            args.index_topk,
-            ops,
-        )
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, quant, dtype, ops)
-        self.weights_proj = Linear(args.dim, self.n_heads, "dense", dtype, ops)
-        self.compressor = Compressor(args, args.csa_ratio, self.head_dim, True, dtype, ops)
+        a, self.ops = b.args, b.ops
+        self.n_heads, self.head_dim, self.topk = a.index_n_heads, a.index_head_dim, a.index_topk
+        self.wq_b = b.linear(a.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = b.linear(a.dim, self.n_heads, "dense")
+        self.compressor = Compressor(b, a.csa_ratio, self.head_dim, True)
         self.softmax_scale = self.head_dim**-0.5
 
     def forward(
@@ -161,33 +172,25 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """Shared K=V MQA over window ∪ compressed entries ∪ sink, with grouped low-rank output."""
 
-    def __init__(
-        self, layer_id: int, args: ModelArgs, dtype: torch.dtype, quant: str, ops: ModuleType
-    ) -> None:
+    def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        self.layer_id, self.ops = layer_id, ops
-        self.kind = args.layer_types[layer_id] if layer_id < args.n_layers else SLIDING
-        self.n_heads, self.head_dim, self.window = args.n_heads, args.head_dim, args.window_size
-        self.o_groups, self.eps = args.o_groups, args.norm_eps
-        self.wq_a = Linear(args.dim, args.q_lora_rank, quant, dtype, ops)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, ops)
-        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, quant, dtype, ops)
-        self.wkv = Linear(args.dim, args.head_dim, quant, dtype, ops)
-        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
-        self.wo_a = Linear(
-            args.n_heads * args.head_dim // args.o_groups,
-            args.o_groups * args.o_lora_rank,
-            quant,
-            dtype,
-            ops,
-        )
-        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, quant, dtype, ops)
-        self.attn_sink = _param(args.n_heads, dtype=torch.float32)
+        a, self.ops = b.args, b.ops
+        self.kind = a.layer_types[layer_id] if layer_id < a.n_layers else SLIDING
+        self.n_heads, self.head_dim, self.window = a.n_heads, a.head_dim, a.window_size
+        self.o_groups, self.eps = a.o_groups, a.norm_eps
+        self.wq_a = b.linear(a.dim, a.q_lora_rank)
+        self.q_norm = b.norm(a.q_lora_rank)
+        self.wq_b = b.linear(a.q_lora_rank, a.n_heads * a.head_dim)
+        self.wkv = b.linear(a.dim, a.head_dim)
+        self.kv_norm = b.norm(a.head_dim)
+        self.wo_a = b.linear(a.n_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank)
+        self.wo_b = b.linear(a.o_groups * a.o_lora_rank, a.dim)
+        self.attn_sink = _param(a.n_heads, dtype=torch.float32)
         if self.kind != SLIDING:
-            ratio = args.csa_ratio if self.kind == CSA else args.hca_ratio
-            self.compressor = Compressor(args, ratio, args.head_dim, self.kind == CSA, dtype, ops)
+            ratio = a.csa_ratio if self.kind == CSA else a.hca_ratio
+            self.compressor = Compressor(b, ratio, a.head_dim, self.kind == CSA)
         if self.kind == CSA:
-            self.indexer = Indexer(args, dtype, quant, ops)
+            self.indexer = Indexer(b)
 
     def forward(
         self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope, inv_freq: torch.Tensor
@@ -219,11 +222,7 @@ class Attention(nn.Module):
         # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
         o = self.ops.rotary(o, *rope, inverse=True)
         o = self.ops.grouped_linear(
-            o.reshape(T, self.o_groups, -1),
-            self.wo_a.weight,
-            self.wo_a.fmt,
-            self.wo_a.scale,
-            self.wo_a.scale2,
+            o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt, *self.wo_a.scales()
         )
         return self.wo_b(o.flatten(1))
 
@@ -231,11 +230,12 @@ class Attention(nn.Module):
 class Gate(nn.Module):
     """Router: sqrtsoftplus scores; top-k of score + bias, or a fixed token-id hash table."""
 
-    def __init__(self, layer_id: int, args: ModelArgs, dtype: torch.dtype, ops: ModuleType) -> None:
+    def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        self.topk, self.route_scale, self.ops = args.n_activated_experts, args.route_scale, ops
+        args, self.ops = b.args, b.ops
+        self.topk, self.route_scale = args.n_activated_experts, args.route_scale
         self.hash = layer_id < args.n_layers and args.mlp_layer_types[layer_id] == HASH_MOE
-        self.weight = _param(args.n_routed_experts, args.dim, dtype=dtype)
+        self.weight = _param(args.n_routed_experts, args.dim, dtype=b.dtype)
         if self.hash:
             self.tid2eid = nn.Parameter(
                 torch.empty(args.vocab_size, self.topk, dtype=torch.int64), requires_grad=False
@@ -258,14 +258,12 @@ class Gate(nn.Module):
 class Expert(nn.Module):
     """SwiGLU expert with the asymmetric clamp (gate <= limit, |up| <= limit)."""
 
-    def __init__(
-        self, dim: int, inter_dim: int, fmt: str, limit: float, dtype: torch.dtype, ops: ModuleType
-    ) -> None:
+    def __init__(self, b: Build, inter_dim: int, fmt: str) -> None:
         super().__init__()
-        self.limit = limit
-        self.w1 = Linear(dim, inter_dim, fmt, dtype, ops)
-        self.w2 = Linear(inter_dim, dim, fmt, dtype, ops)
-        self.w3 = Linear(dim, inter_dim, fmt, dtype, ops)
+        dim, self.limit = b.args.dim, b.args.swiglu_limit
+        self.w1 = b.linear(dim, inter_dim, fmt)
+        self.w2 = b.linear(inter_dim, dim, fmt)
+        self.w3 = b.linear(dim, inter_dim, fmt)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         g = self.w1(x).float().clamp(max=self.limit)
@@ -279,32 +277,15 @@ class Expert(nn.Module):
 class MoE(nn.Module):
     """Routed experts (top-k of n_routed) plus one shared expert."""
 
-    def __init__(
-        self,
-        layer_id: int,
-        args: ModelArgs,
-        dtype: torch.dtype,
-        quant: str,
-        expert_quant: str,
-        ops: ModuleType,
-    ) -> None:
+    def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        self.gate = Gate(layer_id, args, dtype, ops)
+        a = b.args
+        self.gate = Gate(layer_id, b)
         self.experts = nn.ModuleList(
-            Expert(args.dim, args.moe_inter_dim, expert_quant, args.swiglu_limit, dtype, ops)
-            for _ in range(args.n_routed_experts)
+            Expert(b, a.moe_inter_dim, b.expert_quant) for _ in range(a.n_routed_experts)
         )
         self.shared_experts = (
-            Expert(
-                args.dim,
-                args.moe_inter_dim * args.n_shared_experts,
-                quant,
-                args.swiglu_limit,
-                dtype,
-                ops,
-            )
-            if args.n_shared_experts
-            else None
+            Expert(b, a.moe_inter_dim * a.n_shared_experts, b.quant) if a.n_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -321,28 +302,17 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """One layer: hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post on n residual streams."""
 
-    def __init__(
-        self,
-        layer_id: int,
-        args: ModelArgs,
-        dtype: torch.dtype,
-        quant: str,
-        expert_quant: str,
-        ops: ModuleType,
-    ) -> None:
+    def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        self.args, self.ops = args, ops
-        mix = (2 + args.hc_mult) * args.hc_mult
-        self.attn = Attention(layer_id, args, dtype, quant, ops)
-        self.ffn = MoE(layer_id, args, dtype, quant, expert_quant, ops)
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.hc_attn_fn = _param(mix, args.hc_dim, dtype=torch.float32)
-        self.hc_attn_base = _param(mix, dtype=torch.float32)
-        self.hc_attn_scale = _param(3, dtype=torch.float32)
-        self.hc_ffn_fn = _param(mix, args.hc_dim, dtype=torch.float32)
-        self.hc_ffn_base = _param(mix, dtype=torch.float32)
-        self.hc_ffn_scale = _param(3, dtype=torch.float32)
+        args = self.args = b.args
+        self.ops = b.ops
+        self.attn = Attention(layer_id, b)
+        self.ffn = MoE(layer_id, b)
+        self.attn_norm = b.norm(args.dim)
+        self.ffn_norm = b.norm(args.dim)
+        mix = (2 + args.hc_mult) * args.hc_mult  # pre (n) + post (n) + comb (n*n)
+        _hc_params(self, "hc_attn", mix, 3, args.hc_dim)  # hc_attn_fn / _base / _scale
+        _hc_params(self, "hc_ffn", mix, 3, args.hc_dim)
 
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):  # noqa: ANN201
         a = self.args
@@ -368,40 +338,16 @@ class Block(nn.Module):
         return self.ops.hc_post(y, residual, post, comb)
 
 
-class HcHead(nn.Module):
-    """Final collapse of the n streams (sigmoid weights, no Sinkhorn)."""
-
-    def __init__(self, args: ModelArgs, ops: ModuleType) -> None:
-        super().__init__()
-        self.args, self.ops = args, ops
-
-    def forward(
-        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
-    ) -> torch.Tensor:
-        return self.ops.hc_head(x, fn, scale, base, self.args.norm_eps, self.args.hc_eps)
-
-
 class MTPBlock(Block):
     """Next-n prediction layer: mixes the main streams with the next token's embedding."""
 
-    def __init__(
-        self,
-        layer_id: int,
-        args: ModelArgs,
-        dtype: torch.dtype,
-        quant: str,
-        expert_quant: str,
-        ops: ModuleType,
-    ) -> None:
-        super().__init__(layer_id, args, dtype, quant, expert_quant, ops)
-        self.e_proj = Linear(args.dim, args.dim, quant, dtype, ops)
-        self.h_proj = Linear(args.dim, args.dim, quant, dtype, ops)
-        self.enorm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.hnorm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.hc_head_fn = _param(args.hc_mult, args.hc_dim, dtype=torch.float32)
-        self.hc_head_base = _param(args.hc_mult, dtype=torch.float32)
-        self.hc_head_scale = _param(1, dtype=torch.float32)
+    def __init__(self, layer_id: int, b: Build) -> None:
+        super().__init__(layer_id, b)
+        D = b.args.dim
+        self.e_proj = b.linear(D, D)
+        self.h_proj = b.linear(D, D)
+        self.enorm, self.hnorm, self.norm = b.norm(D), b.norm(D), b.norm(D)
+        _hc_params(self, "hc_head", b.args.hc_mult, 1, b.args.hc_dim)
 
     def forward(
         self,
@@ -432,23 +378,20 @@ class Transformer(nn.Module):
         if ops is None:
             from dsv4.ops import ref as ops
         self.args, self.dtype, self.ops = args, dtype, ops
-        quant = args.weight_dtype.replace("bf16", "dense") if quantized else "dense"
-        expert_quant = args.expert_dtype.replace("bf16", "dense") if quantized else "dense"
+        b = Build(
+            args,
+            dtype,
+            quant=args.weight_dtype.replace("bf16", "dense") if quantized else "dense",
+            expert_quant=args.expert_dtype.replace("bf16", "dense") if quantized else "dense",
+            ops=ops,
+        )
         self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            Block(i, args, dtype, quant, expert_quant, ops) for i in range(args.n_layers)
-        )
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.head = Linear(args.dim, args.vocab_size, "dense", dtype, ops)
-        self.hc_head_fn = _param(args.hc_mult, args.hc_dim, dtype=torch.float32)
-        self.hc_head_base = _param(args.hc_mult, dtype=torch.float32)
-        self.hc_head_scale = _param(1, dtype=torch.float32)
-        self.hc_head = HcHead(args, ops)
-        self.mtp = nn.ModuleList(
-            MTPBlock(args.n_layers + i, args, dtype, quant, expert_quant, ops)
-            for i in range(args.n_mtp_layers)
-        )
+        self.layers = nn.ModuleList(Block(i, b) for i in range(args.n_layers))
+        self.norm = b.norm(args.dim)
+        self.head = b.linear(args.dim, args.vocab_size, "dense")
+        _hc_params(self, "hc_head", args.hc_mult, 1, args.hc_dim)
+        self.mtp = nn.ModuleList(MTPBlock(args.n_layers + i, b) for i in range(args.n_mtp_layers))
         rd = args.rope_head_dim
         self.register_buffer(
             "freqs_main", yarn_inv_freq(rd, args.rope_theta, None), persistent=False
@@ -474,8 +417,15 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, n, D] streams -> fp32 logits [N, vocab]."""
-        x = self.norm(self.hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base))
-        return F.linear(x.float(), self.head.weight.float())
+        return F.linear(self.hc_head(h, self).float(), self.head.weight.float())
+
+    def hc_head(self, h: torch.Tensor, owner: nn.Module) -> torch.Tensor:
+        """Collapse the n streams with `owner`'s hc_head params (main model or an MTP layer), norm."""
+        a = self.args
+        x = self.ops.hc_head(
+            h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, a.norm_eps, a.hc_eps
+        )
+        return owner.norm(x)
 
     def mtp_forward(
         self,
@@ -500,5 +450,4 @@ class Transformer(nn.Module):
             rope_at(inv, batch.positions),
             inv,
         )
-        y = mtp.norm(self.hc_head(x, mtp.hc_head_fn, mtp.hc_head_scale, mtp.hc_head_base))
-        return x, F.linear(y.float(), self.head.weight.float())
+        return x, F.linear(self.hc_head(x, mtp).float(), self.head.weight.float())

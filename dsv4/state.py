@@ -68,6 +68,12 @@ def bytes_per_seq(args: ModelArgs, dtype: torch.dtype) -> int:
     return total
 
 
+def default_block_size(args: ModelArgs) -> int:
+    """The smallest multiple of both compress ratios that is >= 256 tokens."""
+    lcm = math.lcm(args.csa_ratio, args.hca_ratio)
+    return lcm * -(-256 // lcm)
+
+
 class DecodeState:
     """All layers' state: `max_seqs` slots (rings) and `num_blocks` pages of compressed entries.
 
@@ -85,9 +91,7 @@ class DecodeState:
         num_blocks: int | None = None,
         block_size: int | None = None,
     ) -> None:
-        if block_size is None:  # the smallest multiple of both ratios >= 256 tokens
-            lcm = math.lcm(args.csa_ratio, args.hca_ratio)
-            block_size = lcm * -(-256 // lcm)
+        block_size = block_size or default_block_size(args)
         for m in {args.csa_ratio, args.hca_ratio}:
             if block_size % m:
                 raise ValueError(f"block_size={block_size} must be a multiple of ratio {m}")
@@ -183,6 +187,15 @@ class Batch:
             raise ValueError(f"slots {slots} must be distinct and in [0, {max_seqs})")
         if min(lens) <= 0 or min(start_pos) < 0:
             raise ValueError(f"lens {lens} must be > 0 and start_pos {start_pos} >= 0")
+        last_page = [(s + n - 1) // state.block_size for s, n in zip(start_pos, lens)]
+        if max(last_page) >= state.max_blocks_per_seq:
+            raise ValueError(f"positions beyond max_seq_len={state.max_seq_len}")
+        slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+        block_table = state.block_table[slots_t]
+        # one check per step (not per layer): every position's page must be allocated
+        last_t = torch.tensor(last_page, dtype=torch.long, device=device)
+        if bool((block_table.gather(1, last_t[:, None]) < 0).any()):
+            raise RuntimeError(f"slots {slots}: a position of this step has no page allocated")
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         start_t = torch.tensor(start_pos, dtype=torch.long, device=device)
         token_seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
@@ -190,13 +203,13 @@ class Batch:
         cu[1:] = lens_t.cumsum(0)
         positions = start_t[token_seq] + torch.arange(int(cu[-1]), device=device) - cu[token_seq]
         return cls(
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            slots=slots_t,
             start_pos=start_t,
             lens=lens_t,
             positions=positions,
             token_seq=token_seq,
             cu_lens=cu,
-            block_table=state.block_table[torch.tensor(slots, device=device)],
+            block_table=block_table,
             block_size=state.block_size,
             max_seqs=max_seqs,
         )

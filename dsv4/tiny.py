@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dsv4 import quant
-from dsv4.checkpoint import TensorSpec, checkpoint_tensors, save_checkpoint
+from dsv4.checkpoint import TensorSpec, checkpoint_tensors, companion_names, save_checkpoint
 from dsv4.config import CSA, HCA, SLIDING, ModelArgs, YarnArgs
 
 LAYER_NAMES = {"sliding": SLIDING, "csa": CSA, "hca": HCA}
@@ -93,8 +93,9 @@ def random_tensors(args: ModelArgs, seed: int = 0) -> Iterator[tuple[str, torch.
     """(name, tensor) in checkpoint order and formats, quantized like the release."""
     g = torch.Generator().manual_seed(seed)
     specs = checkpoint_tensors(args)
+    companions = companion_names(specs)
     for name, spec in specs.items():
-        if name.endswith((".scale", ".weight_scale", ".weight_scale_2", ".input_scale")):
+        if name in companions:
             continue  # emitted with their weight
         value = _random(name, spec, args, g)
         stem = name[: -len("weight")]
