@@ -1,4 +1,4 @@
-"""`dsv4` command line: generate | make-tiny | roofline."""
+"""`dsv4` command line: serve | generate | chat | bench | roofline | make-tiny."""
 
 from __future__ import annotations
 
@@ -174,11 +174,25 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("roofline", help="analytic floor of a decode/prefill step", add_help=False)
     r.set_defaults(fn=None)
 
+    for name, help_ in (
+        ("serve", "OpenAI-compatible HTTP server (default: the built-in demo model)"),
+        ("bench", "benchmarks: `dsv4 bench step` (one decode/prefill step at real width)"),
+    ):
+        sub.add_parser(name, help=help_, add_help=False).set_defaults(fn=None)
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "roofline":
         from dsv4.roofline import main as roofline_main
 
         return roofline_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from dsv4.server import main as serve_main
+
+        return serve_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from dsv4.bench import main as bench_main
+
+        return bench_main(argv[1:])
     ns = p.parse_args(argv)
     try:
         return ns.fn(ns)

@@ -7,7 +7,7 @@ H = heads, hd = head_dim. Per-sequence bookkeeping lives in `Batch` and `DecodeS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
+from types import SimpleNamespace as Ops
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ class Linear(nn.Module):
     """y = x Wᵀ with W as stored in the checkpoint: dense, FP8 (128x128 UE8M0), MXFP4 or NVFP4."""
 
     def __init__(
-        self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype, ops: ModuleType
+        self, in_features: int, out_features: int, fmt: str, dtype: torch.dtype, ops: Ops
     ) -> None:
         super().__init__()
         self.fmt, self.ops = fmt, ops
@@ -75,7 +75,7 @@ class Build:
     dtype: torch.dtype
     quant: str  # dense projections: "dense" (dequantized) | "fp8"
     expert_quant: str  # routed experts: "dense" | "fp8" | "fp4" | "nvfp4"
-    ops: ModuleType
+    ops: Ops
 
     def linear(self, n_in: int, n_out: int, fmt: str | None = None) -> Linear:
         return Linear(n_in, n_out, self.quant if fmt is None else fmt, self.dtype, self.ops)
@@ -87,7 +87,7 @@ class Build:
 class RMSNorm(nn.Module):
     """RMSNorm with an fp32 weight."""
 
-    def __init__(self, dim: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, dim: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.eps, self.ops = eps, ops
         self.weight = _param(dim, dtype=torch.float32)
@@ -129,10 +129,10 @@ class Compressor(nn.Module):
             if self.overlap:  # window w-1 gives its A-half, window w its B-half
                 ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
                 gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
-            c = self.ops.compress_pool(ga.to(x.dtype), gz)  # [n, d]
-            c = self.norm(c)
-            c = self.ops.rotary(c, *rope_at(inv_freq, w * m))  # RoPE at the window's first token
-            st.kv_cache[dest] = c.to(st.kv_cache.dtype)
+            # pool -> RMSNorm -> RoPE at the window's first token -> store, one op
+            cos, sin = rope_at(inv_freq, w * m)
+            n = self.norm
+            self.ops.compress_store(ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest)
         # ---- keep the raw projections of the last R tokens of each sequence
         tok, rows = batch.ring_writes(st.ring)
         st.kv_state[rows] = a[tok]
@@ -199,9 +199,9 @@ class Attention(nn.Module):
         # ---- queries: low-rank, per-head unweighted RMS, RoPE on the trailing dims
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(qr).view(T, H, hd)
-        q = self.ops.rotary(self.ops.rms_norm(q, None, self.eps), *rope)
+        q = self.ops.norm_rope(q, None, self.eps, *rope)
         # ---- window K=V of the new tokens
-        kv = self.ops.rotary(self.kv_norm(self.wkv(x)), *rope)  # [T, hd]
+        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope)  # [T, hd]
         # ---- key rows: ring | new tokens | compressed entries
         idxs = batch.window_idxs(self.window)  # [T, W]
         sources = [ls.window, kv]
@@ -216,7 +216,7 @@ class Attention(nn.Module):
             base = ls.window.shape[0] + T
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
             sources.append(st.kv_cache)
-        o = self.ops.sparse_attn(q, torch.cat(sources), self.attn_sink, idxs, hd**-0.5)
+        o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5)
         tok, rows = batch.ring_writes(self.window)
         ls.window[rows] = kv[tok].to(ls.window.dtype)
         # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
@@ -372,11 +372,13 @@ class Transformer(nn.Module):
         args: ModelArgs,
         dtype: torch.dtype = torch.float32,
         quantized: bool = False,
-        ops: ModuleType | None = None,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         if ops is None:
-            from dsv4.ops import ref as ops
+            from dsv4.ops import select
+
+            ops = select("ref")
         self.args, self.dtype, self.ops = args, dtype, ops
         b = Build(
             args,

@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
+#   scripts/gpu_check.sh [tests] [ops] [step]     (default: all three)
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-} 2>&1 | tee "$OUT/env.txt"
 export PYTHONPATH=$PWD  # the device has no network: run from the tree
-python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
-echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt"
+PARTS=${*:-tests ops step}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log --oneline -1 2>/dev/null
+} 2>&1 | tee "$OUT/env.txt"
+
+for part in $PARTS; do
+  case $part in
+    tests)
+      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
+      echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
+    ops)  # every kernel vs its torch reference and the copy bandwidth of this run
+      python3 -m dsv4.cli bench ops --repeat 3 --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
+    step)  # one decode step at Flash width: sliding, CSA, HCA layers
+      python3 -m dsv4.cli bench step --preset flash --ops triton --batch 1,16,64 --context 4096,131072 \
+        --profile --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
+      python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
+        --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+  esac
+done

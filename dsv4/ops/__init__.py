@@ -1,18 +1,53 @@
-"""The op interface: `select(EngineConfig.ops)` returns the module whose functions the model calls.
+"""The op interface: `select(EngineConfig.ops)` returns the namespace whose functions the model calls.
 
-Each backend module exports the same functions as `dsv4.ops.ref` (the torch reference):
-linear, grouped_linear, rms_norm, rotary, sparse_attn, hc_pre, hc_post, hc_head, compress_pool,
-index_topk, stable_topk. This is the only backend dispatch in the package.
+Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
+rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, index_topk,
+stable_topk. "triton" binds the Triton kernels (one module per op, each beside its reference) and
+keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from types import SimpleNamespace
+
+from dsv4.ops import ref
+
+OPS = (
+    "linear",
+    "grouped_linear",
+    "rms_norm",
+    "rotary",
+    "norm_rope",
+    "sparse_attn",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
+    "compress_store",
+    "index_topk",
+    "stable_topk",
+)
 
 
-def select(name: str) -> ModuleType:
+def _triton() -> SimpleNamespace:
+    from dsv4.ops import indexer, mhc, rope, sparse_attn
+
+    fns = {name: getattr(ref, name) for name in OPS}
+    fns.update(
+        sparse_attn=sparse_attn.sparse_attn,
+        index_topk=indexer.index_topk,
+        hc_pre=mhc.hc_pre,
+        hc_post=mhc.hc_post,
+        hc_head=mhc.hc_head,
+        rotary=rope.rotary,
+        norm_rope=rope.norm_rope,
+        compress_store=rope.compress_store,
+    )
+    return SimpleNamespace(name="triton", **fns)
+
+
+def select(name: str) -> SimpleNamespace:
     if name == "ref":
-        from dsv4.ops import ref
-
-        return ref
-    raise ValueError(f"unknown op backend {name!r} (available: 'ref')")
+        return SimpleNamespace(name="ref", **{n: getattr(ref, n) for n in OPS})
+    if name == "triton":
+        return _triton()
+    raise ValueError(f"unknown op backend {name!r} (available: 'ref', 'triton')")

@@ -75,17 +75,25 @@ def rotary(
     return torch.cat([x[..., :-rd], out.to(x.dtype)], dim=-1)
 
 
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    # x: [T, ..., d] -> RMSNorm over d (fp32 weight or none), then RoPE on the trailing rd dims
+    return rotary(rms_norm(x, weight, eps), cos, sin)
+
+
 def sparse_attn(
     q: torch.Tensor,
-    kv: torch.Tensor,
+    kv: tuple[torch.Tensor, ...],
     attn_sink: torch.Tensor,
     topk_idxs: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    # q: [T, H, D] ; kv: [N, D] rows (K = V) ; attn_sink: [H] fp32 ; topk_idxs: [T, K] rows, -1 = none
+    # q: [T, H, D] ; kv: row tensors [N_i, D] addressed as one concatenation (K = V) ;
+    # attn_sink: [H] fp32 ; topk_idxs: [T, K] rows of the concatenation, -1 = none
     # o_h = sum_j softmax_j([l_hj ; sink_h]) * kv_j, with the sink's probability mass dropped
     valid = topk_idxs >= 0
-    keys = kv[topk_idxs.clamp(min=0)]  # [T, K, D]
+    keys = torch.cat(kv)[topk_idxs.clamp(min=0)]  # [T, K, D]
     logits = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
@@ -154,9 +162,20 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def compress_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-    # kv, score: [n, slots, d] (score -inf = empty slot) -> [n, d]: per-channel softmax over slots
-    return (kv * torch.softmax(score.float(), dim=1).to(kv.dtype)).sum(1)
+def compress_store(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    dest: torch.Tensor,
+) -> None:
+    # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows
+    # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)): per-channel softmax pooling
+    pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(out.dtype)
+    out[dest] = norm_rope(pooled, weight, eps, cos, sin)
 
 
 def index_topk(

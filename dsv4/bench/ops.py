@@ -1,0 +1,128 @@
+"""Kernel microbenchmarks: each Triton op against its torch reference and the copy bandwidth
+measured in the same run.
+
+A case module (`dsv4/bench/cases_<op>.py`) exports `cases(device, quick) -> list[Case]`. On a GPU
+every case is timed with CUDA-graph replay (median of `--repeat` runs of triton.testing's
+do_bench_cudagraph); on the CPU (Triton interpreter) each case runs once and is checked against
+its reference, which is how CI exercises the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+CASE_MODULES = ("sparse_attn", "indexer", "mhc", "rope")
+
+
+@dataclass
+class Case:
+    """One shape of one op: the kernel call, the reference call, the bytes it must move."""
+
+    op: str
+    shape: str  # e.g. "B=64 K=640"
+    run: Callable[[], object]
+    ref: Callable[[], object]
+    bytes: int  # the fewest bytes the op must read + write
+    target_us: float | None = None  # the issue's latency target, if any
+    target_bw: float | None = None  # the issue's fraction-of-copy-bandwidth target, if any
+
+
+def _close(a: object, b: object) -> float:
+    """Largest relative error over the tensors of two results (fp32 norms)."""
+    xs = a if isinstance(a, (tuple, list)) else (a,)
+    ys = b if isinstance(b, (tuple, list)) else (b,)
+    err = 0.0
+    for x, y in zip(xs, ys):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            d = (x.float() - y.float()).norm() / y.float().norm().clamp(min=1e-30)
+            err = max(err, float(d))
+        elif isinstance(x, torch.Tensor):
+            err = max(err, float((x != y).float().mean()))
+    return err
+
+
+def _time_us(fn: Callable[[], object], repeat: int) -> list[float]:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    try:
+        return [do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3 for _ in range(repeat)]
+    except Exception:  # noqa: BLE001  (an op that cannot be captured is timed with events)
+        return [do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3 for _ in range(repeat)]
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """Device-to-device copy bandwidth in B/s, counting bytes read + written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = statistics.median(_time_us(lambda: dst.copy_(src), repeat))
+    return 2 * nbytes / (t * 1e-6)
+
+
+def run_cases(cases: list[Case], device: str, repeat: int) -> tuple[float | None, list[dict]]:
+    timed = device.startswith("cuda")
+    bw = copy_bandwidth(device) if timed else None
+    rows = []
+    for c in cases:
+        row = {"op": c.op, "shape": c.shape, "bytes": c.bytes, "rel_err": _close(c.run(), c.ref())}
+        if timed:
+            ts, tr = _time_us(c.run, repeat), _time_us(c.ref, repeat)
+            t = statistics.median(ts)
+            row.update(
+                us=t,
+                us_spread=(min(ts), max(ts)),
+                ref_us=statistics.median(tr),
+                speedup=statistics.median(tr) / t,
+                gbps=c.bytes / (t * 1e-6) / 1e9,
+                pct_copy_bw=100 * c.bytes / (t * 1e-6) / bw,
+                target_us=c.target_us,
+                target_pct_bw=None if c.target_bw is None else 100 * c.target_bw,
+            )
+        rows.append(row)
+    return bw, rows
+
+
+def _print(bw: float | None, rows: list[dict]) -> None:
+    if bw is not None:
+        print(f"copy bandwidth (read+write): {bw / 1e9:.0f} GB/s")
+    print(f"{'op':<14}{'shape':<30}{'us':>9}{'ref us':>10}{'x ref':>7}{'GB/s':>8}{'%bw':>6}{'err':>9}")
+    for r in rows:
+        if "us" in r:
+            print(
+                f"{r['op']:<14}{r['shape']:<30}{r['us']:>9.2f}{r['ref_us']:>10.2f}"
+                f"{r['speedup']:>7.1f}{r['gbps']:>8.0f}{r['pct_copy_bw']:>6.0f}{r['rel_err']:>9.1e}"
+            )
+        else:
+            print(f"{r['op']:<14}{r['shape']:<30}{'-':>9}{'-':>10}{'-':>7}{'-':>8}{'-':>6}{r['rel_err']:>9.1e}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dsv4 bench ops", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", action="append", choices=CASE_MODULES, help="op family (repeatable)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (the CPU/CI mode)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per case (median reported)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    ns = p.parse_args(argv)
+    quick = ns.quick or not ns.device.startswith("cuda")
+    cases: list[Case] = []
+    for name in ns.only or CASE_MODULES:
+        mod = importlib.import_module(f"dsv4.bench.cases_{name}")
+        cases += mod.cases(ns.device, quick)
+    bw, rows = run_cases(cases, ns.device, ns.repeat)
+    _print(bw, rows)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"device": ns.device, "copy_bw": bw, "rows": rows}, f, indent=1)
+    bad = [r for r in rows if not r["rel_err"] <= 2e-2]
+    if bad:
+        print(f"error: {len(bad)} case(s) disagree with their reference", file=sys.stderr)
+        return 1
+    return 0
