@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/dsv4 generate "The capital of France is" --max-tokens 16
+	$(VENV)/bin/dsv4 serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

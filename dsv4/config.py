@@ -608,3 +608,47 @@ def yarn_inv_freq(rope_dim: int, theta: float, yarn: YarnArgs | None):  # -> fp3
     extrap = 1 - ramp
     inv = (1.0 / (yarn.factor * base)) * (1 - extrap) + inv * extrap
     return inv
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`dsv4 serve` settings: where to listen, who may call, and the engine to build."""
+
+    model: str | None = None  # checkpoint directory; None = the built-in demo model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # Bearer key required on /v1/*; None = open
+    served_model_name: str | None = None  # the `model` clients send; default: directory name
+    max_queue: int | None = None  # waiting requests past which new ones get 503; None = no cap
+    max_body_bytes: int = 32 << 20  # larger request bodies get 413
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantized: bool = False
+    max_seq_len: int = 4096
+    max_seqs: int = 8
+    chunk_size: int = 512
+    max_memory: int | None = None
+    memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must be non-empty when given")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ConfigError("served_model_name must be non-empty when given")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.max_seqs <= 0 or self.max_seq_len <= 0 or self.chunk_size <= 0:
+            raise ConfigError(
+                f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
+                f"chunk_size={self.chunk_size} must be > 0"
+            )
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return Path(self.model).name if self.model is not None else "dsv4-demo"

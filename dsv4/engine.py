@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,6 +17,8 @@ from dsv4.model import Transformer
 from dsv4.sampling import Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
 from dsv4.state import Batch, DecodeState
+
+log = logging.getLogger("dsv4")
 
 
 @dataclass
@@ -33,6 +37,25 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics: request counts and state use."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_free_pages: int
+    num_preemptions: int
+
+    @property
+    def state_usage(self) -> float:  # fraction of state pages held by requests, 0..1
+        return 1.0 - self.num_free_pages / self.num_pages if self.num_pages else 0.0
+
+
+class EngineError(RuntimeError):
+    """Engine.step() failed; the requests it was running were aborted."""
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_seq_len: int, generate: bool) -> None:
@@ -104,6 +127,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        # read without the step lock: each count is one len() (atomic), the set may be mid-step
+        s = self.scheduler
+        return EngineStats(
+            len(s.running), len(s.waiting), s.state.num_blocks, len(s.free_pages), s.num_preemptions
+        )
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         work = self.scheduler.schedule()
@@ -168,59 +198,97 @@ class Engine:
 
 
 class AsyncEngine:
-    """Runs Engine.step() on a background thread; `generate` streams RequestOutputs per step."""
+    """Runs Engine.step() on a background thread; `generate` streams RequestOutputs per step.
+
+    Callers never wait for a step: adds and aborts go into an inbox that the engine thread drains
+    between steps (a lock shared with the stepping thread would starve an event loop).
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._inbox: deque[tuple] = deque()  # ("add", rid, ids, params) | ("abort", rid)
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="dsv4-engine")
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop:
-            with self._lock:
+        while True:
+            self._drain_inbox()  # also after stop: pending aborts free their state
+            if self._stop:
+                return
+            try:
                 outs = self.engine.step() if self.engine.has_work() else None
+            except Exception as e:  # a failed step must not strand its callers or stop the loop
+                log.exception("engine step failed; aborting the running requests")
+                self._fail_running(e)
+                continue
             if outs is None:
-                self._wake.wait(0.05)
+                self._wake.wait(0.05)  # a set() racing with clear() is harmless: we drain next
                 self._wake.clear()
                 continue
             for out in outs:
-                target = self._queues.get(out.request_id)
-                if target is not None:
-                    loop, q = target
-                    snapshot = RequestOutput(
-                        **{
-                            k: (list(v) if isinstance(v, list) else v)
-                            for k, v in out.__dict__.items()
-                        }
-                    )
-                    loop.call_soon_threadsafe(q.put_nowait, snapshot)
+                snapshot = RequestOutput(
+                    **{k: (list(v) if isinstance(v, list) else v) for k, v in out.__dict__.items()}
+                )
+                self._deliver(out.request_id, snapshot)
+
+    def _deliver(self, rid: str, item: RequestOutput | Exception) -> None:
+        target = self._queues.get(rid)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, rid, *args = self._inbox.popleft()
+            if kind == "abort":
+                self.engine.abort(rid)  # no-op when finished or unknown
+                continue
+            try:
+                self.engine.add_request(*args, rid)
+            except Exception as e:  # refused (ValueError): the caller's generate raises it
+                self._deliver(rid, e)
+
+    def _fail_running(self, error: Exception) -> None:
+        failed = EngineError(f"engine step failed: {error!r}")
+        failed.__cause__ = error
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, failed)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, one per step; raises ValueError if the engine refuses it and
+        EngineError if a step fails. Closing the generator aborts the request."""
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if rid in self._queues:
+            raise ValueError(f"duplicate request id {rid!r}")
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            rid = self.engine.add_request(prompt_ids, params, request_id)
-            self._queues[rid] = (asyncio.get_running_loop(), q)
+        self._queues[rid] = (asyncio.get_running_loop(), q)
+        self._inbox.append(("add", rid, list(prompt_ids), params))
         self._wake.set()
         try:
             while True:
                 out = await q.get()
+                if isinstance(out, Exception):
+                    raise out
                 yield out
                 if out.finished:
                     return
         finally:
             self._queues.pop(rid, None)
-            with self._lock:
-                self.engine.abort(rid)  # no-op when finished; frees state on cancel/disconnect
+            self.abort(rid)  # no-op when finished; frees state on cancel/disconnect
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def shutdown(self) -> None:
         self._stop = True

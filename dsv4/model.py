@@ -102,6 +102,15 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
     return freqs.cos(), freqs.sin()
 
 
+def _ring_or_chunk(ring: torch.Tensor, chunk: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of cat(ring, chunk) without building it (the ring holds every slot's history)."""
+    n, r = ring.shape[0], rows.clamp(min=0)
+    from_ring = (r < n).unsqueeze(-1)
+    return torch.where(
+        from_ring, ring[r.clamp(max=n - 1)], chunk[(r - n).clamp(0, chunk.shape[0] - 1)]
+    )
+
+
 class Compressor(nn.Module):
     """Softmax-gated pooling of m tokens into one KV entry (CSA: overlapping 2m slots; HCA: m)."""
 
@@ -124,8 +133,8 @@ class Compressor(nn.Module):
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1)
             empty = (rows < 0)[..., None]
-            ga = torch.cat([st.kv_state, a])[rows.clamp(min=0)].masked_fill(empty, 0.0)
-            gz = torch.cat([st.score_state, z])[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
+            ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
+            gz = _ring_or_chunk(st.score_state, z, rows).masked_fill(empty, float("-inf"))
             if self.overlap:  # window w-1 gives its A-half, window w its B-half
                 ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
                 gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)

@@ -337,10 +337,22 @@ def _table(r: Roofline) -> str:
 
 
 def _bench(r: Roofline, bench: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """measured / floor per component (and `step`) from {components: {name: s}, step_s: s}."""
+    """measured / floor per component (and `step`) from {components: {name: s}, step_s: s}, or
+    from the run at this batch and context of a `dsv4 bench step` JSON ({runs: [{batch, context,
+    roofline: {...}}]}). A name "a+b" is compared with the sum of the floors of a and b."""
+    if "runs" in bench:
+        b, ctx = r.config["batch"], r.config["context"]
+        runs = [x for x in bench["runs"] if (x.get("batch"), x.get("context")) == (b, ctx)]
+        if not runs or "roofline" not in runs[0]:
+            have = sorted((x.get("batch"), x.get("context")) for x in bench["runs"])
+            raise ValueError(f"bench file has no run at batch={b}, context={ctx} (has {have})")
+        bench = runs[0]["roofline"]
     floors = {c.name: c.floor_s for c in r.components} | {"step": r.floor_s}
+    for name in bench.get("components", {}):
+        if "+" in name and all(p in floors for p in name.split("+")):
+            floors[name] = sum(floors[p] for p in name.split("+"))
     measured = dict(bench.get("components", {}))
-    if "step_s" in bench:
+    if bench.get("step_s") is not None:
         measured["step"] = bench["step_s"]
     return {name: {"measured_s": float(m), "floor_s": floors.get(name),
                    "ratio": float(m) / floors[name] if name in floors else None}
@@ -388,10 +400,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(_table(r))
     if bench is not None:
-        print(f"\n{'component':<14}{'measured us':>12}{'floor us':>10}{'meas/floor':>11}")
+        print(f"\n{'component':<30}{'measured us':>12}{'floor us':>10}{'meas/floor':>11}")
         for name, b in bench.items():
             fl, ratio = b["floor_s"] or math.nan, b["ratio"] or math.nan
-            print(f"{name:<14}{b['measured_s'] * 1e6:>12.1f}{fl * 1e6:>10.1f}{ratio:>11.2f}")
+            print(f"{name:<30}{b['measured_s'] * 1e6:>12.1f}{fl * 1e6:>10.1f}{ratio:>11.2f}")
     return 0
 
 

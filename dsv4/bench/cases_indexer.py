@@ -1,0 +1,65 @@
+"""Lightning indexer + top-k cases: decode over a paged key pool (T = 1, 16, 64 at 128K context,
+T = 16 at 4K) and a causal prefill of one sequence (T = 4096)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.bench.ops import Case
+from dsv4.ops import indexer, ref
+
+RATIO = 4  # CSA compression: one indexer key per 4 tokens
+
+
+def _inputs(
+    T: int, Hi: int, d: int, C: int, causal: bool, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # keys: a pool 25% larger than the T*C rows read ; cand: distinct random rows of it, or for the
+    # prefill one row set shared by all tokens with token t seeing entries 0..(t+1)//4-1
+    g = torch.Generator(device=device).manual_seed(T * 1000 + C)
+    N = (T if not causal else 1) * C * 5 // 4
+    keys = torch.randn(N, d, generator=g, device=device).to(torch.bfloat16)
+    q = torch.randn(T, Hi, d, generator=g, device=device).to(torch.bfloat16)
+    weights = torch.randn(T, Hi, generator=g, device=device) * Hi**-0.5
+    if causal:
+        cand = torch.randperm(N, generator=g, device=device)[:C].expand(T, C).clone()
+        t = torch.arange(T, device=device)[:, None]
+        cand[torch.arange(C, device=device)[None, :] >= (t + 1) // RATIO] = -1
+    else:
+        cand = torch.randperm(N, generator=g, device=device)[: T * C].view(T, C)
+    return q, weights, keys, cand
+
+
+def cases(device: str, quick: bool) -> list[Case]:
+    Hi, d, topk = (4, 16, 16) if quick else (64, 128, 512)
+    # (T, C, causal): C = context / 4 ; the prefill sees C = T // 4 entries at the last token
+    shapes = (
+        [(1, 300, False), (5, 300, False), (24, 6, True)]
+        if quick
+        else [(1, 32768, False), (16, 32768, False), (64, 32768, False), (16, 1024, False),
+              (4096, 1024, True)]
+    )  # fmt: skip
+    out: list[Case] = []
+    for T, C, causal in shapes:
+        q, weights, keys, cand = _inputs(T, Hi, d, C, causal, device)
+        visible = int((cand >= 0).sum())
+        K = min(topk, C)
+        # read the visible key rows + q + weights ; write [T, K] int64 (cand_idxs, 8 B per key row
+        # of 2*d B, is not counted)
+        nbytes = (
+            visible * d * keys.element_size()
+            + q.numel() * q.element_size()
+            + weights.numel() * weights.element_size()
+            + T * K * 8
+        )
+        args = (q, weights, keys, cand, topk)
+        ctx = f"{C * RATIO // 1024}K" if C * RATIO >= 1024 else str(C * RATIO)
+        out.append(Case(
+            "index_topk",
+            f"{'prefill' if causal else 'decode'} T={T} C={C} ({ctx})",
+            run=lambda a=args: indexer.index_topk(*a),
+            ref=lambda a=args: ref.index_topk(*a),
+            bytes=nbytes,
+            target_bw=0.6 if (T, C) == (16, 32768) and not quick else None,
+        ))  # fmt: skip
+    return out

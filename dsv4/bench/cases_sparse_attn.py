@@ -1,0 +1,133 @@
+"""Benchmark cases: sparse attention over gathered K=V rows (decode, verify chunks, prefill).
+
+Keys come from three sources as in the model: a window ring (B*window rows), the new tokens' K=V
+(T rows) and a paged pool of compressed entries (B * pool_per_seq rows). Decode picks per token
+its window (ring slots + the new rows of its own chunk) and either `sel` distinct random entries
+of its sequence's pool region (CSA top-k) or the first `sel` entries (HCA: all visible entries).
+bytes = gathered key bytes (T * K_valid * D * elt) + q read + o written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.bench.ops import Case
+from dsv4.ops import ref
+from dsv4.ops.sparse_attn import sparse_attn
+
+
+@dataclass(frozen=True)
+class _Dims:
+    H: int
+    D: int
+    window: int
+    seqs: int  # sequences with a ring and a pool region
+    pool_per_seq: int  # compressed entries per sequence region of the pool
+
+
+def _sources(dims: _Dims, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = torch.randn(dims.seqs * dims.window, dims.D, device=device).to(torch.bfloat16)
+    pool = torch.randn(dims.seqs * dims.pool_per_seq, dims.D, device=device, dtype=torch.bfloat16)
+    return ring, pool
+
+
+def _selected(T: int, seq: torch.Tensor, dims: _Dims, sel: int, hca: bool) -> torch.Tensor:
+    # [T, sel] pool rows of each token's sequence region: distinct random (CSA) or the first sel
+    if hca:
+        ent = torch.arange(sel, device=seq.device).expand(T, sel)
+    else:
+        ent = torch.rand(T, dims.pool_per_seq, device=seq.device).topk(sel, dim=1).indices
+    return seq[:, None] * dims.pool_per_seq + ent
+
+
+def _decode_idx(
+    dims: _Dims, B: int, per_seq: int, sel: int, hca: bool, device: str
+) -> torch.Tensor:
+    # B sequences x per_seq new tokens (1 = decode, >1 = a verify chunk); token j of a chunk sees
+    # window - 1 - j ring slots of its sequence and the chunk's new rows 0..j
+    T, W = B * per_seq, dims.window
+    tok = torch.arange(T, device=device)
+    seq, j = tok // per_seq, tok % per_seq
+    c = torch.arange(W, device=device)[None, :]
+    first_new = (W - 1 - j)[:, None]
+    ring_rows = seq[:, None] * W + c
+    new_rows = dims.seqs * W + seq[:, None] * per_seq + (c - first_new)
+    win = torch.where(c >= first_new, new_rows, ring_rows)
+    base = dims.seqs * W + T
+    return torch.cat([win, base + _selected(T, seq, dims, sel, hca)], dim=1)
+
+
+def _prefill_idx(dims: _Dims, T: int, sel: int, hca: bool, device: str) -> torch.Tensor:
+    # one sequence (seq 0) prefilling T tokens after a long context: token t's window is the
+    # positions t-W+1..t, new rows where >= 0 and the ring (the context's last W tokens) before
+    W = dims.window
+    t = torch.arange(T, device=device)[:, None]
+    pos = t - (W - 1) + torch.arange(W, device=device)[None, :]  # relative to the chunk start
+    win = torch.where(pos >= 0, dims.seqs * W + pos, pos + W)  # ring slot W+pos of seq 0
+    seq = torch.zeros(T, dtype=torch.long, device=device)
+    return torch.cat([win, dims.seqs * W + T + _selected(T, seq, dims, sel, hca)], dim=1)
+
+
+def _case(
+    name: str,
+    dims: _Dims,
+    ring: torch.Tensor,
+    pool: torch.Tensor,
+    idx: torch.Tensor,
+    device: str,
+    num_splits: int | None = None,
+    target_us: float | None = None,
+    target_bw: float | None = None,
+) -> Case:
+    T, K = idx.shape
+    q = torch.randn(T, dims.H, dims.D, device=device).to(torch.bfloat16)
+    new = torch.randn(T, dims.D, device=device).to(torch.bfloat16)
+    sink = torch.randn(dims.H, device=device)
+    kv, scale = (ring, new, pool), dims.D**-0.5
+    elt = q.element_size()
+    nbytes = int((idx >= 0).sum()) * dims.D * elt + 2 * q.numel() * elt  # keys + q + o
+    return Case(
+        "sparse_attn",
+        name,
+        run=lambda: sparse_attn(q, kv, sink, idx, scale, num_splits=num_splits),
+        ref=lambda: ref.sparse_attn(q, kv, sink, idx, scale),
+        bytes=nbytes,
+        target_us=target_us,
+        target_bw=target_bw,
+    )
+
+
+def cases(device: str, quick: bool) -> list[Case]:
+    torch.manual_seed(0)
+    if quick:  # tiny shapes for the interpreter
+        dims = _Dims(H=8, D=64, window=16, seqs=4, pool_per_seq=64)
+        ring, pool = _sources(dims, device)
+        return [
+            _case("T=1 K=16+24", dims, ring, pool, _decode_idx(dims, 1, 1, 24, False, device), device),
+            _case("T=1 K=16+24 splits=3", dims, ring, pool, _decode_idx(dims, 1, 1, 24, False, device),
+                  device, num_splits=3),
+            _case("T=2x2 K=16+24", dims, ring, pool, _decode_idx(dims, 2, 2, 24, False, device), device),
+            _case("T=3 K=16+32 HCA", dims, ring, pool, _decode_idx(dims, 3, 1, 32, True, device), device),
+            _case("prefill T=20 K=16+24", dims, ring, pool, _prefill_idx(dims, 20, 24, False, device), device),
+        ]  # fmt: skip
+    # Flash: H=64, D=512, window 128; 64 sequences x 32768 compressed entries (CSA at 128K)
+    dims = _Dims(H=64, D=512, window=128, seqs=64, pool_per_seq=32768)
+    ring, pool = _sources(dims, device)
+
+    def dec(B: int, per_seq: int = 1, sel: int = 512, hca: bool = False) -> torch.Tensor:
+        return _decode_idx(dims, B, per_seq, sel, hca, device)
+
+    return [
+        _case("decode T=1 K=128+512", dims, ring, pool, dec(1), device, target_us=10.0),
+        _case("decode T=16 K=128+512", dims, ring, pool, dec(16), device),
+        _case("decode T=64 K=128+512", dims, ring, pool, dec(64), device, target_bw=0.6),
+        _case("decode T=64 K=128+512 splits=1", dims, ring, pool, dec(64), device, num_splits=1),
+        _case("decode T=1 K=128+1024 HCA", dims, ring, pool, dec(1, sel=1024, hca=True), device),
+        _case("verify T=4x16 K=128+512", dims, ring, pool, dec(16, per_seq=4), device),
+        _case("prefill T=4096 K=128+512", dims, ring, pool,
+              _prefill_idx(dims, 4096, 512, False, device), device),
+        _case("prefill T=4096 K=128+1024 HCA", dims, ring, pool,
+              _prefill_idx(dims, 4096, 1024, True, device), device),
+    ]  # fmt: skip

@@ -1,0 +1,173 @@
+"""Prometheus metrics in the text exposition format, under vLLM's names (`vllm:`).
+
+One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
+  histograms  vllm:time_to_first_token_seconds      arrival -> first token
+              vllm:inter_token_latency_seconds      gap between consecutive tokens of a request
+              vllm:time_per_output_token_seconds    the same samples under the older name
+              vllm:e2e_request_latency_seconds      arrival -> last token (or abort)
+  gauges      vllm:num_requests_running, vllm:num_requests_waiting
+              vllm:kv_cache_usage_perc              fraction (0..1) of decode-state pages in use
+  counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
+              vllm:request_success_total{finished_reason=stop|length|abort},
+              vllm:num_preemptions_total
+Every series carries model_name. Updates happen on the event loop, so nothing is locked.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import defaultdict
+
+from dsv4.engine import EngineStats, RequestOutput
+
+# vLLM's bucket edges (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
+
+
+class Histogram:
+    """Cumulative-bucket histogram."""
+
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_, buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: +Inf only
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for edge, n in zip((*map(repr, self.buckets), "+Inf"), self.counts):
+            total += n
+            lines.append(f"{self.name}_bucket{_labels({**labels, 'le': edge})} {total}")
+        lines.append(f"{self.name}_sum{_labels(labels)} {self.sum!r}")
+        lines.append(f"{self.name}_count{_labels(labels)} {self.count}")
+        return lines
+
+
+class ServerMetrics:
+    """Per-server latency histograms and token counters; engine gauges read at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token in seconds (inter-token latency; older name).",
+            ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency in seconds.",
+            E2E_BUCKETS,
+        )
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = defaultdict(int)  # finished_reason -> requests
+
+    def track(self) -> RequestTrace:
+        return RequestTrace(self)
+
+    def render(self, stats: EngineStats | None) -> str:
+        lb = _labels(self.labels)
+        lines: list[str] = []
+
+        def scalar(kind: str, name: str, help_: str, value: float) -> None:
+            base = name.removesuffix("_total") if kind == "counter" else name
+            lines.extend(
+                [f"# HELP {base} {help_}", f"# TYPE {base} {kind}", f"{name}{lb} {value!r}"]
+            )
+
+        if stats is not None:  # None while the model loads
+            scalar(
+                "gauge",
+                "vllm:num_requests_running",
+                "Requests in the running batch.",
+                stats.num_running,
+            )
+            scalar(
+                "gauge", "vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting
+            )
+            scalar(
+                "gauge",
+                "vllm:kv_cache_usage_perc",
+                "Fraction of decode-state pages in use (0-1).",
+                stats.state_usage,
+            )
+            scalar(
+                "counter",
+                "vllm:num_preemptions_total",
+                "Preemptions (recompute).",
+                stats.num_preemptions,
+            )
+        scalar(
+            "counter", "vllm:prompt_tokens_total", "Prefilled prompt tokens.", self.prompt_tokens
+        )
+        scalar(
+            "counter", "vllm:generation_tokens_total", "Generated tokens.", self.generation_tokens
+        )
+        lines += [
+            "# HELP vllm:request_success Finished requests by finish reason.",
+            "# TYPE vllm:request_success counter",
+        ]
+        for reason in sorted({"stop", "length", "abort"} | set(self.finished)):
+            labels = _labels({**self.labels, "finished_reason": reason})
+            lines.append(f"vllm:request_success_total{labels} {self.finished[reason]}")
+        for h in (self.ttft, self.itl, self.tpot, self.e2e):
+            lines += h.render(self.labels)
+        return "\n".join(lines) + "\n"
+
+
+class RequestTrace:
+    """Times one request from arrival: feed it every RequestOutput, close it at the end."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last: float | None = None  # time of the latest token
+        self.done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        m, now = self.metrics, time.monotonic()
+        if self.last is None:
+            m.ttft.observe(now - self.arrival)
+            m.prompt_tokens += len(out.prompt_token_ids)
+        else:
+            m.itl.observe(now - self.last)
+            m.tpot.observe(now - self.last)
+        m.generation_tokens += len(out.delta_token_ids)
+        self.last = now
+        if out.finished:
+            self._finish(out.finish_reason or "stop", now)
+
+    def close(self) -> None:
+        """End of the response: a request that never finished was aborted (client gone)."""
+        if not self.done:
+            self._finish("abort", time.monotonic())
+
+    def _finish(self, reason: str, now: float) -> None:
+        self.done = True
+        self.metrics.finished[reason] += 1
+        self.metrics.e2e.observe(now - self.arrival)

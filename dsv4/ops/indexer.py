@@ -1,0 +1,291 @@
+"""Lightning indexer: scores over the visible compressed entries, then an exact top-k.
+
+One launcher with the signature of `dsv4.ops.ref.index_topk`:
+  index_topk(q, weights, keys, cand_idxs, topk) -> [T, min(topk, C)] int64 entry positions
+
+score(t, c) = sum_h w_th * relu(q_th . keys[cand[t, c]]) in fp32, then the positions of the largest
+scores in descending order; equal scores resolve to the lower position (a stable descending sort),
+positions that are not visible (cand = -1) come out as -1.
+
+Two kernels:
+  _index_score_kernel   per (token, chunk of candidates): gather the key rows through cand_idxs,
+                        S = Q[Hi, d] . K^T on tensor cores, relu, weighted sum over heads, and write
+                        each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN).
+  _index_select_kernel  per (row, segment of <= BLOCK_L keys), all in registers: an 8-bit radix
+                        select (4 histogram passes) finds the k-th largest key, then the winners are
+                        compacted in position order. Ties at the threshold keep the lowest positions,
+                        so the winners are exactly the first k of a stable descending sort. A long row
+                        (C > BLOCK_L) is cut into segments whose local top-k are packed as
+                        (key << 32 | C-1-pos) int64 and selected again; the last level sorts the k
+                        winners by packed value (higher key, then lower position) and writes positions.
+Scores of visible entries are finite for finite inputs; -0.0 is folded into +0.0 so the two tie.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
+INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
+SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
+
+# ---------------------------------------------------------------------------------------------
+# Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _index_score_kernel(
+    q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
+    w_ptr,  # [T, Hi] any float dtype (already scaled)
+    k_ptr,  # [N, d] key rows (d contiguous)
+    idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
+    out_ptr,  # [T, C] int32 order-preserving score keys
+    C,
+    Hi,
+    d,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kn,
+    stride_it,
+    stride_ot,
+    UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
+):
+    # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
+    pid_c = tl.program_id(0)
+    t = tl.program_id(1)
+    c0 = pid_c * TILES * BLOCK_N
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    out_row = out_ptr + t.to(tl.int64) * stride_ot
+
+    # ---- tiles past the chunk's last visible candidate (decode suffix, causal prefill) are skipped
+    offs_chunk = c0 + tl.arange(0, TILES * BLOCK_N)
+    idx_chunk = tl.load(idx_row + offs_chunk, mask=offs_chunk < C, other=-1)
+    last = tl.max(tl.where(idx_chunk >= 0, offs_chunk, -1))  # -1 when none is visible
+    n_live = (tl.maximum(last + 1 - c0, 0) + BLOCK_N - 1) // BLOCK_N
+
+    # ---- q_t: [BLOCK_H, BLOCK_D] (heads and channels past Hi, d are 0) ; w_t: [BLOCK_H] fp32
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < Hi
+    d_ok = offs_d < d
+    q = tl.load(
+        q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+
+    for i in range(0, n_live):
+        # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
+        offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_c = offs_n < C
+        idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
+        vis = idx >= 0
+        kt = tl.load(
+            k_ptr + idx[:, None] * stride_kn + offs_d[None, :],
+            mask=vis[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        # ---- S = Q . K^T: [BLOCK_H, BLOCK_N] fp32 ; score = sum_h w_h relu(S_h)
+        if UPCAST:
+            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kt))
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)  # [BLOCK_N] fp32
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (they tie in the reference)
+        # ---- order-preserving int32: flip the magnitude bits of negatives
+        bits = score.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = tl.where(vis, key, INT32_MIN)
+        tl.store(out_row + offs_n, key, mask=in_c)
+
+    for i in range(n_live, TILES):
+        offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_row + offs_n, tl.full([BLOCK_N], INT32_MIN, tl.int32), mask=offs_n < C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection: radix select on register-resident keys, compaction in position order, final sort
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _radix_threshold(u, valid, kk):
+    # u: [BL] uint32 keys (unsigned order) ; valid: [BL] ; kk: 1 <= kk <= count(valid)
+    # -> (thr, need): the kk-th largest valid u, and how many of the elements equal to thr to keep
+    bins = tl.arange(0, 256)
+    prefix = tl.full([], 0, tl.uint32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        if p == 0:
+            match = valid
+        else:
+            match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = ((u >> shift) & 0xFF).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=match)  # [256] int32
+        ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # elements with digit >= bin
+        b = tl.max(tl.where(ge >= kk, bins, 0))  # ge is non-increasing; ge[0] >= kk
+        kk = kk - tl.sum(tl.where(bins > b, hist, 0))
+        prefix = prefix | (b.to(tl.uint32) << shift)
+    return prefix, kk
+
+
+@triton.jit
+def _index_select_kernel(
+    in_ptr,  # [R, L] int32 keys (position = column) or int64 packed (key << 32 | C-1-pos)
+    out_ptr,  # FINAL: [R, K] int64 positions ; else [R, n_seg*K] int64 packed winners per segment
+    L,
+    C,
+    K,
+    stride_ir,
+    stride_or,
+    PACKED: tl.constexpr,
+    FINAL: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # read BLOCK_L keys (4 or 8 B) ; write K int64 (FINAL: + K int64 scratch, read back once)
+    seg = tl.program_id(0)
+    r = tl.program_id(1)
+    offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
+    valid = offs < L
+    in_row = in_ptr + r.to(tl.int64) * stride_ir
+    if PACKED:
+        packed = tl.load(in_row + offs, mask=valid, other=INT64_MIN)
+        key = (packed >> 32).to(tl.int32)
+    else:
+        key = tl.load(in_row + offs, mask=valid, other=INT32_MIN)
+        packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
+
+    # ---- the kk-th largest key of the segment, kk = min(K, segment length)
+    kk = tl.minimum(K, tl.minimum(L - seg * BLOCK_L, BLOCK_L))
+    u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # signed order -> unsigned order
+    thr, need = _radix_threshold(u, valid, kk)
+
+    # ---- winners: every key above thr, and the first `need` (lowest positions) equal to it
+    eq = (valid & (u == thr)).to(tl.int32)
+    eq_before = tl.cumsum(eq, 0) - eq
+    sel = (valid & (u > thr)) | ((eq != 0) & (eq_before < need))
+    sel_i = sel.to(tl.int32)
+    slot = tl.cumsum(sel_i, 0) - sel_i  # compaction keeps the position order
+    out_row = out_ptr + r.to(tl.int64) * stride_or + seg * K
+    offs_k = tl.arange(0, BLOCK_K)
+    if FINAL:
+        # ---- sort the kk = K winners (packed: higher key, then lower position) and decode
+        tl.store(out_row + slot, packed, mask=sel)  # the output row doubles as scratch
+        tl.debug_barrier()
+        win = tl.load(out_row + offs_k, mask=offs_k < kk, other=INT64_MIN, cache_modifier=".cg")
+        win = tl.sort(win, descending=True)
+        pos = C - 1 - (win & 0xFFFFFFFF)
+        res = tl.where((win >> 32).to(tl.int32) == INT32_MIN, -1, pos)
+        tl.debug_barrier()
+        tl.store(out_row + offs_k, res, mask=offs_k < K)
+    else:
+        tl.store(out_row + slot, packed, mask=sel)
+        pad = tl.full([BLOCK_K], INT64_MIN, tl.int64)
+        tl.store(out_row + offs_k, pad, mask=(offs_k >= kk) & (offs_k < K))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _score_tiles(T: int, n_tiles: int, n_sm: int) -> int:
+    # candidate tiles per program: about 4 programs per SM, at most 16 tiles (q is re-read per program)
+    per = max(1, (T * n_tiles) // (4 * n_sm))
+    return min(16, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
+
+
+def index_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    cand_idxs: torch.Tensor,
+    topk: int,
+) -> torch.Tensor:
+    # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
+    # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
+    T, Hi, d = q.shape
+    C = cand_idxs.shape[1]
+    assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
+    assert keys.dtype in (torch.bfloat16, torch.float16, torch.float32), f"keys dtype {keys.dtype}"
+    assert weights.is_floating_point(), f"weights dtype {weights.dtype}"
+    assert q.stride(2) == 1, f"q must be contiguous in d (strides {q.stride()})"
+    assert keys.dim() == 2 and keys.shape[1] == d, f"keys {tuple(keys.shape)} vs d={d}"
+    assert keys.stride(1) == 1, f"keys must be contiguous in d (strides {keys.stride()})"
+    assert weights.shape == (T, Hi) and weights.stride(1) == 1, (
+        f"weights {tuple(weights.shape)} strides {weights.stride()} vs [T={T}, Hi={Hi}]"
+    )
+    assert cand_idxs.dtype == torch.int64 and cand_idxs.dim() == 2, (
+        f"cand_idxs {cand_idxs.dtype} {tuple(cand_idxs.shape)}"
+    )
+    assert cand_idxs.shape[0] == T and cand_idxs.stride(1) == 1, (
+        f"cand_idxs {tuple(cand_idxs.shape)} strides {cand_idxs.stride()} vs T={T}"
+    )
+    assert topk > 0, f"topk must be positive, got {topk}"
+    assert T < 65536, f"at most 65535 tokens per call (T={T})"
+    K = min(topk, C)
+    out = torch.empty(T, K, dtype=torch.int64, device=q.device)
+    if T == 0 or K == 0:
+        return out
+
+    # ---- scores as order-preserving int32 keys: [T, C]
+    skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
+    tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
+    block_n = 64 if C >= 64 else max(16, triton.next_power_of_2(C))
+    n_tiles = triton.cdiv(C, block_n)
+    tiles = _score_tiles(T, n_tiles, _num_sms(q.device))
+    _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
+        q, weights, keys, cand_idxs, skey,
+        C, Hi, d,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
+        skey.stride(0),
+        UPCAST=not tensor_core,
+        BLOCK_H=max(16, triton.next_power_of_2(Hi)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=block_n,
+        TILES=tiles,
+        num_warps=4,
+        num_stages=5,
+    )  # fmt: skip
+
+    # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
+    block_k = max(16, triton.next_power_of_2(K))
+    max_l = max(SEGMENT, 4 * block_k)
+    x, L = skey, C
+    while True:
+        final = L <= max_l
+        block_l = max(16, triton.next_power_of_2(L)) if final else max_l
+        n_seg = triton.cdiv(L, block_l)
+        dst = out if final else torch.empty(T, n_seg * K, dtype=torch.int64, device=q.device)
+        _index_select_kernel[(n_seg, T)](
+            x, dst, L, C, K, x.stride(0), dst.stride(0),
+            PACKED=x.dtype == torch.int64,
+            FINAL=final,
+            BLOCK_L=block_l,
+            BLOCK_K=block_k,
+            num_warps=min(16, max(4, block_l // 256)),
+        )  # fmt: skip
+        if final:
+            return out
+        x, L = dst, n_seg * K

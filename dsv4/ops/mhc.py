@@ -1,0 +1,387 @@
+"""Manifold-constrained hyper-connections (mHC): fused `hc_pre`, `hc_post`, `hc_head` in Triton.
+
+Same signatures and semantics as `dsv4.ops.ref`. The mix projection `fn . flatten(x)` ([M, n*D] fp32 by
+[T, n*D]) is a split-K reduction: at decode the 1.5 MB `fn` (M = 24 rows of 16384) must be streamed by many
+programs at once, so the first kernel splits the n*D axis over the grid and writes fp32 partial dot products
+plus partial sums of squares to a workspace [splits, T, M+1]; the second kernel sums the partials in a fixed
+order (deterministic, no atomics), applies rsqrt / sigmoid / Sinkhorn (4x4 in registers) and collapses the
+streams, y = sum_i pre_i x_i, re-reading x (L2-resident at decode).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_TARGET_PROGRAMS = 256  # about two programs per SM on an H200 (132 SMs)
+
+
+class _MixConfig(NamedTuple):
+    """Tiles of the split-K mix projection and of the collapse."""
+
+    block_t: int  # tokens per program; 1 = broadcast-multiply-sum, >= 16 = tl.dot
+    block_k: int  # n*D elements per inner step
+    split_k: int  # n*D elements per program (a multiple of block_k)
+    block_d: int  # D elements per collapse program
+    num_warps: int  # of the split-K kernel (tf32x3 dot tiles need ~200 registers a thread)
+
+
+def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS) -> _MixConfig:
+    """Heuristic tiles for T tokens, M mix rows, K = n*D: ~`programs` programs to stream `fn` and x,
+    and a workspace [splits, T, M+1] fp32 of at most max(512 KB, 1/8 of bf16 x)."""
+    block_t = 1 if T == 1 else min(64, max(16, triton.next_power_of_2(T)))
+    if block_t == 64 and T <= 64:
+        block_t = 32  # two token blocks at T=64: more programs, half the workspace of 256 splits
+    block_k = min(128 if block_t == 1 else 64, triton.next_power_of_2(K))
+    n_tblocks = triton.cdiv(T, block_t)
+    max_splits = triton.cdiv(K, block_k)
+    ws_bytes = max(1 << 19, T * K // 4)
+    want = max(1, min(programs // n_tblocks, ws_bytes // (T * (M + 1) * 4)))
+    splits = min(max_splits, 1 << (want.bit_length() - 1))
+    split_k = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    # collapse: (T, D / block_d) programs, block_d in [256, 1024]: ~256 programs from T = 16 up
+    chunks = max(1, programs // T)
+    block_d = min(1024, max(256, triton.next_power_of_2(triton.cdiv(D, chunks))))
+    block_d = min(block_d, triton.next_power_of_2(D))
+    return _MixConfig(block_t, block_k, split_k, block_d, 8 if block_t >= 32 else 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel 1: split-K partial mixes (shared by hc_pre and hc_head)
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hc_mixes_partial_kernel(
+    x_ptr,  # [T, K] (x: [T, n, D] contiguous, K = n*D), bf16 / fp32
+    fn_ptr,  # [M, K] fp32
+    ws_ptr,  # [splits, T, M+1] fp32: cols 0..M-1 partial fn . x, col M partial sum(x^2)
+    T,
+    K,
+    split_k,
+    stride_xt,
+    stride_fnm,
+    stride_wss,
+    stride_wst,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,  # >= 16, power of 2
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # read BLOCK_T*split_k x elements and M*split_k fn floats ; write BLOCK_T*(M+1) floats
+    pid_s = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_m = tl.arange(0, M_PAD)
+    mask_t = offs_t < T
+    mask_m = offs_m < M
+    k_start = pid_s * split_k
+    k_end = tl.minimum(k_start + split_k, K)
+
+    acc = tl.zeros((BLOCK_T, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        x = tl.load(
+            x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+            mask=mask_t[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_T, BLOCK_K]
+        fn = tl.load(
+            fn_ptr + offs_m[:, None] * stride_fnm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [M_PAD, BLOCK_K] fp32
+        sq += tl.sum(x * x, axis=1)
+        if BLOCK_T == 1:
+            # one token: fp32 broadcast-multiply-sum
+            acc += tl.sum(x[:, None, :] * fn[None, :, :], axis=2)
+        else:
+            # tf32x3 keeps fp32 accuracy (bf16 x is exact in tf32; fn is split hi + lo)
+            acc = tl.dot(x, tl.trans(fn), acc, input_precision="tf32x3")
+
+    # ---- store partials: [BLOCK_T, M] mixes and the sum of squares in column M
+    acc = tl.where(offs_m[None, :] == M, sq[:, None], acc)
+    ws = ws_ptr + pid_s * stride_wss + offs_t[:, None] * stride_wst + offs_m[None, :]
+    tl.store(ws, acc, mask=mask_t[:, None] & (offs_m[None, :] <= M))
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel 2: finish the reduction, sigmoid / Sinkhorn, collapse the streams
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hc_pre_finish_kernel(
+    x_ptr,  # [T, n, D] bf16 / fp32
+    ws_ptr,  # [splits, T, M+1] fp32
+    scale_ptr,  # [3] (hc_pre) or [1] (hc_head) fp32
+    base_ptr,  # [M] fp32
+    y_ptr,  # [T, D] x.dtype
+    post_ptr,  # [T, n] fp32 (HAS_COMB)
+    comb_ptr,  # [T, n, n] fp32 (HAS_COMB)
+    D,
+    K,
+    splits,
+    norm_eps,
+    hc_eps,
+    sinkhorn_iters,
+    stride_xt,
+    stride_xn,
+    stride_wss,
+    stride_wst,
+    stride_yt,
+    M: tl.constexpr,  # (2+n)*n (hc_pre) or n (hc_head)
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_COMB: tl.constexpr,
+):
+    # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y (+ n + n*n floats in one program)
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_n = tl.arange(0, N_PAD)
+    mask_s = offs_s < splits
+    mask_n = offs_n < N
+    # [S_PAD] pointers to this token's partials
+    ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
+
+    # ---- rsqrt(mean(x^2) + eps) over all n*D, and pre = sigmoid(m * s0 + base) + eps
+    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(sq / K + norm_eps)
+    mask_sn = mask_s[:, None] & mask_n[None, :]
+    mix_pre = tl.sum(tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0), axis=0)
+    s0 = tl.load(scale_ptr)
+    base_pre = tl.load(base_ptr + offs_n, mask=mask_n, other=0.0)
+    pre = tl.sigmoid(mix_pre * r * s0 + base_pre) + hc_eps
+    pre = tl.where(mask_n, pre, 0.0)  # [N_PAD]
+
+    # ---- collapse: y = sum_i pre_i x_i (fp32)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    x = tl.load(
+        x_ptr + t * stride_xt + offs_n[:, None] * stride_xn + offs_d[None, :],
+        mask=mask_n[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [N_PAD, BLOCK_D]
+    y = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+    if HAS_COMB:
+        if pid_d == 0:
+            # ---- post = 2 sigmoid(m[n:2n] * s1 + base[n:2n])
+            s1 = tl.load(scale_ptr + 1)
+            s2 = tl.load(scale_ptr + 2)
+            mix_post = tl.sum(
+                tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0), axis=0
+            )
+            base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
+            post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
+            tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
+
+            # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
+            jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
+            mask_jk = mask_n[:, None] & mask_n[None, :]
+            mix_comb = tl.sum(
+                tl.load(
+                    ws_t[:, None, None] + 2 * N + jk[None, :, :],
+                    mask=mask_s[:, None, None] & mask_jk[None, :, :],
+                    other=0.0,
+                ),
+                axis=0,
+            )
+            base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
+            logits = mix_comb * r * s2 + base_comb
+            logits = tl.where(mask_jk, logits, float("-inf"))
+
+            # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
+            #      (iters - 1) x (row norm, column norm), eps inside every denominator
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+            c = tl.where(mask_jk, c, 0.0)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(sinkhorn_iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
+
+
+# ---------------------------------------------------------------------------------------------------
+# hc_post: X'[k] = post[k] y + sum_j comb[j, k] X[j]
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hc_post_kernel(
+    y_ptr,  # [T, D]
+    res_ptr,  # [T, n, D]
+    post_ptr,  # [T, n] fp32
+    comb_ptr,  # [T, n, n] fp32
+    out_ptr,  # [T, n, D] y.dtype
+    D,
+    stride_yt,
+    stride_rt,
+    stride_rn,
+    stride_ot,
+    stride_on,
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # read BLOCK_D y + n*BLOCK_D residual + n + n*n floats ; write n*BLOCK_D
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_n = tl.arange(0, N_PAD)
+    mask_n = offs_n < N
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+
+    y = tl.load(y_ptr + t * stride_yt + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + offs_n, mask=mask_n, other=0.0)
+    out = post[:, None] * y[None, :]  # [N_PAD, BLOCK_D] fp32
+    for j in tl.static_range(N):
+        # comb[j, :] scales stream j into every output stream k
+        comb_j = tl.load(comb_ptr + t * N * N + j * N + offs_n, mask=mask_n, other=0.0)
+        res_j = tl.load(res_ptr + t * stride_rt + j * stride_rn + offs_d, mask=mask_d, other=0.0)
+        out += comb_j[:, None] * res_j.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + t * stride_ot + offs_n[:, None] * stride_on + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_d[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_mix_args(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    rows: int,
+    n_scales: int,
+) -> None:
+    assert x.dim() == 3, f"x must be [T, n, D] (got shape {tuple(x.shape)})"
+    assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x dtype {x.dtype}"
+    assert x.is_contiguous(), f"x must be contiguous (strides {x.stride()})"
+    _, n, D = x.shape
+    assert hc_fn.shape == (rows, n * D), f"hc_fn shape {tuple(hc_fn.shape)} != {(rows, n * D)}"
+    assert hc_fn.dtype == torch.float32 and hc_fn.is_contiguous(), (
+        f"hc_fn must be contiguous fp32 (dtype {hc_fn.dtype}, strides {hc_fn.stride()})"
+    )
+    assert hc_scale.shape == (n_scales,) and hc_scale.dtype == torch.float32, (
+        f"hc_scale must be fp32 [{n_scales}] (got {hc_scale.dtype} {tuple(hc_scale.shape)})"
+    )
+    assert hc_base.shape == (rows,) and hc_base.dtype == torch.float32, (
+        f"hc_base must be fp32 [{rows}] (got {hc_base.dtype} {tuple(hc_base.shape)})"
+    )
+    assert hc_scale.is_contiguous() and hc_base.is_contiguous(), "hc_scale / hc_base not contiguous"
+
+
+def _hc_collapse(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    has_comb: bool,
+    cfg: _MixConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both kernels; hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows)."""
+    T, n, D = x.shape
+    M, K = hc_fn.shape
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    post = torch.empty((T, n), dtype=torch.float32, device=x.device)
+    comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return y, post, comb
+    # the CPU interpreter pays per program: few large ones there
+    cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
+    assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
+    splits = triton.cdiv(K, cfg.split_k)
+    ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
+
+    # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
+    # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
+    grid1 = (splits, triton.cdiv(T, cfg.block_t))
+    _hc_mixes_partial_kernel[grid1](
+        x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
+        M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    grid2 = (T, triton.cdiv(D, cfg.block_d))
+    _hc_pre_finish_kernel[grid2](
+        x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
+        int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
+        M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, num_warps=4,
+    )  # fmt: skip
+    return y, post, comb
+
+
+def hc_pre(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # x: [T, n, D] -> y: [T, D] x.dtype (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
+    assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
+    return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True)
+
+
+def hc_head(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_mix_args(x, hc_fn, hc_scale, hc_base, n, 1)
+    return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, 1, False)[0]
+
+
+def hc_post(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    # X'[k] = post[k] * y + sum_j comb[j, k] * X[j]   (comb consumed transposed), fp32 math
+    assert residual.dim() == 3, f"residual must be [T, n, D] (got {tuple(residual.shape)})"
+    T, n, D = residual.shape
+    assert y.shape == (T, D), f"y shape {tuple(y.shape)} != {(T, D)}"
+    assert post.shape == (T, n) and post.dtype == torch.float32, (
+        f"post must be fp32 [{T}, {n}] (got {post.dtype} {tuple(post.shape)})"
+    )
+    assert comb.shape == (T, n, n) and comb.dtype == torch.float32, (
+        f"comb must be fp32 [{T}, {n}, {n}] (got {comb.dtype} {tuple(comb.shape)})"
+    )
+    assert y.stride(-1) == 1 and residual.stride(-1) == 1, (
+        f"y / residual need unit stride in D (strides {y.stride()}, {residual.stride()})"
+    )
+    assert post.is_contiguous() and comb.is_contiguous(), "post / comb must be contiguous"
+    out = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    block_d = min(triton.next_power_of_2(D), 256 if T <= 16 else 1024)
+    grid = (T, triton.cdiv(D, block_d))
+    _hc_post_kernel[grid](
+        y, residual, post, comb, out, D, y.stride(0), residual.stride(0), residual.stride(1),
+        out.stride(0), out.stride(1), N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d,
+        num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,356 @@
+"""Interleaved partial RoPE, fused RMSNorm + RoPE, and the compressor close (pool + norm + RoPE + store).
+
+Three launchers with the signatures of `dsv4.ops.ref`:
+  rotary(x, cos, sin, inverse)              x: [T, ..., d] -> rotate pairs (2i, 2i+1) of the trailing rd
+  norm_rope(x, weight, eps, cos, sin)       RMSNorm over d (fp32 stats), cast, then rotary
+  compress_store(kv, score, weight, eps, cos, sin, out, dest)
+                                            out[dest] = norm_rope(softmax_slots(score) . kv)
+Every op is one launch that reads its inputs once and writes its output once; the statistics, the
+softmax pooling and the rotation live in registers. Rounding follows the reference: the normalised
+value is cast to the output dtype before it is rotated, and the pooled value before it is normalised.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# Shared tile helpers
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr):
+    # x: [BR, BD] fp32 (0 beyond d) ; w: [d] -> x * rsqrt(mean(x^2) + eps) (* w), fp32
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)  # [BR]
+    y = x * rstd[:, None]
+    if HAS_WEIGHT:
+        cols = tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + cols, mask=cols < d, other=0.0).to(tl.float32)
+        y = w[None, :] * y
+    return y
+
+
+@triton.jit
+def _rotate_tile(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # y: [BR, BD] fp32 ; cos/sin: [BR, BD/2] fp32, one per pair (2i, 2i+1) of the whole row
+    # -> [BR, BD] fp32 with every pair rotated: (re*c - im*s, re*s + im*c)
+    re, im = tl.split(tl.reshape(y, (BLOCK_R, BLOCK_D // 2, 2)))
+    rot = tl.join(re * cos - im * sin, re * sin + im * cos)
+    return tl.reshape(rot, (BLOCK_R, BLOCK_D))
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary / norm_rope: rows of d channels, BLOCK_R rows per program
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr,  # [T, R, d] bf16/fp32 (last dim contiguous)
+    w_ptr,  # [d] norm weight (any float dtype) or a dummy when not HAS_WEIGHT
+    cos_ptr,  # [T, rd/2] fp32
+    sin_ptr,  # [T, rd/2] fp32
+    out_ptr,  # [T, R, d] x.dtype, contiguous
+    n_rows,  # T * R
+    R,  # rows per token (heads; 1 for [T, d])
+    d,
+    nope,  # d - rd: channels that pass through the rotation
+    eps,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    NORM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # read BLOCK_R * d elements (+ their cos/sin) ; write BLOCK_R * d elements
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    t = rows // R
+    h = rows % R
+    row_ok = rows < n_rows
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < d
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    # ---- load x (upcast right away: fp32 math throughout)
+    x_offs = t.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64)[:, None] * stride_xh
+    x = tl.load(x_ptr + x_offs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    # ---- RMSNorm over d, cast to the activation dtype as the reference does before RoPE
+    if NORM:
+        x = _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT, BLOCK_D)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+
+    # ---- RoPE: pair j = channels (2j, 2j+1) uses cos/sin[t, j - nope/2] when 2j >= nope
+    pairs = tl.arange(0, BLOCK_D // 2)
+    pair_ok = row_ok[:, None] & ((pairs >= nope // 2) & (2 * pairs < d))[None, :]
+    c_idx = pairs[None, :] - nope // 2
+    cos = tl.load(cos_ptr + t.to(tl.int64)[:, None] * stride_ct + c_idx, mask=pair_ok, other=1.0)
+    sin = tl.load(sin_ptr + t.to(tl.int64)[:, None] * stride_st + c_idx, mask=pair_ok, other=0.0)
+    if INVERSE:
+        sin = -sin
+    rot = _rotate_tile(x, cos, sin, BLOCK_R, BLOCK_D)
+    y = tl.where((cols >= nope)[None, :], rot, x)  # the NoPE channels pass through exactly
+
+    out_offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
+    tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_config(n_rows: int, block_d: int, programs: int = 528) -> tuple[int, int]:
+    """(BLOCK_R, num_warps): tiles of <= 4K elements, and enough programs to fill 132 SMs x 4
+    (the CPU interpreter pays per program: ask for 1 there)."""
+    max_r = max(1, 4096 // block_d)
+    block_r = 1
+    while block_r < max_r and n_rows >= 2 * block_r * programs:
+        block_r *= 2
+    num_warps = 4 if block_r * block_d >= 2048 else 2
+    return block_r, num_warps
+
+
+def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    """Shape/dtype checks shared by rotary and norm_rope; returns rd."""
+    assert x.dim() >= 2, f"x must be [T, ..., d], got shape {tuple(x.shape)}"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x dtype {x.dtype}"
+    assert x.stride(-1) == 1, f"x must be contiguous in its last dim (strides {x.stride()})"
+    assert cos.dtype == torch.float32 and sin.dtype == torch.float32, (
+        f"cos/sin must be fp32 (got {cos.dtype}, {sin.dtype})"
+    )
+    assert cos.dim() == 2 and cos.shape == sin.shape, (
+        f"cos/sin must be [T, rd/2] alike (got {tuple(cos.shape)}, {tuple(sin.shape)})"
+    )
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1, "cos/sin must be contiguous in the last dim"
+    assert cos.shape[0] == x.shape[0], f"cos rows {cos.shape[0]} != x tokens {x.shape[0]}"
+    d, rd = x.shape[-1], 2 * cos.shape[-1]
+    assert 0 < rd <= d and (d - rd) % 2 == 0, f"bad rope dims rd={rd} for d={d}"
+    return rd
+
+
+def _launch_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: bool,
+    inverse: bool,
+) -> torch.Tensor:
+    rd = _check_rope(x, cos, sin)
+    T, d = x.shape[0], x.shape[-1]
+    if weight is not None:
+        assert weight.shape == (d,) and weight.is_contiguous(), (
+            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
+        )
+    R = math.prod(x.shape[1:-1])  # rows per token: heads (1 for [T, d])
+    x3 = x.view(T, R, d)  # fails loudly on a layout that cannot be flattened
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = T * R
+    if n_rows == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    block_r, num_warps = _rows_config(n_rows, block_d, 528 if x.is_cuda else 1)
+    grid = (triton.cdiv(n_rows, block_r),)
+    _norm_rope_kernel[grid](
+        x3,
+        x3 if weight is None else weight,
+        cos,
+        sin,
+        out,
+        n_rows,
+        R,
+        d,
+        d - rd,
+        eps,
+        x3.stride(0),
+        x3.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NORM=norm,
+        HAS_WEIGHT=weight is not None,
+        INVERSE=inverse,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    # x: [T, ..., d] ; cos/sin: [T, rd/2] fp32 -> x with the trailing rd channels rotated (fp32 math)
+    return _launch_rows(x, None, 0.0, cos, sin, norm=False, inverse=inverse)
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    # x: [T, ..., d] -> RMSNorm over d (fp32 stats, weight or none), cast, RoPE on the trailing rd
+    return _launch_rows(x, weight, eps, cos, sin, norm=True, inverse=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# compress_store: one program per closed window
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _compress_store_kernel(
+    kv_ptr,  # [n, slots, d] fp32
+    score_ptr,  # [n, slots, d] fp32, -inf = empty slot
+    w_ptr,  # [d] norm weight
+    cos_ptr,  # [n, rd/2] fp32
+    sin_ptr,  # [n, rd/2] fp32
+    out_ptr,  # [rows, d] bf16/fp32 paged store
+    dest_ptr,  # [n] int rows of out (negative rows wrap, as torch indexing does)
+    slots,
+    d,
+    nope,
+    eps,
+    out_rows,
+    stride_kvn,
+    stride_kvs,
+    stride_sn,
+    stride_ss,
+    stride_ct,
+    stride_st,
+    stride_o0,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # read 2 * slots * d fp32 (+ d weight, rd cos/sin) ; write d elements of out
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < d
+
+    # ---- per-channel softmax pooling over the slots, online over chunks of BLOCK_S slots
+    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        mask = (s < slots)[:, None] & col_ok[None, :]
+        z = tl.load(
+            score_ptr + i * stride_sn + s[:, None] * stride_ss + cols[None, :],
+            mask=mask,
+            other=float("-inf"),
+        )
+        a = tl.load(
+            kv_ptr + i * stride_kvn + s[:, None] * stride_kvs + cols[None, :], mask=mask, other=0.0
+        )
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: keep sums at 0
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(z - m_safe[None, :])  # [BS, BD]
+        l_sum = l_sum * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p * a, axis=0)
+        m = m_new
+    # [BD]; a channel whose slots are all empty gives NaN, as torch's softmax does
+    pooled = acc / tl.where(col_ok, l_sum, 1.0)
+    x = tl.reshape(pooled, (1, BLOCK_D)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, 0.0)
+
+    # ---- RMSNorm (fp32 stats), cast to the store dtype, RoPE at the window's position
+    x = _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT, BLOCK_D)
+    x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+    pairs = tl.arange(0, BLOCK_D // 2)
+    pair_ok = ((pairs >= nope // 2) & (2 * pairs < d))[None, :]
+    c_idx = pairs[None, :] - nope // 2
+    cos = tl.load(cos_ptr + i * stride_ct + c_idx, mask=pair_ok, other=1.0)
+    sin = tl.load(sin_ptr + i * stride_st + c_idx, mask=pair_ok, other=0.0)
+    rot = _rotate_tile(x, cos, sin, 1, BLOCK_D)
+    y = tl.where((cols >= nope)[None, :], rot, x)
+
+    # ---- store the entry at its pool row
+    row = tl.load(dest_ptr + i).to(tl.int64)
+    row = tl.where(row < 0, row + out_rows, row)
+    tl.store(
+        out_ptr + row * stride_o0 + cols[None, :],
+        y.to(out_ptr.dtype.element_ty),
+        mask=col_ok[None, :],
+    )
+
+
+def _compress_config(slots: int, block_d: int) -> tuple[int, int]:
+    """(BLOCK_S, num_warps): slot chunks of <= 16K elements per tensor (64 KB fp32)."""
+    block_s = min(triton.next_power_of_2(slots), max(1, 16384 // block_d))
+    num_warps = min(16, max(2, block_s * block_d // 1024))
+    return block_s, num_warps
+
+
+def compress_store(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    dest: torch.Tensor,
+) -> None:
+    # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows
+    # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)), in place
+    assert kv.dim() == 3 and score.shape == kv.shape, (
+        f"kv/score must be [n, slots, d] alike (got {tuple(kv.shape)}, {tuple(score.shape)})"
+    )
+    assert kv.dtype == torch.float32 and score.dtype == torch.float32, (
+        f"kv/score must be fp32 (got {kv.dtype}, {score.dtype})"
+    )
+    assert kv.stride(-1) == 1 and score.stride(-1) == 1, "kv/score must be contiguous in d"
+    n, slots, d = kv.shape
+    assert out.dim() == 2 and out.shape[1] == d and out.stride(-1) == 1, (
+        f"out must be [rows, {d}] contiguous in d (got {tuple(out.shape)}, strides {out.stride()})"
+    )
+    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), f"out dtype {out.dtype}"
+    assert dest.shape == (n,) and dest.dtype in (torch.int64, torch.int32), (
+        f"dest must be [{n}] int (got {tuple(dest.shape)} {dest.dtype})"
+    )
+    if weight is not None:
+        assert weight.shape == (d,) and weight.is_contiguous(), (
+            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
+        )
+    assert cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be fp32"
+    assert cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n, (
+        f"cos/sin must be [{n}, rd/2] (got {tuple(cos.shape)}, {tuple(sin.shape)})"
+    )
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1, "cos/sin must be contiguous in the last dim"
+    rd = 2 * cos.shape[1]
+    assert 0 < rd <= d and (d - rd) % 2 == 0, f"bad rope dims rd={rd} for d={d}"
+    if n == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    block_s, num_warps = _compress_config(slots, block_d)
+    _compress_store_kernel[(n,)](
+        kv,
+        score,
+        kv if weight is None else weight,
+        cos,
+        sin,
+        out,
+        dest,
+        slots,
+        d,
+        d - rd,
+        eps,
+        out.shape[0],
+        kv.stride(0),
+        kv.stride(1),
+        score.stride(0),
+        score.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        HAS_WEIGHT=weight is not None,
+        BLOCK_S=block_s,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )

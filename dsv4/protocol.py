@@ -1,0 +1,232 @@
+"""OpenAI wire format: request models, their SamplingParams, and the error envelope."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsv4.sampling import SamplingParams
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+# ---- errors -----------------------------------------------------------------------------------
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request the server refuses: becomes {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI error envelope; `code` is the HTTP status (as vLLM and SGLang send it)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: usage in a final chunk (and optionally in every chunk)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatTemplateKwargs(BaseModel):
+    """`chat_template_kwargs`: options of the DeepSeek-V4 prompt encoder."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    thinking: bool | None = None
+    enable_thinking: bool | None = None  # alias of thinking
+    reasoning_effort: Literal["high", "max"] | None = None
+    drop_thinking: bool = True
+
+
+class GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI plus vLLM extensions).
+
+    Unknown fields are accepted and ignored, as OpenAI-compatible servers do; wrong types and
+    out-of-range values are 400s naming the field.
+    """
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)  # None -> 1.0; 0 = greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def check_common(self) -> None:
+        """Refusals that pydantic's field types cannot express."""
+        if self.n != 1:
+            raise ApiError(400, f"n={self.n} is not supported; only n=1", "n")
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request; None fields take the OpenAI defaults."""
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                temperature=pick(self.temperature, 1.0),
+                top_k=pick(self.top_k, -1),
+                top_p=pick(self.top_p, 1.0),
+                min_p=pick(self.min_p, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:  # SamplingParams messages start with the field name
+            field = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), field if field in type(self).model_fields else None) from e
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's completions default
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise ApiError(400, f"best_of={self.best_of} is not supported; only 1", "best_of")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            if len(self.prompt) != 1:
+                raise ApiError(400, "one prompt per request is supported", "prompt")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        return p[0] if isinstance(p, list) and p and isinstance(p[0], str | list) else p
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions. Thinking is off unless asked for (chat_template_kwargs)."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(None, ge=1)  # preferred over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    # OpenAI's knob: "none" = non-thinking; "max" = Think Max; any other level = Think High
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(
+                400,
+                f"tool_choice={self.tool_choice!r} is not supported (no constrained decoding); "
+                "use 'auto' or 'none'",
+                "tool_choice",
+            )
+        if self.response_format not in (None, {"type": "text"}):
+            msg = "only response_format {'type': 'text'} is supported"
+            raise ApiError(400, msg, "response_format")
+
+    def encoder_options(self) -> dict:
+        """Keyword arguments for dsv4.chat.encode_messages."""
+        kw = self.chat_template_kwargs or ChatTemplateKwargs()
+        thinking = kw.thinking if kw.thinking is not None else kw.enable_thinking
+        effort = kw.reasoning_effort
+        if self.reasoning_effort is not None:
+            if thinking is None:
+                thinking = self.reasoning_effort != "none"
+            if effort is None and self.reasoning_effort == "max":
+                effort = "max"
+        return {
+            "tools": self.tools if self.tool_choice != "none" else None,
+            "thinking": bool(thinking),
+            "reasoning_effort": effort,
+            "drop_thinking": kw.drop_thinking,
+        }
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt string, or chat messages rendered as /v1/chat/completions does."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # prompt: prepend BOS, as /v1/completions does
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,229 @@
+"""RequestOutput snapshots -> OpenAI completion / chat responses and stream chunks."""
+
+from __future__ import annotations
+
+import time
+
+from dsv4.engine import RequestOutput
+from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
+
+
+def usage(out: RequestOutput) -> dict:
+    # completion_tokens counts a stop token too: it was generated (as vLLM counts it)
+    n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+class Formatter:
+    """What completion and chat responses share: ids, token texts, usage options."""
+
+    object_name = ""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,  # noqa: ANN001 - tokenizers.Tokenizer or None
+        *,
+        continuous_usage: bool = False,
+        return_token_ids: bool = False,
+    ) -> None:
+        self.id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.created = int(time.time())
+        self.continuous_usage = continuous_usage
+        self.return_token_ids = return_token_ids
+        self._num_logprobs = 0  # logprob entries already sent
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def new_logprobs(self, out: RequestOutput) -> dict | None:
+        """Logprobs of the tokens not reported yet (None when the request did not ask)."""
+        if out.logprobs is None:
+            return None
+        entries = out.logprobs[self._num_logprobs :]
+        self._num_logprobs += len(entries)
+        return self._logprobs(entries)
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def envelope(self, choices: list[dict], out: RequestOutput | None, chunk: bool) -> dict:
+        body = {
+            "id": self.id,
+            "object": self.object_name + (".chunk" if chunk else ""),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if out is not None and (not chunk or self.continuous_usage):
+            body["usage"] = usage(out)
+        return body
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        """The final chunk of stream_options.include_usage: no choices, only usage."""
+        return {**self.envelope([], None, chunk=True), "usage": usage(out)}
+
+
+class CompletionFormatter(Formatter):
+    """/v1/completions: `text` per choice, logprobs as {tokens, token_logprobs, top_logprobs}."""
+
+    object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self._offset = 0  # chars of completion text before the next logprob entry
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        tokens, offsets = [], []
+        for e in entries:
+            tokens.append(self.token_text(e["token_id"]))
+            offsets.append(self._offset)
+            self._offset += len(tokens[-1])
+        top = [
+            {self.token_text(t): lp for t, lp in e.get("top", [])} if "top" in e else None
+            for e in entries
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _choice(self, out: RequestOutput, text: str, token_ids: list[int]) -> dict:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": self.new_logprobs(out),
+            "finish_reason": out.finish_reason,
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def chunk(self, out: RequestOutput) -> dict:
+        """One SSE chunk for one engine step of this request."""
+        return self.envelope([self._choice(out, out.delta_text, out.delta_token_ids)], out, True)
+
+    def response(self, out: RequestOutput) -> dict:
+        return self.envelope([self._choice(out, out.text, out.token_ids)], out, False)
+
+
+class _ReasoningOnly:
+    """StreamParser's interface without tool parsing (no tools in the request)."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.reasoning = ReasoningParser(thinking)
+
+    @staticmethod
+    def _deltas(reasoning: str, content: str) -> list[dict]:
+        return ([{"reasoning_content": reasoning}] if reasoning else []) + (
+            [{"content": content}] if content else []
+        )
+
+    def feed(self, delta: str) -> list[dict]:
+        return self._deltas(*self.reasoning.feed(delta))
+
+    def finish(self) -> list[dict]:
+        return self._deltas(*self.reasoning.finish())
+
+
+def _parser(thinking: bool, tools: list[dict] | None) -> StreamParser | _ReasoningOnly:
+    return StreamParser(thinking, tools) if tools else _ReasoningOnly(thinking)
+
+
+def _merge_into_one(deltas: list[dict]) -> dict:
+    """Fold one step's parser deltas into a single chunk delta."""
+    merged: dict = {}
+    for d in deltas:
+        for key in ("reasoning_content", "content"):
+            if key in d:
+                merged[key] = merged.get(key, "") + d[key]
+        if "tool_calls" in d:
+            merged.setdefault("tool_calls", []).extend(d["tool_calls"])
+    return merged
+
+
+class ChatFormatter(Formatter):
+    """/v1/chat/completions: reasoning_content / content / tool_calls from the model's text."""
+
+    object_name = "chat.completion"
+
+    def __init__(
+        self,
+        *args,  # noqa: ANN002
+        thinking: bool = False,
+        tools: list[dict] | None = None,
+        **kwargs,  # noqa: ANN003
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.thinking, self.tools = thinking, tools
+        self._stream = _parser(thinking, tools)
+        self._first = True
+        self._called = False  # a tool call was streamed
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {
+                    **item(e["token_id"], e["logprob"]),
+                    "top_logprobs": [item(t, lp) for t, lp in e.get("top", [])],
+                }
+                for e in entries
+            ]
+        }
+
+    def _finish_reason(self, out: RequestOutput, called: bool) -> str | None:
+        return "tool_calls" if called and out.finish_reason == "stop" else out.finish_reason
+
+    def chunk(self, out: RequestOutput) -> dict:
+        """One SSE chunk for one engine step: the first carries the role, the last finish_reason.
+
+        Text the parsers hold back (a possible `</think>` or DSML tag) leaves the delta empty;
+        the chunk is still sent, so clients see one chunk per generated token.
+        """
+        deltas = self._stream.feed(out.delta_text)
+        if out.finished:
+            deltas += self._stream.finish()
+        delta = _merge_into_one(deltas)
+        self._called |= "tool_calls" in delta
+        if self._first:
+            delta = {"role": "assistant", **delta}
+            delta.setdefault("content", "")
+            self._first = False
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self.new_logprobs(out),
+            "finish_reason": self._finish_reason(out, self._called) if out.finished else None,
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = out.delta_token_ids
+        return self.envelope([choice], out, True)
+
+    def response(self, out: RequestOutput) -> dict:
+        parser = _parser(self.thinking, self.tools)
+        parsed = merge_deltas(parser.feed(out.text) + parser.finish())
+        message = {
+            "role": "assistant",
+            "content": parsed["content"],
+            "reasoning_content": parsed["reasoning_content"],
+        }
+        if parsed["tool_calls"]:
+            message["tool_calls"] = parsed["tool_calls"]
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": self.new_logprobs(out),
+            "finish_reason": self._finish_reason(out, bool(parsed["tool_calls"])),
+        }
+        if self.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        return self.envelope([choice], out, False)

@@ -1,0 +1,416 @@
+"""`dsv4 serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncEngine.
+
+POST /v1/completions, /v1/chat/completions (JSON or SSE), GET /v1/models, /health, /metrics,
+/version, POST /tokenize, /detokenize. The model loads on a thread after uvicorn starts, so
+/health answers 503 until it is ready. Errors are OpenAI-shaped JSON (dsv4/protocol.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from dsv4 import __version__
+from dsv4.asgi import ClientGone, RequestGate, SSEResponse, error_response, sse, until_disconnect
+from dsv4.chat import encode_messages
+from dsv4.config import ConfigError, ServerConfig
+from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
+from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics
+from dsv4.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from dsv4.responses import ChatFormatter, CompletionFormatter, Formatter
+from dsv4.sampling import SamplingParams
+
+log = logging.getLogger("dsv4")
+
+
+class Server:
+    """The served model, its engine and metrics, and the request checks around them."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.llm = None  # dsv4.llm.LLM once loaded
+        self.engine: AsyncEngine | None = None
+        self.metrics = ServerMetrics(config.model_name)
+        self.http = None  # uvicorn.Server when run by main(): ready only once it listens
+        self.stopping = False
+        self.failed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def load(self) -> None:
+        from dsv4.llm import LLM
+
+        c, t0 = self.config, time.perf_counter()
+        llm = LLM(
+            c.model,
+            device=c.device,
+            dtype=c.dtype,
+            quantized=c.quantized,
+            max_seqs=c.max_seqs,
+            max_seq_len=c.max_seq_len,
+            chunk_size=c.chunk_size,
+            max_memory=c.max_memory,
+            memory_fraction=c.memory_fraction,
+        )
+        log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
+        self.llm, self.engine = llm, AsyncEngine(llm.engine)
+
+    async def load_in_background(self) -> None:
+        try:
+            await asyncio.to_thread(self.load)
+        except Exception as e:
+            if isinstance(e, ValueError | FileNotFoundError):  # config/checkpoint: one clear line
+                log.error("loading the model failed: %s", e)
+            else:
+                log.exception("loading the model failed")
+            self.failed = True
+            if self.http is not None:
+                self.http.should_exit = True
+            return
+        while self.http is not None and not self.http.started:
+            await asyncio.sleep(0.05)
+        log.info("ready: serving %r at %s", self.config.model_name, self.url())
+
+    def url(self) -> str:
+        host, port = self.config.host, self.config.port
+        if self.http is not None and self.http.servers:  # the bound port (port 0 picks one)
+            port = self.http.servers[0].sockets[0].getsockname()[1]
+        return f"http://{host}:{port}"
+
+    @property
+    def ready(self) -> bool:
+        started = self.http is None or self.http.started
+        return self.engine is not None and started and not self.stopping
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # ---- checks ----------------------------------------------------------------------------
+    def require_engine(self) -> AsyncEngine:
+        if not self.ready:
+            raise ApiError(503, "the model is loading" if not self.stopping else "shutting down")
+        return self.engine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            msg = f"model {name!r} does not exist; this server serves {self.config.model_name!r}"
+            raise ApiError(404, msg, "model")
+
+    def tokenizer(self, param: str):  # noqa: ANN201 - tokenizers.Tokenizer
+        self.require_engine()
+        if self.llm.tokenizer is None:
+            raise ApiError(400, "the model has no tokenizer.json: send token ids", param)
+        return self.llm.tokenizer
+
+    def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.config.max_seq_len
+        try:
+            check_prompt(ids, self.llm.args.vocab_size, limit, generate=True)
+        except ValueError as e:
+            raise ApiError(400, str(e), param) from e
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {limit} tokens; the prompt has "
+                f"{len(ids)} and max_tokens asks for {max_tokens} more",
+                "max_tokens",
+            )
+
+    # ---- generation ------------------------------------------------------------------------
+    async def respond(
+        self,
+        request: Request,
+        ids: list[int],
+        params: SamplingParams,
+        fmt: Formatter,
+        stream: bool,
+        include_usage: bool,
+    ) -> Response:
+        """Run one request: JSON when it finishes, or SSE from its first token on."""
+        engine = self.require_engine()
+        cap = self.config.max_queue
+        if cap is not None and engine.stats().num_waiting >= cap:
+            raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
+        gen = engine.generate(ids, params, fmt.id)
+        trace = self.metrics.track()
+        try:
+            if not stream:
+                final = await until_disconnect(request, _run_to_end(gen, trace))
+                return JSONResponse(fmt.response(final))
+            first = await until_disconnect(request, anext(gen))
+            trace.observe(first)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        except ValueError as e:  # the engine refused the request (add_request)
+            raise ApiError(400, str(e)) from e
+        except EngineError as e:
+            raise ApiError(500, "the engine failed while running this request") from e
+        finally:
+            if not stream or trace.last is None:
+                await gen.aclose()
+                trace.close()
+        return SSEResponse(
+            _events(gen, first, fmt, trace, include_usage),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+
+async def _run_to_end(gen: AsyncIterator[RequestOutput], trace: RequestTrace) -> RequestOutput:
+    out = None
+    async for out in gen:
+        trace.observe(out)
+    return out
+
+
+async def _events(
+    gen: AsyncIterator[RequestOutput],
+    out: RequestOutput,
+    fmt: Formatter,
+    trace: RequestTrace,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """SSE body: one chunk per engine step (one token), [usage chunk], [DONE]."""
+    try:
+        yield sse(fmt.chunk(out))
+        while not out.finished:
+            out = await anext(gen)
+            trace.observe(out)
+            yield sse(fmt.chunk(out))
+        if include_usage:
+            yield sse(fmt.usage_chunk(out))
+    except EngineError:
+        yield sse(error_body(500, "the engine failed while running this request"))
+    finally:
+        await gen.aclose()
+        trace.close()
+    yield sse("[DONE]")
+
+
+def _first_loc(errors: list[dict]) -> tuple[str | None, str]:
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return None, f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}"
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    msg = f"{where}: {e.get('msg')}" if where else f"request body: {e.get('msg')}"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return param, msg + more
+
+
+def build_app(server: Server) -> FastAPI:
+    """The ASGI app; `server` holds the model (loaded by the lifespan if not already)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        task = asyncio.create_task(server.load_in_background()) if server.engine is None else None
+        yield
+        if task is not None:
+            task.cancel()
+        server.shutdown()
+
+    app = FastAPI(title="dsv4", version=__version__, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _apierror_response(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        param, msg = _first_loc(list(e.errors()))
+        if "json" not in request.headers.get("content-type", "json"):
+            msg = "the body must be JSON sent with 'Content-Type: application/json'"
+        return error_response(400, msg, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal server error (logged on the server)")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not server.ready:
+            return error_response(
+                503, "shutting down" if server.stopping else "the model is loading"
+            )
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = server.engine.stats() if server.engine is not None else None
+        return Response(server.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models")
+    async def models() -> dict:
+        c = server.config
+        card = {
+            "id": c.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "dsv4",
+            "root": str(server.llm.model_dir) if server.llm is not None else c.model,
+            "max_model_len": c.max_seq_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.check()
+        server.check_model(body.model)
+        server.require_engine()
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            server.tokenizer("prompt")
+            ids = server.llm.encode(prompt)
+        else:
+            ids = list(prompt)
+        server.check_room(ids, body.max_tokens, "prompt")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        fmt = CompletionFormatter(
+            f"cmpl-{uuid.uuid4().hex}",
+            server.config.model_name,
+            server.llm.tokenizer,
+            continuous_usage=body.continuous_usage,
+            return_token_ids=body.return_token_ids,
+        )
+        return await server.respond(request, ids, params, fmt, body.stream, body.include_usage)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.check()
+        server.check_model(body.model)
+        tokenizer = server.tokenizer("messages")
+        opts = body.encoder_options()
+        ids = _encode_chat(tokenizer, body.messages, opts)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        server.check_room(ids, max_tokens, "messages")
+        params = body.sampling_params(
+            max_tokens, (body.top_logprobs or 0) if body.logprobs else None
+        )
+        fmt = ChatFormatter(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            server.config.model_name,
+            tokenizer,
+            thinking=opts["thinking"],
+            tools=opts["tools"],
+            continuous_usage=body.continuous_usage,
+            return_token_ids=body.return_token_ids,
+        )
+        return await server.respond(request, ids, params, fmt, body.stream, body.include_usage)
+
+    app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
+        if body.prompt is not None:
+            tokenizer = server.tokenizer("prompt")
+            ids = tokenizer.encode(body.prompt, add_special_tokens=False).ids
+            ids = [server.llm.args.bos_token_id] + ids if body.add_special_tokens else ids
+        else:
+            kw = body.chat_template_kwargs
+            req = ChatCompletionRequest(
+                messages=body.messages, tools=body.tools, chat_template_kwargs=kw
+            )
+            opts = {**req.encoder_options(), "add_generation_prompt": body.add_generation_prompt}
+            ids = _encode_chat(server.tokenizer("messages"), body.messages, opts)
+        return {"count": len(ids), "max_model_len": server.config.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        server.check_model(body.model)
+        tokenizer = server.tokenizer("tokens")
+        vocab = server.llm.args.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    return RequestGate(app, server.config.api_key, server.config.max_body_bytes)
+
+
+def _encode_chat(tokenizer, messages: list[dict], opts: dict) -> list[int]:  # noqa: ANN001
+    try:
+        prompt = encode_messages(messages, **opts)
+    except ValueError as e:  # encoder messages start with the offending field
+        field = str(e).split("[", 1)[0].split(" ", 1)[0]
+        param = {"tools": "tools", "reasoning_effort": "chat_template_kwargs"}.get(
+            field, "messages"
+        )
+        raise ApiError(400, str(e), param) from e
+    return tokenizer.encode(prompt, add_special_tokens=False).ids
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> ServerConfig:
+    from dsv4.cli import _engine_flags
+
+    p = argparse.ArgumentParser(prog="dsv4 serve", description="OpenAI-compatible HTTP server")
+    _engine_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
+    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    ns = p.parse_args(argv)
+    return ServerConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)})
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    server = Server(config)
+    app = build_app(server)
+    http = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5)
+    )
+    server.http = http
+    log.info(
+        "dsv4 %s: starting http://%s:%d; the model loads once it listens",
+        __version__,
+        config.host,
+        config.port,
+    )
+    http.run()
+    return 1 if server.failed else 0

@@ -1,0 +1,194 @@
+"""index_topk (Triton) against dsv4.ops.ref.index_topk: positions must match exactly, ties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import indexer, ref
+
+
+def _inputs(
+    T: int,
+    Hi: int,
+    d: int,
+    C: int,
+    dtype: torch.dtype,
+    p_hidden: float = 0.3,
+    n_keys: int | None = None,
+    integer: bool = False,
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # q: [T, Hi, d] ; weights: [T, Hi] fp32 ; keys: [N, d] ; cand: [T, C] int64 with random -1s.
+    # n_keys=None: distinct key rows per token (a random permutation of a larger pool); a small n_keys
+    # repeats rows. integer=True: small integers, so every score is exact in fp32 and ties are real.
+    g = torch.Generator().manual_seed(seed)
+    N = n_keys if n_keys is not None else 2 * C + 3
+    if integer:
+        q = torch.randint(-2, 3, (T, Hi, d), generator=g).float()
+        keys = torch.randint(-2, 3, (N, d), generator=g).float()
+        weights = torch.randint(-2, 4, (T, Hi), generator=g).float() * 0.5
+    else:
+        q = torch.randn(T, Hi, d, generator=g)
+        keys = torch.randn(N, d, generator=g)
+        weights = torch.randn(T, Hi, generator=g) * Hi**-0.5
+    if n_keys is None:
+        cand = torch.stack([torch.randperm(N, generator=g)[:C] for _ in range(T)])
+    else:
+        cand = torch.randint(0, N, (T, C), generator=g)
+    cand[torch.rand(T, C, generator=g) < p_hidden] = -1
+    to = dict(device=device)
+    return q.to(dtype).to(**to), weights.to(**to), keys.to(dtype).to(**to), cand.to(**to)
+
+
+def _check(q, weights, keys, cand, topk) -> None:  # noqa: ANN001
+    out = indexer.index_topk(q, weights, keys, cand, topk)
+    want = ref.index_topk(q, weights, keys, cand, topk)
+    assert out.dtype == torch.int64 and out.shape == want.shape, (out.dtype, out.shape, want.shape)
+    bad = (out != want).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad} differ:\n{out[bad[:2]]}\nwant\n{want[bad[:2]]}"
+
+
+# (T, Hi, d, C, topk): topk > C, topk > visible count, topk = 1, C = 1, one and several tiles
+SHAPES = [
+    (1, 2, 16, 1, 1),
+    (4, 2, 16, 5, 4),
+    (7, 16, 32, 5, 64),
+    (1, 16, 16, 300, 64),
+    (4, 2, 32, 300, 4),
+    (7, 16, 32, 300, 64),
+    (4, 16, 16, 300, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,Hi,d,C,topk", SHAPES)
+def test_index_topk_random(T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype) -> None:
+    _check(*_inputs(T, Hi, d, C, dtype), topk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "T,Hi,d,C,topk", [(4, 2, 16, 300, 64), (7, 16, 32, 300, 4), (4, 16, 16, 5, 4)]
+)
+def test_index_topk_ties(T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype) -> None:
+    # integer scores with few distinct values and repeated key rows: ties resolve to the lower position
+    _check(*_inputs(T, Hi, d, C, dtype, n_keys=7, integer=True), topk)
+
+
+def test_index_topk_strided_bf16_weights() -> None:
+    # q a slice of a wider tensor (head stride 2d), weights in the activation dtype
+    q, weights, keys, cand = _inputs(4, 16, 32, 300, torch.bfloat16)
+    wide = torch.cat([q, torch.randn_like(q)], dim=-1)
+    _check(wide[..., :32], weights.bfloat16(), keys, cand, 64)
+
+
+def test_index_topk_zero_scores() -> None:
+    # zero rows score exactly 0 (-0.0 in torch under all-negative weights): ties by position
+    q, weights, keys, cand = _inputs(4, 16, 16, 300, torch.float32, n_keys=9, integer=True)
+    keys[:4] = 0
+    weights[0] = -weights[0].abs() - 0.5  # all-negative weights: sum_h w_h * 0 = -0.0 in torch
+    keys[4:] = keys[4:].abs()
+    q[1] = -q[1].abs()  # token 1: every relu is 0
+    _check(q, weights, keys, cand, 64)
+
+
+def test_index_topk_hidden_rows() -> None:
+    # a row with no visible entry, a row with one, and a -1 pattern that is not a suffix
+    q, weights, keys, cand = _inputs(4, 2, 16, 100, torch.float32, p_hidden=0.0)
+    cand[0] = -1
+    cand[1, :-1] = -1
+    cand[2, ::2] = -1
+    cand[3, 70:] = -1
+    _check(q, weights, keys, cand, 64)
+    _check(q, weights, keys, cand, 128)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_index_topk_causal_prefill(integer: bool) -> None:
+    # one sequence: token t sees compressed entries 0..(t+1)//4-1 of the same key rows
+    T, C = 24, 6
+    q, weights, keys, cand = _inputs(T, 16, 32, C, torch.bfloat16, p_hidden=0.0, integer=integer)
+    cand[:] = cand[0]
+    t = torch.arange(T)[:, None]
+    cand[torch.arange(C)[None, :] >= (t + 1) // 4] = -1
+    _check(q, weights, keys, cand, 4)
+
+
+def test_index_topk_segments() -> None:
+    # C > one select program (4096 keys): segment top-k, then a packed re-selection
+    q, weights, keys, cand = _inputs(1, 2, 16, 4500, torch.float32, n_keys=5, integer=True)
+    _check(q, weights, keys, cand, 16)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+def test_index_topk_segment_levels(integer: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 64-key segments: C=1100 takes two segment levels before the final one; with integer scores
+    # the ties cross segment boundaries and must still resolve to the lowest positions
+    monkeypatch.setattr(indexer, "SEGMENT", 64)
+    q, weights, keys, cand = _inputs(
+        2, 2, 16, 1100, torch.float32, n_keys=5 if integer else None, integer=integer
+    )
+    _check(q, weights, keys, cand, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: Flash shapes (64 indexer heads x 128, top-512, bf16)
+# ---------------------------------------------------------------------------------------------
+
+
+def _ref_scores(q, weights, keys, cand) -> torch.Tensor:  # noqa: ANN001
+    k = keys[cand.clamp(min=0)].float()
+    s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), k))
+    return (s * weights.float().unsqueeze(-1)).sum(1).masked_fill(cand < 0, float("-inf"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,C", [(1, 4096), (16, 4096), (1, 32768), (16, 32768)])
+def test_index_topk_gpu_exact(T: int, C: int) -> None:
+    # integer-valued bf16 inputs: fp32 scores are exact whatever the summation order, so the kernel
+    # must reproduce the reference bit for bit, tie rule included
+    q, weights, keys, cand = _inputs(
+        T, 64, 128, C, torch.bfloat16, p_hidden=0.0, integer=True, device="cuda"
+    )
+    cand[:, C - C // 8 :] = -1  # the decode layout: visible entries first, then -1
+    _check(q, weights, keys, cand, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,C", [(1, 4096), (16, 4096), (1, 32768), (16, 32768)])
+def test_index_topk_gpu_random(T: int, C: int) -> None:
+    # random bf16: tensor-core sums round differently from the reference einsum, so order may differ
+    # on near-ties. Every pick must score >= the reference k-th best (minus a rounding tolerance), the
+    # picks must be distinct, visible and in non-increasing reference score, and almost all equal.
+    q, weights, keys, cand = _inputs(T, 64, 128, C, torch.bfloat16, p_hidden=0.1, device="cuda")
+    out = indexer.index_topk(q, weights, keys, cand, 512)
+    want = ref.index_topk(q, weights, keys, cand, 512)
+    s = _ref_scores(q, weights, keys, cand)
+    tol = 1e-4 * s.masked_fill(cand < 0, 0).abs().amax(-1, keepdim=True)
+    assert ((out >= 0) == (want >= 0)).all()
+    got = s.gather(1, out.clamp(min=0)).masked_fill(out < 0, float("-inf"))
+    kth = s.gather(1, want.clamp(min=0)).masked_fill(want < 0, float("-inf")).amin(-1, keepdim=True)
+    vis = out >= 0
+    assert (got[vis] >= (kth - tol).expand_as(got)[vis]).all()
+    assert (got[:, 1:][vis[:, 1:]] <= (got[:, :-1] + tol)[vis[:, 1:]]).all()
+    assert all(len(set(r[r >= 0].tolist())) == int((r >= 0).sum()) for r in out)
+    differ = int((out != want).sum())
+    set_differ = sum(len(set(a.tolist()) ^ set(b.tolist())) for a, b in zip(out, want))
+    print(f"T={T} C={C}: {differ} positions differ in order, {set_differ} in the set")
+    assert differ <= 0.02 * out.numel(), differ
+
+
+@pytest.mark.gpu
+def test_index_topk_gpu_prefill() -> None:
+    # causal prefill of one sequence: token t sees entries 0..(t+1)//4-1, exact on integer inputs
+    T = 1024
+    C = T // 4
+    q, weights, keys, cand = _inputs(
+        T, 64, 128, C, torch.bfloat16, p_hidden=0.0, integer=True, device="cuda"
+    )
+    cand[:] = cand[0]
+    t = torch.arange(T, device="cuda")[:, None]
+    cand[torch.arange(C, device="cuda")[None, :] >= (t + 1) // 4] = -1
+    _check(q, weights, keys, cand, 512)

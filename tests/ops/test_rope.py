@@ -1,0 +1,217 @@
+"""Triton rotary / norm_rope / compress_store against the torch references in dsv4.ops.ref."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import ref, rope
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative-norm error against an fp32 reference
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _angles(T: int, rd: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    ang = torch.rand(T, rd // 2, device=device) * 12.0 - 6.0
+    return ang.cos(), ang.sin()
+
+
+# (T, heads or None for [T, d], d, rd): rd < d with odd-sized NoPE blocks, and rd == d
+ROW_SHAPES = [(1, None, 16, 8), (5, None, 64, 16), (1, 3, 16, 16), (5, 3, 40, 8), (5, 1, 64, 16)]
+
+
+def _x(T: int, H: int | None, d: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = (T, d) if H is None else (T, H, d)
+    return (torch.randn(shape) * 3.0).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("T,H,d,rd", ROW_SHAPES)
+def test_rotary(T: int, H: int | None, d: int, rd: int, inverse: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = _x(T, H, d, dtype)
+    cos, sin = _angles(T, rd)
+    y = rope.rotary(x, cos, sin, inverse=inverse)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    want = ref.rotary(x.float(), cos, sin, inverse=inverse)
+    assert _rel(y, want) < TOL[dtype]
+    assert torch.equal(y[..., : d - rd], x[..., : d - rd])  # NoPE channels pass through bit-exact
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref.rotary(x, cos, sin, inverse=inverse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("T,H,d,rd", ROW_SHAPES)
+def test_norm_rope(
+    T: int, H: int | None, d: int, rd: int, weighted: bool, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(1)
+    x = _x(T, H, d, dtype)
+    w = torch.rand(d) + 0.5 if weighted else None
+    cos, sin = _angles(T, rd)
+    y = rope.norm_rope(x, w, 1e-6, cos, sin)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert _rel(y, ref.norm_rope(x.float(), w, 1e-6, cos, sin)) < TOL[dtype]
+    assert _rel(y, ref.norm_rope(x, w, 1e-6, cos, sin)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_row_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    # large inputs take BLOCK_R > 1 rows per program; force it at a tiny shape with a ragged last tile
+    monkeypatch.setattr(rope, "_rows_config", lambda n_rows, block_d, programs=528: (4, 2))
+    torch.manual_seed(8)
+    x = _x(5, 3, 40, dtype)  # 15 rows -> tiles of 4, 4, 4, 3
+    w = torch.rand(40) + 0.5
+    cos, sin = _angles(5, 8)
+    assert (
+        _rel(rope.norm_rope(x, w, 1e-6, cos, sin), ref.norm_rope(x.float(), w, 1e-6, cos, sin))
+        < (TOL[dtype])
+    )
+    y = rope.rotary(x, cos, sin, inverse=True)
+    assert _rel(y, ref.rotary(x.float(), cos, sin, inverse=True)) < TOL[dtype]
+
+
+def test_inverse_undoes_forward() -> None:
+    torch.manual_seed(2)
+    x = _x(5, 3, 64, torch.float32)
+    cos, sin = _angles(5, 16)
+    back = rope.rotary(rope.rotary(x, cos, sin), cos, sin, inverse=True)
+    torch.testing.assert_close(back, x, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(rope.rotary(x, cos, sin), x)  # the forward did rotate
+
+
+def test_strided_heads_and_eps() -> None:
+    # x: a [T, H, d] view with padded head stride; a large eps must change the result like ref's
+    torch.manual_seed(3)
+    big = torch.randn(5, 3, 48)
+    x = big[:, :, :40]
+    cos, sin = _angles(5, 8)
+    for eps in (1e-6, 4.0):
+        torch.testing.assert_close(
+            rope.norm_rope(x, None, eps, cos, sin), ref.norm_rope(x, None, eps, cos, sin)
+        )
+    torch.testing.assert_close(rope.rotary(x, cos, sin), ref.rotary(x, cos, sin))
+
+
+def test_empty_tokens() -> None:
+    x = torch.randn(0, 3, 16)
+    cos, sin = _angles(0, 8)
+    assert rope.rotary(x, cos, sin).shape == x.shape
+    assert rope.norm_rope(x, None, 1e-6, cos, sin).shape == x.shape
+
+
+def _windows(n: int, slots: int, d: int, empty_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # kv, score: [n, slots, d] fp32; window 0 has its first `empty_slots` slots empty (-inf, kv 0),
+    # and about 1 in 5 of the other scores is -inf
+    kv = torch.randn(n, slots, d) * 2.0
+    score = torch.randn(n, slots, d) * 3.0
+    score = score.masked_fill(torch.rand(n, slots, d) < 0.2, float("-inf"))
+    score[:, -1] = torch.randn(n, d)  # at least one live slot per channel
+    score[0, :empty_slots] = float("-inf")
+    kv[0, :empty_slots] = 0.0
+    return kv, score
+
+
+# (n windows, slots, d, rd)
+COMPRESS_SHAPES = [(1, 8, 16, 8), (3, 8, 40, 16), (4, 16, 64, 16), (2, 128, 16, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,slots,d,rd", COMPRESS_SHAPES)
+def test_compress_store(n: int, slots: int, d: int, rd: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    kv, score = _windows(n, slots, d, empty_slots=slots // 2)
+    w = torch.rand(d) + 0.5
+    cos, sin = _angles(n, rd)
+    rows = 23
+    before = torch.randn(rows, d).to(dtype)
+    dest = torch.randperm(rows)[:n]
+    out = before.clone()
+    assert rope.compress_store(kv, score, w, 1e-6, cos, sin, out, dest) is None
+    want = before.float().clone()
+    ref.compress_store(kv, score, w, 1e-6, cos, sin, want, dest)
+    assert _rel(out[dest], want[dest]) < TOL[dtype]
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[dest] = False
+    assert torch.equal(out[keep], before[keep])  # rows not in dest are untouched
+    same = before.clone()
+    ref.compress_store(kv, score, w, 1e-6, cos, sin, same, dest)  # ref at the store dtype
+    assert _rel(out[dest], same[dest]) < TOL[dtype]
+
+
+def test_compress_store_many_slot_chunks() -> None:
+    # slots > one chunk (BLOCK_S = 256 at d = 64): the online softmax crosses chunks, and some
+    # channels are empty for a whole chunk; unweighted norm and int32 dest
+    torch.manual_seed(5)
+    n, slots, d, rd = 2, 520, 64, 16
+    kv, score = _windows(n, slots, d, empty_slots=300)
+    score[1, :, :7] = float("-inf")
+    score[1, 513, :7] = 0.5  # channels 0..6 of window 1: one live slot in the last chunk
+    cos, sin = _angles(n, rd)
+    out = torch.zeros(10, d)
+    dest = torch.tensor([7, 2], dtype=torch.int32)
+    rope.compress_store(kv, score, None, 1e-6, cos, sin, out, dest)
+    want = torch.zeros(10, d)
+    ref.compress_store(kv, score, None, 1e-6, cos, sin, want, dest.long())
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compress_store_no_windows() -> None:
+    out = torch.randn(4, 16)
+    before = out.clone()
+    cos, sin = _angles(0, 8)
+    empty = torch.empty(0, 8, 16)
+    rope.compress_store(empty, empty, None, 1e-6, cos, sin, out, torch.empty(0, dtype=torch.long))
+    assert torch.equal(out, before)
+
+
+# ---- GPU: real Flash shapes (H = 64, head_dim 512, rd 64; indexer d 128; CSA 8 slots, HCA 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 301])
+def test_gpu_flash_rows(T: int) -> None:
+    torch.manual_seed(6)
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(T, 64, 512, device=dev).to(bf)
+    kv = torch.randn(T, 512, device=dev).to(bf)
+    iq = torch.randn(T, 64, 128, device=dev).to(bf)
+    w = torch.rand(512, device=dev) + 0.5
+    cos, sin = _angles(T, 64, dev)
+    assert (
+        _rel(rope.norm_rope(q, None, 1e-6, cos, sin), ref.norm_rope(q, None, 1e-6, cos, sin)) < 5e-3
+    )
+    assert _rel(rope.norm_rope(kv, w, 1e-6, cos, sin), ref.norm_rope(kv, w, 1e-6, cos, sin)) < 5e-3
+    assert _rel(rope.rotary(iq, cos, sin), ref.rotary(iq, cos, sin)) < 5e-3
+    o = rope.rotary(q, cos, sin, inverse=True)
+    assert _rel(o, ref.rotary(q, cos, sin, inverse=True)) < 5e-3
+    assert torch.equal(o[..., :448], q[..., :448])
+    qf = q.float()
+    torch.testing.assert_close(
+        rope.rotary(rope.rotary(qf, cos, sin), cos, sin, inverse=True), qf, rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots,d", [(8, 512), (8, 128), (128, 512)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_flash_compress_store(slots: int, d: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(7)
+    dev, n, rows = "cuda", 16, 100_000
+    kv, score = (t.to(dev) for t in _windows(n, slots, d, empty_slots=slots // 2))
+    w = torch.rand(d, device=dev) + 0.5
+    cos, sin = _angles(n, 64, dev)
+    dest = torch.randperm(rows, device=dev)[:n]
+    before = torch.randn(rows, d, device=dev).to(dtype)
+    out, want = before.clone(), before.clone()
+    rope.compress_store(kv, score, w, 1e-6, cos, sin, out, dest)
+    ref.compress_store(kv, score, w, 1e-6, cos, sin, want, dest)
+    assert _rel(out[dest], want[dest]) < (5e-3 if dtype == torch.bfloat16 else 1e-5)
+    keep = torch.ones(rows, dtype=torch.bool, device=dev)
+    keep[dest] = False
+    assert torch.equal(out[keep], before[keep])

@@ -1,0 +1,175 @@
+"""Triton sparse_attn against the torch reference in dsv4.ops.ref."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import ref
+from dsv4.ops.sparse_attn import _configs, sparse_attn
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative-norm error against an fp32 reference
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _inputs(
+    T: int,
+    H: int,
+    D: int,
+    K: int,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    # q: [T, H, D] ; kv: sources of `sizes` rows ; sink: [H] ; idx: [T, K] with ~30% -1 anywhere
+    # and (T > 1) an all -1 row 1
+    g = torch.Generator().manual_seed(seed)
+    q = (2.0 * torch.randn(T, H, D, generator=g)).to(dtype).to(device)
+    kv = tuple(torch.randn(n, D, generator=g).to(dtype).to(device) for n in sizes)
+    sink = torch.randn(H, generator=g).to(device)
+    idx = torch.randint(0, sum(sizes), (T, K), generator=g)
+    idx[torch.rand(T, K, generator=g) < 0.3] = -1
+    if T > 1:
+        idx[1] = -1
+    return q, kv, sink, idx.to(device)
+
+
+def _want(q, kv, sink, idx, scale):  # noqa: ANN001, ANN202  (fp32 reference on upcast inputs)
+    return ref.sparse_attn(q.float(), tuple(s.float() for s in kv), sink, idx, scale)
+
+
+# (T, H, D, K, source sizes): 1..3 uneven sources (one empty), K from 1 to 40, padded heads
+SHAPES = [
+    (1, 4, 32, 1, (9,)),
+    (3, 4, 32, 7, (5, 9)),
+    (5, 16, 64, 40, (30, 3, 70)),
+    (5, 4, 32, 40, (0, 6, 30)),
+    (3, 8, 64, 40, (17, 40)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,D,K,sizes", SHAPES)
+def test_matches_ref(
+    T: int, H: int, D: int, K: int, sizes: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    q, kv, sink, idx = _inputs(T, H, D, K, sizes, dtype)
+    o = sparse_attn(q, kv, sink, idx, D**-0.5)
+    assert o.shape == q.shape and o.dtype == dtype
+    want = _want(q, kv, sink, idx, D**-0.5)
+    assert _rel(o, want) < TOL[dtype], f"{_rel(o, want):.2e}"
+    if T > 1:
+        assert torch.all(o[1] == 0)  # all -1: only the sink remains, and its mass is dropped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 32, "DV_SPLIT": 2}])
+def test_split_matches_unsplit(config: dict | None, dtype: torch.dtype) -> None:
+    # flash-decoding (partials + combine) against one program per token, and both against ref
+    T, H, D, K = 5, 4, 32, 40
+    q, kv, sink, idx = _inputs(T, H, D, K, (30, 3, 70), dtype, seed=1)
+    want = _want(q, kv, sink, idx, 0.3)
+    o1 = sparse_attn(q, kv, sink, idx, 0.3, num_splits=1, config=config)
+    assert _rel(o1, want) < TOL[dtype]
+    splits = (3, 7, 40) if config is None and dtype == torch.float32 else (2, 7)  # 40: 1 key each
+    for s in splits:
+        o = sparse_attn(q, kv, sink, idx, 0.3, num_splits=s, config=config)
+        assert _rel(o, want) < TOL[dtype], f"num_splits={s}: {_rel(o, want):.2e}"
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, o1, rtol=1e-5, atol=1e-6)
+        assert torch.all(o[1] == 0)
+
+
+def test_int32_indices_and_strided_unaligned_rows() -> None:
+    # int32 indices give the same bits as int64; sources may be column slices of wider tensors
+    # (row stride 2D) or start off 16 bytes (the kernel then drops its alignment hint)
+    T, H, D, K = 3, 4, 32, 40
+    q, _, sink, idx = _inputs(T, H, D, K, (20, 7, 30), torch.float32, seed=2)
+    wide = torch.randn(20, 2 * D)
+    flat = torch.randn(7 * D + 1)
+    kv = (wide[:, D:], flat[1:].view(7, D), torch.randn(30, D))
+    assert kv[1].data_ptr() % 16 != 0
+    o = sparse_attn(q, kv, sink, idx, 0.2)
+    assert _rel(o, _want(q, kv, sink, idx, 0.2)) < TOL[torch.float32]
+    assert torch.equal(sparse_attn(q, kv, sink, idx.int(), 0.2), o)
+
+
+def test_sink_dominates_and_empty() -> None:
+    T, H, D, K = 3, 4, 32, 7
+    q, kv, sink, idx = _inputs(T, H, D, K, (9, 9), torch.float32, seed=3)
+    big = sink + 30.0  # nearly all mass on the sink: tiny outputs, still relative-exact
+    o = sparse_attn(q, kv, big, idx, 0.2)
+    assert _rel(o, _want(q, kv, big, idx, 0.2)) < TOL[torch.float32]
+    # K = 0: only the sink; T = 0: nothing
+    none = idx[:, :0]
+    assert torch.equal(sparse_attn(q, kv, sink, none, 0.2), _want(q, kv, sink, none, 0.2))
+    assert sparse_attn(q[:0], kv, sink, idx[:0], 0.2).shape == (0, H, D)
+
+
+def test_rejects_bad_inputs() -> None:
+    q, kv, sink, idx = _inputs(2, 4, 32, 5, (9, 9), torch.float32)
+    with pytest.raises(AssertionError, match="attn_sink"):
+        sparse_attn(q, kv, sink.to(torch.bfloat16), idx, 0.2)
+    with pytest.raises(AssertionError, match="kv\\[1\\] dtype"):
+        sparse_attn(q, (kv[0], kv[1].to(torch.bfloat16)), sink, idx, 0.2)
+    with pytest.raises(AssertionError, match="kv\\[0\\] must be"):
+        sparse_attn(q, (kv[0][:, :16],), sink, idx, 0.2)
+    with pytest.raises(AssertionError, match="topk_idxs"):
+        sparse_attn(q, kv, sink, idx.float(), 0.2)
+
+
+# ---- GPU at Flash shapes: H=64, D=512, K = 128 window + 512 selected, bf16, three sources
+
+
+def _flash_inputs(T: int) -> tuple[torch.Tensor, tuple, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(T)
+    H, D, W, sel, seqs, per_seq = 64, 512, 128, 512, 64, 4096
+    bf = torch.bfloat16
+    q = torch.randn(T, H, D, device="cuda", generator=g).to(bf)
+    ring = torch.randn(seqs * W, D, device="cuda", generator=g).to(bf)
+    new = torch.randn(T, D, device="cuda", generator=g).to(bf)
+    pool = torch.randn(seqs * per_seq, D, device="cuda", generator=g).to(bf)
+    sink = torch.randn(H, device="cuda", generator=g)
+    tok = torch.arange(T, device="cuda")
+    seq = tok % seqs  # token t decodes sequence t: 127 ring rows of its sequence + its own new row
+    ring_rows = seq[:, None] * W + torch.arange(W - 1, device="cuda")
+    win = torch.cat([ring_rows, seqs * W + tok[:, None]], dim=1)
+    ent = torch.rand(T, per_seq, device="cuda", generator=g).topk(sel, dim=1).indices
+    idx = torch.cat([win, seqs * W + T + seq[:, None] * per_seq + ent], dim=1)
+    idx[0, -100:] = -1  # a partly padded row
+    return q, (ring, new, pool), sink, idx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [None] + list(range(len(_configs()))))
+@pytest.mark.parametrize("T,num_splits", [(1, None), (64, None), (64, 1)])
+def test_gpu_flash(T: int, num_splits: int | None, cfg: int | None) -> None:
+    # every autotuning candidate, split and unsplit, then the autotuned choice (cfg None)
+    config = None
+    if cfg is not None:
+        c = _configs()[cfg]
+        config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+    q, kv, sink, idx = _flash_inputs(T)
+    o = sparse_attn(q, kv, sink, idx, 512**-0.5, num_splits=num_splits, config=config)
+    want = _want(q, kv, sink, idx, 512**-0.5)
+    assert o.dtype == torch.bfloat16
+    assert _rel(o, want) < TOL[torch.bfloat16], f"{_rel(o, want):.2e}"
+
+
+@pytest.mark.parametrize("D", [8, 40])
+def test_head_dim_not_a_power_of_two(D):  # noqa: ANN001
+    # padded tiles, channels >= D masked; split and unsplit paths
+    g = torch.Generator().manual_seed(D)
+    T, H, K = 3, 4, 9
+    q = torch.randn(T, H, D, generator=g)
+    kv = (torch.randn(5, D, generator=g), torch.randn(T, D, generator=g))
+    idx = torch.randint(-1, 5 + T, (T, K), generator=g)
+    sink = torch.randn(H, generator=g)
+    want = ref.sparse_attn(q, kv, sink, idx, D**-0.5)
+    for splits in (1, 3):
+        got = sparse_attn(q, kv, sink, idx, D**-0.5, num_splits=splits)
+        assert float((got - want).norm() / want.norm()) < 1e-5, splits

@@ -1,0 +1,788 @@
+"""`dsv4 serve` over real sockets (openai SDK + httpx), plus in-process checks of the app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from dsv4.chat import encode_messages
+from dsv4.config import ServerConfig
+from dsv4.engine import RequestOutput
+from dsv4.metrics import Histogram
+from dsv4.responses import ChatFormatter
+from dsv4.server import Server, build_app, main, parse_args
+from dsv4.tiny import make_tiny, tiny_args
+
+MODEL = "tiny"  # served name: the checkpoint directory's name
+MAX_LEN = 2048
+BODY_LIMIT = 65536
+ROOT = Path(__file__).resolve().parents[1]
+HI = [{"role": "user", "content": "Hi there"}]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
+    # real DeepSeek-V4 tokenizer: the chat format's special tokens are single ids
+    return make_tiny(
+        tmp_path_factory.mktemp("srv") / MODEL, tiny_args(), seed=0, tokenizer="deepseek"
+    )
+
+
+class ServerProcess:
+    """`python -m dsv4.cli serve` on a free loopback port; its log goes to a file."""
+
+    def __init__(self, model_dir: Path, log: Path, *flags: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", str(model_dir)]
+        cmd += ["--port", str(self.port), *flags]
+        with open(log, "w") as fh:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        self.health: list[int] = []  # /health statuses seen while starting
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{log.read_text()}"
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.01)
+                continue
+            self.health.append(r.status_code)
+            if r.status_code == 200:
+                return
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+            time.sleep(0.01)
+        self.stop()
+        raise AssertionError(f"server not ready in time:\n{log.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    flags = ("--max-seqs", "64", "--max-seq-len", str(MAX_LEN), "--max-body-bytes", str(BODY_LIMIT))
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("log") / "server.log", *flags)
+    yield srv
+    srv.stop()
+    log = srv.log.read_text()
+    assert "ready: serving 'tiny' at http://127.0.0.1" in log  # the start-up line
+    assert "tokens" in log and "weights loaded" in log  # state capacity and load lines
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # noqa: ANN001
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def gauge(m: dict[str, float], name: str, **labels: str) -> float:
+    lb = ",".join([f'model_name="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
+    return m[f"{name}{{{lb}}}"]
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(url)
+        busy = [gauge(m, f"vllm:{k}") for k in ("num_requests_running", "num_requests_waiting")]
+        if busy == [0, 0] and gauge(m, "vllm:kv_cache_usage_perc") == 0:
+            return m
+        assert time.monotonic() < deadline, f"not idle: {busy}, {m}"
+        time.sleep(0.05)
+
+
+def sse_events(lines) -> list:  # noqa: ANN001
+    """Parsed `data:` payloads of an SSE line iterator ('[DONE]' kept as a string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ---- the OpenAI surface ---------------------------------------------------------------------------
+
+
+def test_health_models_version(server, client):  # noqa: ANN001
+    assert server.health[-1] == 200 and set(server.health) <= {200, 503}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.object == "model" and card.max_model_len == MAX_LEN
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_string_and_token_prompts(server, client):  # noqa: ANN001
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, **GREEDY)
+    (choice,) = r.choices
+    assert r.object == "text_completion" and choice.finish_reason == "length"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    assert ids[0] == 0  # BOS, as /v1/completions prepends it
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids),
+        5,
+        len(ids) + 5,
+    )
+    # the same ids as a token prompt give the same greedy text; list-of-one forms too
+    for prompt in (ids, [ids]):
+        again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY)
+        assert again.choices[0].text == choice.text
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text == "<｜begin▁of▁sentence｜>Hello"
+
+
+def test_chat_uses_the_deepseek_v4_prompt(server, client):  # noqa: ANN001
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, **GREEDY)
+    (choice,) = r.choices
+    assert r.object == "chat.completion" and choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.message.tool_calls is None
+    tok = httpx.post(server.url + "/tokenize", json={"messages": HI}).json()
+    assert r.usage.prompt_tokens == tok["count"] and r.usage.completion_tokens == 6
+    prompt = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert (
+        prompt["prompt"]
+        == encode_messages(HI)
+        == "<｜begin▁of▁sentence｜><｜User｜>Hi there<｜Assistant｜></think>"
+    )
+
+
+def test_streaming_one_token_per_chunk_with_usage(server, client):  # noqa: ANN001
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    kw = {"model": MODEL, "max_tokens": 7, "temperature": 0, "extra_body": extra}
+    for kind in ("completions", "chat"):
+        if kind == "completions":
+            full = client.completions.create(prompt="Once upon", **kw)
+            chunks = list(
+                client.completions.create(
+                    prompt="Once upon", stream=True, stream_options={"include_usage": True}, **kw
+                )
+            )
+            texts = [c.choices[0].text for c in chunks[:-1]]
+            full_text = full.choices[0].text
+        else:
+            full = client.chat.completions.create(messages=HI, **kw)
+            chunks = list(
+                client.chat.completions.create(
+                    messages=HI, stream=True, stream_options={"include_usage": True}, **kw
+                )
+            )
+            assert chunks[0].choices[0].delta.role == "assistant"
+            texts = [c.choices[0].delta.content or "" for c in chunks[:-1]]
+            full_text = full.choices[0].message.content
+        *tokens, last = chunks
+        assert len(tokens) == 7 and all(len(c.choices[0].token_ids) == 1 for c in tokens)
+        assert [c.choices[0].token_ids[0] for c in tokens] == full.choices[0].token_ids
+        assert [c.choices[0].finish_reason for c in tokens] == [None] * 6 + ["length"]
+        assert last.choices == [] and last.usage.completion_tokens == 7
+        assert last.usage.prompt_tokens == full.usage.prompt_tokens
+        assert "".join(texts) == full_text
+    # the raw stream: data events, and [DONE] last
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert len(events) == 3 and events[-1] == "[DONE]"
+    assert events[0]["object"] == "text_completion.chunk" and "usage" not in events[0]
+
+
+def test_stop_strings_and_stop_token_ids(client):  # noqa: ANN001
+    kw = {"model": MODEL, "prompt": "The weather today", **GREEDY}
+    free = client.completions.create(max_tokens=12, **kw).choices[0]
+    assert len(free.text) >= 6, free.text
+    stop = free.text[3:6]
+    out = client.completions.create(max_tokens=12, stop=[stop], **kw).choices[0]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=12, stop=stop, **GREEDY
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert stop not in (chat.choices[0].message.content or "")
+    # a stop token id ends the output right there (its text is dropped, the token counted)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    ids = (
+        client.completions.create(
+            model=MODEL, prompt="The weather today", max_tokens=12, temperature=0, extra_body=extra
+        )
+        .choices[0]
+        .token_ids
+    )
+    k = next(i for i, t in enumerate(ids) if t not in ids[:i] and i >= 2)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="The weather today",
+        max_tokens=12,
+        temperature=0,
+        extra_body={**extra, "stop_token_ids": [ids[k]]},
+    )
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].token_ids == ids[: k + 1]
+    assert r.usage.completion_tokens == k + 1
+
+
+def test_seed_reproducibility(client):  # noqa: ANN001
+    kw = {"model": MODEL, "prompt": "Pick a word:", "max_tokens": 8, "temperature": 1.0}
+    a, b = (client.completions.create(seed=1234, **kw).choices[0].text for _ in range(2))
+    assert a == b
+    others = {client.completions.create(seed=s, **kw).choices[0].text for s in range(1, 5)}
+    assert len(others | {a}) > 1  # the seed matters
+    c1, c2 = (
+        client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=8, temperature=1.0, top_p=0.9, seed=7
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    )
+    assert c1 == c2
+
+
+def test_logprobs(client):  # noqa: ANN001
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the top raw logprob
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)
+    assert bytes(content[0].bytes).decode() == content[0].token
+    plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
+    thinking = {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}
+    kw = {"model": MODEL, "messages": HI, "max_tokens": 6, "temperature": 0}
+    r = client.chat.completions.create(extra_body=thinking, **kw)
+    msg = r.choices[0].message
+    # the prompt ends inside <think>: a random model never closes it in 6 tokens
+    assert msg.reasoning_content and msg.content is None
+    stream = client.chat.completions.create(stream=True, extra_body=thinking, **kw)
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in stream)
+    assert streamed == msg.reasoning_content
+    tok = httpx.post(
+        server.url + "/tokenize", json={"messages": HI, "chat_template_kwargs": {"thinking": True}}
+    ).json()["tokens"]
+    assert tok[-1] == 128821  # <think>
+    # OpenAI's reasoning_effort turns thinking on too ("none" keeps it off)
+    r2 = client.chat.completions.create(
+        reasoning_effort="high", extra_body={"ignore_eos": True}, **kw
+    )
+    assert r2.choices[0].message.reasoning_content == msg.reasoning_content
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+BAD = [
+    # (id, method, path, body: dict | bytes, status, param)
+    ("malformed-json", "POST", C, b'{"prompt": "hi",', 400, None),
+    ("body-not-object", "POST", C, b"[1, 2]", 400, None),
+    ("not-json-content-type", "POST", C, b"prompt=hi", 400, None),
+    ("missing-prompt", "POST", C, {"max_tokens": 3}, 400, "prompt"),
+    ("prompt-wrong-type", "POST", C, {"prompt": 5}, 400, "prompt"),
+    ("max-tokens-wrong-type", "POST", C, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("max-tokens-zero", "POST", C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature-negative", "POST", C, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("top-p-too-big", "POST", C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top-k-invalid", "POST", C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("n-above-1", "POST", C, {"prompt": "hi", "n": 2}, 400, "n"),
+    ("logprobs-too-many", "POST", C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("stop-wrong-type", "POST", C, {"prompt": "hi", "stop": 7}, 400, "stop"),
+    ("seed-float", "POST", C, {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("bool-as-int", "POST", C, {"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    (
+        "min-over-max-tokens",
+        "POST",
+        C,
+        {"prompt": "hi", "min_tokens": 9, "max_tokens": 4},
+        400,
+        "min_tokens",
+    ),  # fmt: skip
+    (
+        "stream-options-no-stream",
+        "POST",
+        C,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    ("echo-unsupported", "POST", C, {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("empty-token-prompt", "POST", C, {"prompt": []}, 400, "prompt"),
+    ("token-out-of-vocab", "POST", C, {"prompt": [0, 999999]}, 400, "prompt"),
+    ("prompt-over-context", "POST", C, {"prompt": [5] * MAX_LEN}, 400, "prompt"),
+    (
+        "prompt-plus-max-tokens-over-context",
+        "POST",
+        C,
+        {"prompt": [5] * 2000, "max_tokens": 100},
+        400,
+        "max_tokens",
+    ),  # fmt: skip
+    ("unknown-model", "POST", C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("body-too-large", "POST", C, {"prompt": "x" * BODY_LIMIT}, 413, None),
+    ("messages-wrong-type", "POST", CHAT, {"messages": "hi"}, 400, "messages"),
+    ("messages-empty", "POST", CHAT, {"messages": []}, 400, "messages"),
+    ("bad-role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    (
+        "top-logprobs-without-logprobs",
+        "POST",
+        CHAT,
+        {"messages": HI, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),  # fmt: skip
+    (
+        "bad-reasoning-effort",
+        "POST",
+        CHAT,
+        {"messages": HI, "chat_template_kwargs": {"reasoning_effort": "ultra"}},
+        400,
+        "chat_template_kwargs",
+    ),  # fmt: skip
+    (
+        "unknown-template-kwarg",
+        "POST",
+        CHAT,
+        {"messages": HI, "chat_template_kwargs": {"thinkng": True}},
+        400,
+        "chat_template_kwargs",
+    ),  # fmt: skip
+    (
+        "tool-without-name",
+        "POST",
+        CHAT,
+        {"messages": HI, "tools": [{"type": "function", "function": {}}]},
+        400,
+        "tools",
+    ),  # fmt: skip
+    (
+        "tool-choice-required",
+        "POST",
+        CHAT,
+        {"messages": HI, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),  # fmt: skip
+    ("unknown-route", "GET", "/v1/nothing", b"", 404, None),
+    ("wrong-method", "GET", C, b"", 405, None),
+    ("detokenize-bad-id", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("tokenize-nothing", "POST", "/tokenize", {}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])  # fmt: skip
+def test_bad_input_gets_openai_error(server, method, path, body, status, param):  # noqa: ANN001
+    if isinstance(body, bytes):
+        headers = {"content-type": "text/plain" if body == b"prompt=hi" else "application/json"}
+        r = httpx.request(method, server.url + path, content=body, headers=headers)
+    else:
+        r = httpx.request(method, server.url + path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["param"] == param, err
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+
+
+def test_still_serving_after_bad_input(server, client):  # noqa: ANN001
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY)
+    assert r.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:  # the SDK sees the envelope too
+        client.completions.create(model=MODEL, prompt="ok", max_tokens=2, n=3)
+    assert e.value.body["param"] == "n"
+    wait_idle(server.url)
+
+
+# ---- disconnects, concurrency, metrics ----------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_state(server):  # noqa: ANN001
+    before = scrape(server.url)
+    idle_usage = gauge(wait_idle(server.url), "vllm:kv_cache_usage_perc")
+    body = {
+        "prompt": "Tell me a long story",
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.url + C, json=body, timeout=30) as r:
+        lines = r.iter_lines()  # held: dropping the iterator would close the connection here
+        events = []
+        while len(events) < 3:
+            events += sse_events([next(lines)])
+        m = scrape(server.url)
+        assert gauge(m, "vllm:num_requests_running") == 1
+        assert gauge(m, "vllm:kv_cache_usage_perc") > idle_usage
+    # the connection is gone: the request is aborted and its slot and pages are free again
+    after = wait_idle(server.url)
+    assert gauge(after, "vllm:kv_cache_usage_perc") == idle_usage == 0
+    aborts = [
+        gauge(x, "vllm:request_success_total", finished_reason="abort") for x in (before, after)
+    ]
+    assert aborts[1] == aborts[0] + 1
+    assert gauge(after, "vllm:generation_tokens_total") < gauge(before, "vllm:generation_tokens_total") + 1900  # fmt: skip
+
+
+def test_disconnect_before_the_response_frees_state(server):  # noqa: ANN001
+    before = scrape(server.url)
+    body = {"prompt": "Tell me a long story", "max_tokens": 1900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up while it runs
+        httpx.post(server.url + C, json=body, timeout=httpx.Timeout(30, read=1.0))
+    after = wait_idle(server.url)
+    aborts = [
+        gauge(x, "vllm:request_success_total", finished_reason="abort") for x in (before, after)
+    ]
+    assert aborts[1] == aborts[0] + 1
+
+
+def test_64_concurrent_streams(server):  # noqa: ANN001
+    n, max_tokens = 64, 8
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    before = scrape(server.url)
+
+    async def run() -> tuple[list, list]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        kw = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "extra_body": extra}
+
+        async def streamed(i: int) -> tuple[str, list[int], list, object]:
+            stream = await aclient.completions.create(
+                prompt=f"Request {i}:", stream=True, stream_options={"include_usage": True}, **kw
+            )
+            chunks = [c async for c in stream]
+            *tokens, last = chunks
+            text = "".join(c.choices[0].text for c in tokens)
+            ids = [t for c in tokens for t in c.choices[0].token_ids]
+            reasons = [c.choices[0].finish_reason for c in tokens]
+            return text, ids, reasons, last
+
+        async def whole(i: int):  # noqa: ANN202
+            return await aclient.completions.create(prompt=f"Request {i}:", **kw)
+
+        streams = await asyncio.gather(*(streamed(i) for i in range(n)))
+        wholes = await asyncio.gather(*(whole(i) for i in range(n)))
+        await aclient.close()
+        return streams, wholes
+
+    streams, wholes = asyncio.run(run())
+    for (text, ids, reasons, last), full in zip(streams, wholes):
+        # one token per chunk, exactly max_tokens of them, nothing lost or repeated
+        assert len(ids) == max_tokens == len(reasons) and reasons[-1] == "length"
+        assert last.choices == [] and last.usage.completion_tokens == max_tokens
+        assert ids == full.choices[0].token_ids and text == full.choices[0].text
+    after = wait_idle(server.url)
+    made = gauge(after, "vllm:generation_tokens_total") - gauge(
+        before, "vllm:generation_tokens_total"
+    )
+    assert made == 2 * n * max_tokens
+
+
+def test_metrics_exposition(server):  # noqa: ANN001
+    text = httpx.get(server.url + "/metrics").text
+    m = scrape(server.url)
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "time_per_output_token_seconds", "e2e_request_latency_seconds"):  # fmt: skip
+        assert f"# TYPE vllm:{name} histogram" in text
+        buckets = [v for k, v in m.items() if k.startswith(f"vllm:{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == gauge(m, f"vllm:{name}_count") > 0
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"# TYPE vllm:{name} gauge" in text
+    for name in ("prompt_tokens", "generation_tokens", "request_success", "num_preemptions"):
+        assert f"# TYPE vllm:{name} counter" in text
+    assert gauge(m, "vllm:request_success_total", finished_reason="length") >= 64
+    assert gauge(m, "vllm:prompt_tokens_total") > 0
+
+
+# ---- auth and a full queue (a second server) -----------------------------------------------------
+
+
+def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
+    flags = (
+        "--api-key",
+        "sekrit",
+        "--max-seqs",
+        "1",
+        "--max-queue",
+        "1",
+        "--served-model-name",
+        "m",
+    )
+    srv = ServerProcess(model_dir, tmp_path / "server.log", *flags)
+    try:
+        url, key = srv.url, {"Authorization": "Bearer sekrit"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = httpx.get(url + "/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401
+            r = httpx.post(url + C, json={"prompt": "hi"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "m"
+        assert httpx.get(url + "/health").status_code == 200  # /v1/* only
+        assert httpx.get(url + "/metrics").status_code == 200
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage
+
+        # one running, one waiting: the next is refused with 503 until the queue drains
+        long = {
+            "model": "m",
+            "prompt": "go",
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        async def fill_then_overflow() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=url, headers=key, timeout=60) as ac:
+                async with ac.stream("POST", C, json=long) as running:
+                    lines = running.aiter_lines()
+                    while not (await anext(lines)).startswith("data: "):
+                        pass
+                    waiting = asyncio.create_task(ac.post(C, json=long))
+                    for _ in range(400):
+                        m = await asyncio.to_thread(scrape, url)
+                        if m['vllm:num_requests_waiting{model_name="m"}'] == 1:
+                            break
+                        await asyncio.sleep(0.02)
+                    refused = await ac.post(C, json={**long, "stream": False})
+                    waiting.cancel()
+                return refused
+
+        refused = asyncio.run(fill_then_overflow())
+        assert refused.status_code == 503, refused.text
+        assert (
+            refused.json()["error"]["code"] == 503 and "queue" in refused.json()["error"]["message"]
+        )
+        deadline = time.monotonic() + 20
+        while (m := scrape(url))['vllm:num_requests_running{model_name="m"}'] or m[
+            'vllm:num_requests_waiting{model_name="m"}'
+        ]:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.05)
+        assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 0
+    finally:
+        srv.stop()
+
+
+# ---- in process: loading, engine failures, crashes ------------------------------------------------
+
+
+def _in_process(model_dir: Path | None, **config) -> tuple[Server, httpx.AsyncClient]:  # noqa: ANN003
+    server = Server(ServerConfig(model=str(model_dir) if model_dir else None, **config))
+    if model_dir is not None:
+        server.load()
+    transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
+    return server, httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
+
+
+def test_health_503_while_loading():
+    _, ac = _in_process(None)
+
+    async def go() -> list[httpx.Response]:
+        async with ac:
+            return [
+                await ac.get("/health"),
+                await ac.post(C, json={"prompt": "hi"}),
+                await ac.get("/metrics"),
+            ]
+
+    health, completion, metrics = asyncio.run(go())
+    assert health.status_code == 503 and health.json()["error"]["message"] == "the model is loading"
+    assert completion.status_code == 503 and completion.json()["error"]["code"] == 503
+    assert metrics.status_code == 200 and "vllm:prompt_tokens_total" in metrics.text
+
+
+def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
+    server, ac = _in_process(model_dir, max_seqs=4, max_seq_len=256)
+    engine = server.llm.engine
+    real_run, calls = engine._run, []
+
+    def flaky(work):  # noqa: ANN001, ANN202 - the 1st and 3rd steps fail
+        calls.append(len(work))
+        if len(calls) in (1, 3):
+            raise RuntimeError("injected step failure")
+        return real_run(work)
+
+    monkeypatch.setattr(engine, "_run", flaky)
+    body = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+
+    async def go() -> tuple:
+        async with ac:
+            failed = await ac.post(C, json=body)  # step 1 fails: before any token
+            stream = await ac.post(C, json={**body, "stream": True})  # step 3: mid-stream
+            ok = await ac.post(C, json=body)
+            monkeypatch.setattr(server.llm, "encode", lambda p: 1 / 0)
+            crash = await ac.post(C, json=body)
+            after = await ac.post(C, json={**body, "prompt": [0, 5, 6]})
+            return failed, stream, ok, crash, after
+
+    try:
+        failed, stream, ok, crash, after = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert failed.status_code == 500 and failed.json()["error"]["code"] == 500
+    assert "injected" not in failed.text
+    events = sse_events(stream.text.splitlines())
+    assert "choices" in events[0] and events[1]["error"]["code"] == 500 and events[-1] == "[DONE]"
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert crash.status_code == 500 and "ZeroDivision" not in crash.text
+    assert crash.json()["error"]["message"] == "internal server error (logged on the server)"
+    assert after.status_code == 200
+    s = engine.scheduler
+    assert not s.running and not s.waiting and len(s.free_pages) == server.llm.state.num_blocks
+
+
+# ---- the chat stream formatter fed scripted model output ------------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+SCRIPT = (
+    "The user wants weather.</think>Let me check.\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def _outputs(pieces: list[str], finish_reason: str = "stop") -> list[RequestOutput]:
+    outs, text = [], ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        last = i == len(pieces) - 1
+        outs.append(
+            RequestOutput(
+                "r", [0, 1], list(range(i + 1)), text, finish_reason if last else None,
+                delta_token_ids=[i], delta_text=piece,
+            )
+        )  # fmt: skip
+    return outs
+
+
+def _fold(chunks: list[dict]) -> dict:
+    """What a client accumulates from chat chunks."""
+    msg = {"reasoning_content": "", "content": "", "tool_calls": {}}
+    for c in chunks:
+        (choice,) = c["choices"]
+        d = choice["delta"]
+        msg["reasoning_content"] += d.get("reasoning_content", "")
+        msg["content"] += d.get("content", "")
+        for call in d.get("tool_calls", []):
+            msg["tool_calls"][call["index"]] = call["function"]
+    msg["finish_reason"] = chunks[-1]["choices"][0]["finish_reason"]
+    return msg
+
+
+def test_chat_formatter_reasoning_and_tool_calls_at_every_split():
+    whole = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS).response(
+        _outputs([SCRIPT])[-1]
+    )
+    (choice,) = whole["choices"]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert (
+        msg["reasoning_content"] == "The user wants weather." and msg["content"] == "Let me check."
+    )
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    for size in range(1, len(SCRIPT) + 1):
+        pieces = [SCRIPT[i : i + size] for i in range(0, len(SCRIPT), size)]
+        fmt = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS)
+        chunks = [fmt.chunk(out) for out in _outputs(pieces)]
+        assert len(chunks) == len(pieces)  # one chunk per engine step, even when held back
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        folded = _fold(chunks)
+        assert folded["reasoning_content"] == msg["reasoning_content"], size
+        assert folded["content"] == msg["content"], size
+        assert (
+            folded["tool_calls"] == {0: call["function"]}
+            and folded["finish_reason"] == "tool_calls"
+        )
+
+
+def test_chat_formatter_without_tools_and_on_length():
+    # no tools requested: DSML is plain content; a length cut keeps finish_reason "length"
+    fmt = ChatFormatter("r", "m", None, thinking=False, tools=None)
+    msg = fmt.response(_outputs(["Hi</think>", SCRIPT])[-1])["choices"][0]
+    assert msg["finish_reason"] == "stop" and "<｜DSML｜tool_calls>" in msg["message"]["content"]
+    cut = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS)
+    chunks = [cut.chunk(o) for o in _outputs(["Still thinking", " about it"], "length")]
+    assert _fold(chunks) == {
+        "reasoning_content": "Still thinking about it",
+        "content": "",
+        "tool_calls": {},
+        "finish_reason": "length",
+    }
+
+
+# ---- small units --------------------------------------------------------------------------------
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    h = Histogram("x", "help", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 5.0):
+        h.observe(v)
+    lines = h.render({"model_name": 'a"b'})
+    assert 'x_bucket{model_name="a\\"b",le="0.1"} 2' in lines
+    assert 'x_bucket{model_name="a\\"b",le="1.0"} 3' in lines
+    assert 'x_bucket{model_name="a\\"b",le="+Inf"} 4' in lines
+    assert 'x_count{model_name="a\\"b"} 4' in lines
+
+
+def test_serve_flags(capsys):  # noqa: ANN001
+    c = parse_args(["--max-seqs", "3", "--port", "9000", "--api-key", "k", "--max-queue", "5"])
+    assert (c.max_seqs, c.port, c.api_key, c.max_queue, c.host) == (3, 9000, "k", 5, "127.0.0.1")
+    assert (
+        c.model_name == "dsv4-demo"
+        and parse_args(["--model", "/x/DeepSeek-V4"]).model_name == "DeepSeek-V4"
+    )
+    assert main(["--port", "70000"]) == 2 and "port must be" in capsys.readouterr().err
+    assert main(["--max-queue", "-1"]) == 2
