@@ -2,8 +2,8 @@
 measured in the same run.
 
 A case module (`dsv4/bench/cases_<op>.py`) exports `cases(device, quick) -> list[Case]`. On a GPU
-every case is timed with CUDA-graph replay (median of `--repeat` runs of triton.testing's
-do_bench_cudagraph); on the CPU (Triton interpreter) each case runs once and is checked against
+every case is timed with triton.testing.do_bench (L2 cleared before each call; median of
+`--repeat` medians); on the CPU (Triton interpreter) each case runs once and is checked against
 its reference, which is how CI exercises the harness.
 """
 
@@ -50,19 +50,21 @@ def _close(a: object, b: object) -> float:
 
 
 def _time_us(fn: Callable[[], object], repeat: int) -> list[float]:
-    from triton.testing import do_bench, do_bench_cudagraph
+    # do_bench clears L2 (a 256 MB memset) before every timed call, so the kernel reads HBM as in
+    # a decode step, and the memset leaves the host time to enqueue the call: no launch gaps
+    from triton.testing import do_bench
 
-    try:
-        return [do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3 for _ in range(repeat)]
-    except Exception:  # noqa: BLE001  (an op that cannot be captured is timed with events)
-        return [do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3 for _ in range(repeat)]
+    return [do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(repeat)]
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30, repeat: int = 3) -> float:
-    """Device-to-device copy bandwidth in B/s, counting bytes read + written."""
+    """Device-to-device copy bandwidth in B/s, counting bytes read + written (after a warm-up that
+    takes the clocks out of idle)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = statistics.median(_time_us(lambda: dst.copy_(src), repeat))
+    for _ in range(50):
+        dst.copy_(src)
+    t = min(statistics.median(_time_us(lambda: dst.copy_(src), 1)) for _ in range(repeat))
     return 2 * nbytes / (t * 1e-6)
 
 
