@@ -1,29 +1,29 @@
-"""Per-op-category breakdown of a step from torch.profiler, per layer and for the rest of the step.
+"""Per-op-category breakdown of a step: the step's timeline cut at every op and scope boundary.
 
 While `Labels` is active, every op call through the model's ops namespace and every MoE, Indexer,
-Compressor and Block forward runs inside a `record_function` range. A profiled event's time goes to
-the innermost category range around it and to the layer range around it ("rest" outside layers):
+Compressor and Block forward marks the timeline when it begins and ends (a CUDA event on the
+stream on a GPU, the host clock on the CPU). Each interval between two marks belongs to the
+innermost category and layer open at its start ("rest" outside layers):
   - sparse_attn -> attention, index_topk -> indexer+top-k, compress_store -> compressor,
     hc_pre / hc_post / hc_head -> mHC (whatever scope they run in);
   - anything else inside a MoE / Indexer / Compressor forward -> MoE / indexer+top-k / compressor
-    (their GEMMs, gate, norms, RoPE, index arithmetic);
+    (their GEMMs, gate, norms, RoPE, index arithmetic, host syncs);
   - linear / grouped_linear outside those scopes -> dense GEMMs (wq_a, wq_b, wkv, wo_a, wo_b), and
     the LM head (Transformer.logits);
   - everything else -> other (window/index arithmetic, ring writes, embedding, batch prep, ...).
-On a GPU the time is the device time of the kernels each CPU op launched (CUPTI correlation);
-kernels that cannot be traced to a CPU op are counted in `unattributed_s` and fall into "other".
-On the CPU it is each op's self CPU time.
+The intervals partition the step, so the categories sum to it; device idle time waiting for the
+host lands in the category whose code was running (a Triton kernel's time is counted like any
+other, which a profiler's CPU-op correlation misses).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
-from torch.autograd import DeviceType
-from torch.autograd.profiler import record_function
 
 from dsv4.model import Compressor, Indexer, MoE, Transformer
 from dsv4.ops import OPS
@@ -39,46 +39,61 @@ OP_CATEGORY = {
     "hc_head": "mHC",
 }
 SCOPE_CATEGORY = ((MoE, "MoE"), (Indexer, "indexer+top-k"), (Compressor, "compressor"))
-_CAT, _LAYER = "dsv4.cat:", "dsv4.layer:"
 
 
 class Labels:
-    """Context manager: record_function labels on the ops namespace (patched in place, restored on
-    exit) and on MoE / Indexer / Compressor / Block forwards (hooks, removed on exit)."""
+    """Context manager: timeline marks on the ops namespace (patched in place, restored on exit)
+    and on MoE / Indexer / Compressor / Block forwards (hooks, removed on exit)."""
 
-    def __init__(self, model: Transformer) -> None:
-        self.model, self.ops = model, model.ops
-        self.scopes: list[str] = []  # categories of the enclosing module scopes
-        self.ranges: list[record_function] = []
+    def __init__(self, model: Transformer, device: torch.device) -> None:
+        self.model, self.ops, self.cuda = model, model.ops, device.type == "cuda"
+        self.stack: list[tuple[str, int | None, str]] = [("other", None, "")]  # (cat, layer, op)
+        self.marks: list = []  # (event | host seconds, cat, layer, op) from here on
         self.saved: dict[str, object] = {}
         self.hooks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            stamp = torch.cuda.Event(enable_timing=True)
+            stamp.record()
+        else:
+            stamp = time.perf_counter()
+        self.marks.append((stamp, *self.stack[-1]))
+
+    def push(self, cat: str | None = None, layer: int | None = None, op: str = "") -> None:
+        top_cat, top_layer, top_op = self.stack[-1]
+        layer = top_layer if layer is None else layer
+        self.stack.append((cat or top_cat, layer, op or top_op))
+        self.mark()
+
+    def pop(self) -> None:
+        self.stack.pop()
+        self.mark()
 
     def _wrap(self, name: str, fn):  # noqa: ANN001, ANN202
         def call(*args, **kw):  # noqa: ANN002, ANN003, ANN202
             cat = OP_CATEGORY.get(name)
             if cat is None:
+                scope = self.stack[-1][0]
                 cat = (
-                    self.scopes[-1]
-                    if self.scopes
+                    scope
+                    if scope != "other"
                     else ("dense GEMMs" if name in ("linear", "grouped_linear") else "other")
                 )
-            with record_function(_CAT + cat):
+            self.push(cat, op=name)
+            try:
                 return fn(*args, **kw)
+            finally:
+                self.pop()
 
         return call
 
-    def _enter(self, label: str, scope: str | None):  # noqa: ANN202
+    def _hooks(self, cat: str | None, layer: int | None):  # noqa: ANN202
         def pre(module, args):  # noqa: ANN001, ANN202
-            if scope is not None:
-                self.scopes.append(scope)
-            r = record_function(label)
-            r.__enter__()
-            self.ranges.append(r)
+            self.push(cat, layer, type(module).__name__)
 
         def post(module, args, out):  # noqa: ANN001, ANN202
-            self.ranges.pop().__exit__(None, None, None)
-            if scope is not None:
-                self.scopes.pop()
+            self.pop()
 
         return pre, post
 
@@ -86,19 +101,22 @@ class Labels:
         for name in OPS:
             self.saved[name] = getattr(self.ops, name)
             setattr(self.ops, name, self._wrap(name, self.saved[name]))
-        hooked = [(m, _LAYER + str(i), None) for i, m in enumerate(self.model.layers)]
+        hooked = [(m, None, i) for i, m in enumerate(self.model.layers)]
         for m in self.model.modules():
             for cls, cat in SCOPE_CATEGORY:
                 if isinstance(m, cls):
-                    hooked.append((m, _CAT + cat, cat))
-        for m, label, scope in hooked:
-            pre, post = self._enter(label, scope)
+                    hooked.append((m, cat, None))
+        for m, cat, layer in hooked:
+            pre, post = self._hooks(cat, layer)
             self.hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
         logits = self.model.logits  # the LM head GEMM is a dense GEMM (hc_head inside stays mHC)
 
         def labelled_logits(h: torch.Tensor) -> torch.Tensor:
-            with record_function(_CAT + "dense GEMMs"):
+            self.push("dense GEMMs", op="logits")
+            try:
                 return logits(h)
+            finally:
+                self.pop()
 
         self.model.logits = labelled_logits
         return self
@@ -112,76 +130,39 @@ class Labels:
         del self.model.logits  # back to the class method
 
 
-def attribute(events, on_device: bool) -> SimpleNamespace:  # noqa: ANN001
-    """Seconds per (bucket, category) over all profiled steps; bucket = layer index or "rest".
-
-    Returns time[bucket][cat], top[(cat, name)] (per op / kernel name, for the "other" listing),
-    device_total_s and unattributed_s (device only: kernels not traced to a CPU op).
-    """
-    labels: dict[int, tuple[str | None, int | None]] = {}
-
-    def label(fe) -> tuple[str | None, int | None]:  # noqa: ANN001
-        key = id(fe)
-        if key not in labels:
-            cat = layer = None
-            if fe.name.startswith(_CAT):
-                cat = fe.name[len(_CAT) :]
-            elif fe.name.startswith(_LAYER):
-                layer = int(fe.name[len(_LAYER) :])
-            if (cat is None or layer is None) and fe.cpu_parent is not None:
-                pc, pl = label(fe.cpu_parent)
-                cat, layer = cat or pc, layer if layer is not None else pl
-            labels[key] = (cat, layer)
-        return labels[key]
-
-    time: dict = defaultdict(lambda: defaultdict(float))
+def attribute(marks: list, on_device: bool) -> SimpleNamespace:
+    """Seconds per (bucket, category) between consecutive marks of one step; bucket = layer
+    index or "rest". Also top[(cat, op)] for the "other" listing."""
+    spent: dict = defaultdict(lambda: defaultdict(float))
     top: dict = defaultdict(float)
-    device_total = attributed = 0.0
-    for fe in events:
-        if fe.device_type != DeviceType.CPU:  # device-side copies of our ranges are not kernels
-            if not (getattr(fe, "is_user_annotation", False) or fe.name.startswith("dsv4.")):
-                device_total += fe.time_range.elapsed_us() * 1e-6
-            continue
-        if on_device:
-            pieces = [
-                (k.name, k.duration * 1e-6) for k in fe.kernels if not k.name.startswith("dsv4.")
-            ]
-        else:
-            pieces = [(fe.name, fe.self_cpu_time_total * 1e-6)]
-        if not pieces:
-            continue
-        cat, layer = label(fe)  # the event tree is shallow: recursion is fine
-        cat = cat or "other"
-        bucket = "rest" if layer is None else layer
-        for name, s in pieces:
-            time[bucket][cat] += s
-            top[(cat, name)] += s
-            attributed += s
-    return SimpleNamespace(
-        time=time,
-        top=top,
-        device_total_s=device_total if on_device else None,
-        unattributed_s=max(0.0, device_total - attributed) if on_device else 0.0,
-    )
-
-
-def profile_activities(device: torch.device) -> list:
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return acts
+    for (t0, cat, layer, op), (t1, *_) in zip(marks, marks[1:]):
+        s = t0.elapsed_time(t1) * 1e-3 if on_device else t1 - t0
+        spent["rest" if layer is None else layer][cat] += s
+        top[(cat, op or "(between ops)")] += s
+    return SimpleNamespace(time=spent, top=top, device_total_s=None, unattributed_s=0.0)
 
 
 def profile(
     model: Transformer, step: Callable[[int], None], n_steps: int, device: torch.device
 ) -> SimpleNamespace:
-    """Run `step(0..n_steps-1)` under the profiler with labels on; attribute its time."""
-    with Labels(model), torch.profiler.profile(activities=profile_activities(device)) as prof:
+    """Run `step(0..n_steps-1)` with timeline marks; attribute each step's intervals."""
+    total: dict = defaultdict(lambda: defaultdict(float))
+    top: dict = defaultdict(float)
+    with Labels(model, device) as labels:
         for j in range(n_steps):
+            labels.marks = []
+            labels.mark()
             step(j)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    return attribute(prof.events(), on_device=device.type == "cuda")
+            labels.mark()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            a = attribute(labels.marks, device.type == "cuda")
+            for bucket, cats in a.time.items():
+                for cat, s in cats.items():
+                    total[bucket][cat] += s
+            for key, s in a.top.items():
+                top[key] += s
+    return SimpleNamespace(time=total, top=top, device_total_s=None, unattributed_s=0.0)
 
 
 def summarize(
@@ -197,12 +178,10 @@ def summarize(
     shares are scaled to the unprofiled median (profiling inflates host time)."""
 
     def finish(raw: dict[str, float], total: float) -> dict[str, float]:
+        # the marks add a little time of their own: shares are scaled to the unmarked median
         named = {c: raw.get(c, 0.0) / n_steps for c in NAMED}
-        if not on_device:
-            profiled = sum(raw.values()) / n_steps
-            named = {c: v * total / profiled if profiled else 0.0 for c, v in named.items()}
-        elif sum(named.values()) > total:  # kernel time of the profiled step over the median
-            named = {c: v * total / sum(named.values()) for c, v in named.items()}
+        marked = sum(raw.values()) / n_steps
+        named = {c: v * total / marked if marked else 0.0 for c, v in named.items()}
         return named | {"other": total - sum(named.values())}
 
     per_key = {}
@@ -216,7 +195,9 @@ def summarize(
         "rest": rest,
         "projected": None,
         "roofline": None,
-        "mode": "device kernel time" if on_device else "host time, scaled to the median",
+        "mode": "timeline "
+        + ("(CUDA events)" if on_device else "(host clock)")
+        + ", scaled to the unmarked median",
         "unattributed_s": attr.unattributed_s / n_steps,
         "other_top": [
             [name, s / n_steps]

@@ -210,10 +210,40 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _score_tiles(T: int, n_tiles: int, n_sm: int) -> int:
-    # candidate tiles per program: about 4 programs per SM, at most 16 tiles (q is re-read per program)
-    per = max(1, (T * n_tiles) // (4 * n_sm))
+def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
+    # candidate tiles per program: about `programs` programs, at most 16 tiles (q is re-read per
+    # program)
+    per = max(1, (T * n_tiles) // programs)
     return min(16, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
+
+
+SCORE_CFG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5, "programs_per_sm": 4}
+
+
+def _scores(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand_idxs: torch.Tensor
+) -> torch.Tensor:
+    """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible)."""
+    (T, Hi, d), C = q.shape, cand_idxs.shape[1]
+    skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
+    tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
+    block_n = SCORE_CFG["BLOCK_N"] if C >= 64 else max(16, triton.next_power_of_2(C))
+    n_tiles = triton.cdiv(C, block_n)
+    tiles = _score_tiles(T, n_tiles, SCORE_CFG["programs_per_sm"] * _num_sms(q.device))
+    _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
+        q, weights, keys, cand_idxs, skey,
+        C, Hi, d,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
+        skey.stride(0),
+        UPCAST=not tensor_core,
+        BLOCK_H=max(16, triton.next_power_of_2(Hi)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_N=block_n,
+        TILES=tiles,
+        num_warps=SCORE_CFG["num_warps"],
+        num_stages=SCORE_CFG["num_stages"],
+    )  # fmt: skip
+    return skey
 
 
 def index_topk(
@@ -249,25 +279,7 @@ def index_topk(
     if T == 0 or K == 0:
         return out
 
-    # ---- scores as order-preserving int32 keys: [T, C]
-    skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
-    tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
-    block_n = 64 if C >= 64 else max(16, triton.next_power_of_2(C))
-    n_tiles = triton.cdiv(C, block_n)
-    tiles = _score_tiles(T, n_tiles, _num_sms(q.device))
-    _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
-        q, weights, keys, cand_idxs, skey,
-        C, Hi, d,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
-        skey.stride(0),
-        UPCAST=not tensor_core,
-        BLOCK_H=max(16, triton.next_power_of_2(Hi)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_N=block_n,
-        TILES=tiles,
-        num_warps=4,
-        num_stages=5,
-    )  # fmt: skip
+    skey = _scores(q, weights, keys, cand_idxs)
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     block_k = max(16, triton.next_power_of_2(K))
