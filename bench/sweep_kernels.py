@@ -50,11 +50,27 @@ def sweep_attn(rows: list) -> None:
                     err = float((run().float() - want).norm() / want.norm())
                     us = t_us(run)
                 except Exception as e:  # noqa: BLE001  (a config that does not fit)
-                    rows.append({"op": "sparse_attn", "T": T, "cfg": c, "splits": splits,
-                                 "error": str(e)[:80]})
+                    rows.append(
+                        {
+                            "op": "sparse_attn",
+                            "T": T,
+                            "cfg": c,
+                            "splits": splits,
+                            "error": str(e)[:80],
+                        }
+                    )
                     continue
-                rows.append({"op": "sparse_attn", "T": T, "cfg": c, "splits": splits, "us": us,
-                             "gbps": nbytes / us / 1e3, "err": err})
+                rows.append(
+                    {
+                        "op": "sparse_attn",
+                        "T": T,
+                        "cfg": c,
+                        "splits": splits,
+                        "us": us,
+                        "gbps": nbytes / us / 1e3,
+                        "err": err,
+                    }
+                )
 
 
 def sweep_indexer(rows: list) -> None:
@@ -77,15 +93,33 @@ def sweep_indexer(rows: list) -> None:
                         try:
                             us = t_us(lambda: indexer._scores(q, w, keys, cand))
                         except Exception as e:  # noqa: BLE001
-                            rows.append({"op": "index_scores", "T": T, "cfg": dict(indexer.SCORE_CFG),
-                                         "error": str(e)[:80]})
+                            rows.append(
+                                {
+                                    "op": "index_scores",
+                                    "T": T,
+                                    "cfg": dict(indexer.SCORE_CFG),
+                                    "error": str(e)[:80],
+                                }
+                            )
                             continue
-                        rows.append({"op": "index_scores", "T": T, "cfg": dict(indexer.SCORE_CFG),
-                                     "us": us, "gbps": nbytes / us / 1e3})
+                        rows.append(
+                            {
+                                "op": "index_scores",
+                                "T": T,
+                                "cfg": dict(indexer.SCORE_CFG),
+                                "us": us,
+                                "gbps": nbytes / us / 1e3,
+                            }
+                        )
         indexer.SCORE_CFG.update(base)
-        rows.append({"op": "index_topk(default)", "T": T,
-                     "us": t_us(lambda: indexer.index_topk(q, w, keys, cand, 512)),
-                     "gbps": None})
+        rows.append(
+            {
+                "op": "index_topk(default)",
+                "T": T,
+                "us": t_us(lambda: indexer.index_topk(q, w, keys, cand, 512)),
+                "gbps": None,
+            }
+        )
 
 
 def sweep_hc_pre(rows: list) -> None:
@@ -108,8 +142,16 @@ def sweep_hc_pre(rows: list) -> None:
             except Exception as e:  # noqa: BLE001
                 rows.append({"op": "hc_pre", "T": T, "programs": programs, "error": str(e)[:80]})
                 continue
-            rows.append({"op": "hc_pre", "T": T, "programs": programs, "cfg": str(cfg), "us": us,
-                         "gbps": nbytes / us / 1e3})
+            rows.append(
+                {
+                    "op": "hc_pre",
+                    "T": T,
+                    "programs": programs,
+                    "cfg": str(cfg),
+                    "us": us,
+                    "gbps": nbytes / us / 1e3,
+                }
+            )
 
 
 def main() -> None:

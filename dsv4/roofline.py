@@ -84,50 +84,62 @@ def _layer_tensors(a: ModelArgs, layer_id: int) -> list[_T]:
     kind = a.layer_types[layer_id] if layer_id < a.n_layers else SLIDING
     hashed = layer_id < a.n_layers and a.mlp_layer_types[layer_id] == HASH_MOE
     w, hd, n = a.weight_dtype, a.head_dim, a.hc_mult
-    t = [_T("attn_proj", "wq_a", a.q_lora_rank, a.dim, w),
+    t = [
+        _T("attn_proj", "wq_a", a.q_lora_rank, a.dim, w),
         _T("attn_proj", "q_norm", a.q_lora_rank, 1, "fp32", False),
         _T("attn_proj", "wq_b", a.n_heads * hd, a.q_lora_rank, w),
         _T("attn_proj", "wkv", hd, a.dim, w),
         _T("attn_proj", "kv_norm", hd, 1, "fp32", False),
         _T("attn_proj", "wo_a", a.o_groups * a.o_lora_rank, a.n_heads * hd // a.o_groups, w),
         _T("attn_proj", "wo_b", a.dim, a.o_groups * a.o_lora_rank, w),
-        _T("attn_proj", "attn_sink", a.n_heads, 1, "fp32", False)]
+        _T("attn_proj", "attn_sink", a.n_heads, 1, "fp32", False),
+    ]
     if kind != SLIDING:  # compressor: c = 2 (overlapping A|B halves) for CSA, 1 for HCA; bf16
         c, m = (2, a.csa_ratio) if kind == CSA else (1, a.hca_ratio)
-        t += [_T("compressor", "compressor.wkv", c * hd, a.dim, "bf16"),
-              _T("compressor", "compressor.wgate", c * hd, a.dim, "bf16"),
-              _T("compressor", "compressor.ape", m, c * hd, "fp32", False),
-              _T("compressor", "compressor.norm", hd, 1, "fp32", False)]
+        t += [
+            _T("compressor", "compressor.wkv", c * hd, a.dim, "bf16"),
+            _T("compressor", "compressor.wgate", c * hd, a.dim, "bf16"),
+            _T("compressor", "compressor.ape", m, c * hd, "fp32", False),
+            _T("compressor", "compressor.norm", hd, 1, "fp32", False),
+        ]
     if kind == CSA:  # lightning indexer projections and its own ratio-m, c = 2 compressor
         ihd = a.index_head_dim
-        t += [_T("compressor", "indexer.wq_b", a.index_n_heads * ihd, a.q_lora_rank, w),
-              _T("compressor", "indexer.weights_proj", a.index_n_heads, a.dim, "bf16"),
-              _T("compressor", "indexer.compressor.wkv", 2 * ihd, a.dim, "bf16"),
-              _T("compressor", "indexer.compressor.wgate", 2 * ihd, a.dim, "bf16"),
-              _T("compressor", "indexer.compressor.ape", a.csa_ratio, 2 * ihd, "fp32", False),
-              _T("compressor", "indexer.compressor.norm", ihd, 1, "fp32", False)]
+        t += [
+            _T("compressor", "indexer.wq_b", a.index_n_heads * ihd, a.q_lora_rank, w),
+            _T("compressor", "indexer.weights_proj", a.index_n_heads, a.dim, "bf16"),
+            _T("compressor", "indexer.compressor.wkv", 2 * ihd, a.dim, "bf16"),
+            _T("compressor", "indexer.compressor.wgate", 2 * ihd, a.dim, "bf16"),
+            _T("compressor", "indexer.compressor.ape", a.csa_ratio, 2 * ihd, "fp32", False),
+            _T("compressor", "indexer.compressor.norm", ihd, 1, "fp32", False),
+        ]
     for site in ("attn", "ffn"):  # fn: [(2+n)*n, n*dim] fp32 mixes
-        t += [_T("mhc", f"hc_{site}_fn", (2 + n) * n, n * a.dim, "fp32"),
-              _T("mhc", f"hc_{site}_base", (2 + n) * n, 1, "fp32", False),
-              _T("mhc", f"hc_{site}_scale", 3, 1, "fp32", False),
-              _T("mhc", f"{site}_norm", a.dim, 1, "fp32", False)]
+        t += [
+            _T("mhc", f"hc_{site}_fn", (2 + n) * n, n * a.dim, "fp32"),
+            _T("mhc", f"hc_{site}_base", (2 + n) * n, 1, "fp32", False),
+            _T("mhc", f"hc_{site}_scale", 3, 1, "fp32", False),
+            _T("mhc", f"{site}_norm", a.dim, 1, "fp32", False),
+        ]
     t.append(_T("router", "gate", a.n_routed_experts, a.dim, "bf16"))  # also scores hash layers
     if not hashed:
         t.append(_T("router", "gate.bias", a.n_routed_experts, 1, "fp32", False))
     inter = a.moe_inter_dim  # SwiGLU: w1, w3 [inter, dim], w2 [dim, inter]
     for name, r, c in (("w1", inter, a.dim), ("w3", inter, a.dim), ("w2", a.dim, inter)):
-        t += [_T("experts", name, r, c, a.expert_dtype, True, a.n_routed_experts),
-              _T("shared_expert", name, r, c, w, True, a.n_shared_experts)]
+        t += [
+            _T("experts", name, r, c, a.expert_dtype, True, a.n_routed_experts),
+            _T("shared_expert", name, r, c, w, True, a.n_shared_experts),
+        ]
     return t
 
 
 def _head_tensors(a: ModelArgs) -> list[_T]:
     n = a.hc_mult
-    return [_T("head", "head", a.vocab_size, a.dim, "bf16"),
-            _T("mhc", "hc_head_fn", n, n * a.dim, "fp32"),
-            _T("mhc", "hc_head_base", n, 1, "fp32", False),
-            _T("mhc", "hc_head_scale", 1, 1, "fp32", False),
-            _T("mhc", "norm", a.dim, 1, "fp32", False)]
+    return [
+        _T("head", "head", a.vocab_size, a.dim, "bf16"),
+        _T("mhc", "hc_head_fn", n, n * a.dim, "fp32"),
+        _T("mhc", "hc_head_base", n, 1, "fp32", False),
+        _T("mhc", "hc_head_scale", 1, 1, "fp32", False),
+        _T("mhc", "norm", a.dim, 1, "fp32", False),
+    ]
 
 
 def _model_tensors(a: ModelArgs) -> list[_T]:
@@ -142,13 +154,22 @@ def param_counts(args: ModelArgs) -> dict[str, int]:
         out[x.comp] = out.get(x.comp, 0) + x.rows * x.cols * x.count
     out["total"] = sum(out.values())
     per_expert = 3 * args.moe_inter_dim * args.dim
-    out["active"] = (out["total"] - out["embed"] - out["experts"]
-                     + args.n_layers * args.n_activated_experts * per_expert)
-    mtp = _layer_tensors(args, args.n_layers) + [
-        _T("mtp", "e_proj", args.dim, args.dim, args.weight_dtype),
-        _T("mtp", "h_proj", args.dim, args.dim, args.weight_dtype),
-        _T("mtp", "enorm", args.dim, 1, "fp32", False),
-        _T("mtp", "hnorm", args.dim, 1, "fp32", False)] + _head_tensors(args)[1:]
+    out["active"] = (
+        out["total"]
+        - out["embed"]
+        - out["experts"]
+        + args.n_layers * args.n_activated_experts * per_expert
+    )
+    mtp = (
+        _layer_tensors(args, args.n_layers)
+        + [
+            _T("mtp", "e_proj", args.dim, args.dim, args.weight_dtype),
+            _T("mtp", "h_proj", args.dim, args.dim, args.weight_dtype),
+            _T("mtp", "enorm", args.dim, 1, "fp32", False),
+            _T("mtp", "hnorm", args.dim, 1, "fp32", False),
+        ]
+        + _head_tensors(args)[1:]
+    )
     out["mtp"] = args.n_mtp_layers * sum(x.rows * x.cols * x.count for x in mtp)
     return out
 
@@ -170,8 +191,10 @@ def entry_bytes(args: ModelArgs, state_dtype: str) -> tuple[int, int]:
 def state_bytes_per_token(args: ModelArgs, state_dtype: str = "bf16") -> float:
     """Growth of one sequence's state per token (compressed entries; window rings are fixed)."""
     main, idx = entry_bytes(args, state_dtype)
-    return sum((main + idx) / args.csa_ratio if t == CSA else main / args.hca_ratio if t == HCA
-               else 0.0 for t in args.layer_types)
+    return sum(
+        (main + idx) / args.csa_ratio if t == CSA else main / args.hca_ratio if t == HCA else 0.0
+        for t in args.layer_types
+    )
 
 
 def _query_reads(a: ModelArgs, ctx: int) -> tuple[int, int]:
@@ -190,8 +213,11 @@ def _query_reads(a: ModelArgs, ctx: int) -> tuple[int, int]:
 
 def _held(a: ModelArgs, ctx: int) -> tuple[int, int]:
     """State entries of one sequence at `ctx` tokens: (window + compressed main, indexer keys)."""
-    main = sum(min(a.window_size, ctx) + (ctx // a.csa_ratio if t == CSA else
-               ctx // a.hca_ratio if t == HCA else 0) for t in a.layer_types)
+    main = sum(
+        min(a.window_size, ctx)
+        + (ctx // a.csa_ratio if t == CSA else ctx // a.hca_ratio if t == HCA else 0)
+        for t in a.layer_types
+    )
     return main, sum(ctx // a.csa_ratio for t in a.layer_types if t == CSA)
 
 
@@ -215,8 +241,14 @@ class Component:
     floor_s: float = 0.0  # max(bytes / bandwidth, compute_s)
     bound: str = "memory"
 
-    def add(self, gpu: GpuSpec, flops: float, dtype: str, weight_bytes: float = 0.0,
-            state_bytes: float = 0.0) -> None:
+    def add(
+        self,
+        gpu: GpuSpec,
+        flops: float,
+        dtype: str,
+        weight_bytes: float = 0.0,
+        state_bytes: float = 0.0,
+    ) -> None:
         self.weight_bytes += weight_bytes
         self.state_bytes += state_bytes
         self.flops += flops
@@ -252,9 +284,16 @@ class Roofline:
         return d
 
 
-def roofline(args: ModelArgs, batch: int, context: int, gpu: GpuSpec, *,
-             state_dtype: str = "bf16", mode: str = "decode",
-             prompt_len: int | None = None) -> Roofline:
+def roofline(
+    args: ModelArgs,
+    batch: int,
+    context: int,
+    gpu: GpuSpec,
+    *,
+    state_dtype: str = "bf16",
+    mode: str = "decode",
+    prompt_len: int | None = None,
+) -> Roofline:
     """Floor of one decode step (`batch` sequences at `context` tokens, the new one included) or
     of a prefill of `prompt_len` (default: `context`) tokens per sequence ending at `context`."""
     if batch < 1 or context < 1:
@@ -266,8 +305,20 @@ def roofline(args: ModelArgs, batch: int, context: int, gpu: GpuSpec, *,
     if (mode == "decode" and prompt_len is not None) or not 1 <= s <= context:
         raise ValueError(f"prompt_len={prompt_len} needs mode='prefill' and 1 <= it <= {context}")
     tokens = batch if mode == "decode" else batch * s
-    rows = {name: Component(name) for name in ("attn_proj", "compressor", "indexer", "attention",
-                                               "mhc", "router", "experts", "shared_expert", "head")}
+    rows = {
+        name: Component(name)
+        for name in (
+            "attn_proj",
+            "compressor",
+            "indexer",
+            "attention",
+            "mhc",
+            "router",
+            "experts",
+            "shared_expert",
+            "head",
+        )
+    }
 
     # weights: read once per step; routed experts scaled by the expected distinct ones
     n_distinct = distinct_experts(args.n_routed_experts, args.n_activated_experts, tokens)
@@ -277,8 +328,9 @@ def roofline(args: ModelArgs, batch: int, context: int, gpu: GpuSpec, *,
         if x.comp == "embed":  # gather: one bf16 row per token
             rows["head"].add(gpu, 0.0, "bf16", weight_bytes=tokens * x.cols * 2)
         elif x.comp == "experts":  # per token k of the E experts run
-            rows["experts"].add(gpu, fl * args.n_activated_experts, x.fmt,
-                                weight_bytes=wb * n_distinct / x.count)
+            rows["experts"].add(
+                gpu, fl * args.n_activated_experts, x.fmt, weight_bytes=wb * n_distinct / x.count
+            )
         elif x.name == "head":  # logits for the last position of each sequence only
             rows["head"].add(gpu, 2.0 * batch * x.rows * x.cols, x.fmt, weight_bytes=wb)
         else:
@@ -308,11 +360,19 @@ def roofline(args: ModelArgs, batch: int, context: int, gpu: GpuSpec, *,
     for c in rows.values():
         mem_s = (c.weight_bytes + c.state_bytes) / gpu.hbm_bytes_per_s
         c.floor_s, c.bound = max(mem_s, c.compute_s), "compute" if c.compute_s > mem_s else "memory"
-    config = {"batch": batch, "context": context, "mode": mode, "state_dtype": state_dtype,
-              "prompt_len": s if mode == "prefill" else None, "tokens": tokens,
-              "distinct_experts": n_distinct, "weight_dtype": args.weight_dtype,
-              "expert_dtype": args.expert_dtype, "n_layers": args.n_layers,
-              "layer_types": {t: args.layer_types.count(t) for t in (SLIDING, CSA, HCA)}}
+    config = {
+        "batch": batch,
+        "context": context,
+        "mode": mode,
+        "state_dtype": state_dtype,
+        "prompt_len": s if mode == "prefill" else None,
+        "tokens": tokens,
+        "distinct_experts": n_distinct,
+        "weight_dtype": args.weight_dtype,
+        "expert_dtype": args.expert_dtype,
+        "n_layers": args.n_layers,
+        "layer_types": {t: args.layer_types.count(t) for t in (SLIDING, CSA, HCA)},
+    }
     return Roofline(list(rows.values()), gpu, config, tokens)
 
 
@@ -320,20 +380,27 @@ def roofline(args: ModelArgs, batch: int, context: int, gpu: GpuSpec, *,
 
 
 def _table(r: Roofline) -> str:
-    lines = [f"{'component':<14}{'weight MB':>11}{'state MB':>10}{'GFLOP':>10}{'floor us':>10}"
-             f"{'% step':>8}  bound"]
+    lines = [
+        f"{'component':<14}{'weight MB':>11}{'state MB':>10}{'GFLOP':>10}{'floor us':>10}"
+        f"{'% step':>8}  bound"
+    ]
     for c in r.components:
-        lines.append(f"{c.name:<14}{c.weight_bytes / 1e6:>11.1f}{c.state_bytes / 1e6:>10.1f}"
-                     f"{c.flops / 1e9:>10.1f}{c.floor_s * 1e6:>10.1f}"
-                     f"{100 * c.floor_s / r.floor_s:>8.1f}  {c.bound}")
-    lines.append(f"{'total':<14}{r.weight_bytes / 1e6:>11.1f}{r.state_bytes / 1e6:>10.1f}"
-                 f"{r.flops / 1e9:>10.1f}{r.floor_s * 1e6:>10.1f}{100.0:>8.1f}")
+        lines.append(
+            f"{c.name:<14}{c.weight_bytes / 1e6:>11.1f}{c.state_bytes / 1e6:>10.1f}"
+            f"{c.flops / 1e9:>10.1f}{c.floor_s * 1e6:>10.1f}"
+            f"{100 * c.floor_s / r.floor_s:>8.1f}  {c.bound}"
+        )
+    lines.append(
+        f"{'total':<14}{r.weight_bytes / 1e6:>11.1f}{r.state_bytes / 1e6:>10.1f}"
+        f"{r.flops / 1e9:>10.1f}{r.floor_s * 1e6:>10.1f}{100.0:>8.1f}"
+    )
     g, cfg = r.gpu, r.config
     return "\n".join(lines) + (
         f"\nfloor {r.floor_s * 1e3:.3f} ms/step -> {r.tok_per_s:.1f} tok/s  ({cfg['mode']}, "
         f"batch {cfg['batch']}, context {cfg['context']}, {cfg['state_dtype']} state, "
         f"{cfg['distinct_experts']:.1f} experts/layer; {g.name}: "
-        f"{g.hbm_bytes_per_s / 1e9:.0f} GB/s, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16)")
+        f"{g.hbm_bytes_per_s / 1e9:.0f} GB/s, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16)"
+    )
 
 
 def _bench(r: Roofline, bench: dict[str, Any]) -> dict[str, dict[str, float | None]]:
@@ -354,9 +421,14 @@ def _bench(r: Roofline, bench: dict[str, Any]) -> dict[str, dict[str, float | No
     measured = dict(bench.get("components", {}))
     if bench.get("step_s") is not None:
         measured["step"] = bench["step_s"]
-    return {name: {"measured_s": float(m), "floor_s": floors.get(name),
-                   "ratio": float(m) / floors[name] if name in floors else None}
-            for name, m in measured.items()}
+    return {
+        name: {
+            "measured_s": float(m),
+            "floor_s": floors.get(name),
+            "ratio": float(m) / floors[name] if name in floors else None,
+        }
+        for name, m in measured.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,13 +452,21 @@ def main(argv: list[str] | None = None) -> int:
         if a.bandwidth is not None:
             gpu = dataclasses.replace(gpu, hbm_bytes_per_s=a.bandwidth * 1e9)
         if a.flops is not None:
-            gpu = dataclasses.replace(gpu, bf16_flops=a.flops * 1e12, fp8_flops=a.flops * 1e12,
-                                      fp4_flops=a.flops * 1e12)
+            gpu = dataclasses.replace(
+                gpu, bf16_flops=a.flops * 1e12, fp8_flops=a.flops * 1e12, fp4_flops=a.flops * 1e12
+            )
         if a.bandwidth is not None or a.flops is not None:
             gpu = dataclasses.replace(gpu, name=f"{gpu.name} (custom)")
         args = ModelArgs.from_json(a.model) if a.model else flash_args()
-        r = roofline(args, a.batch, a.context, gpu, state_dtype=a.state_dtype, mode=a.mode,
-                     prompt_len=a.prompt_len)
+        r = roofline(
+            args,
+            a.batch,
+            a.context,
+            gpu,
+            state_dtype=a.state_dtype,
+            mode=a.mode,
+            prompt_len=a.prompt_len,
+        )
         bench = None
         if a.bench:
             with open(a.bench) as fh:

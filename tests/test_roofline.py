@@ -18,11 +18,26 @@ from dsv4.roofline import (
 FLASH = flash_args()
 H200 = GPUS["H200"]
 TINY = {
-    "vocab_size": 512, "hidden_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 64,
-    "o_groups": 2, "o_lora_rank": 64, "sliding_window": 16, "compress_ratios": [0, 4, 16, 4],
-    "num_hash_layers": 1, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "index_n_heads": 2, "index_head_dim": 32, "index_topk": 8, "expert_dtype": "bf16",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 64,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "sliding_window": 16,
+    "compress_ratios": [0, 4, 16, 4],
+    "num_hash_layers": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "index_n_heads": 2,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "expert_dtype": "bf16",
 }
 
 
@@ -66,9 +81,15 @@ def test_state_growth():  # spec 9.6
     assert state_bytes_per_token(FLASH, "fp8") == pytest.approx(3850, abs=1)
 
 
-@pytest.mark.parametrize("ctx,gflop,bf16_mb,fp8_mb", [
-    (4096, 29.1, 22.8, 12.7), (65536, 35.7, 115, 61), (131072, 42.6, 214, 112),
-    (1 << 20, 140.3, 1590, 830)])
+@pytest.mark.parametrize(
+    "ctx,gflop,bf16_mb,fp8_mb",
+    [
+        (4096, 29.1, 22.8, 12.7),
+        (65536, 35.7, 115, 61),
+        (131072, 42.6, 214, 112),
+        (1 << 20, 140.3, 1590, 830),
+    ],
+)
 def test_flops_and_state_reads(ctx, gflop, bf16_mb, fp8_mb):  # spec 11.3 table
     r = roofline(FLASH, 1, ctx, H200)
     assert r.flops / 1e9 == pytest.approx(gflop, rel=0.02)
@@ -132,11 +153,34 @@ def test_tiny_config_from_dict(tmp_path):
 
 
 def test_cli_json(capsys):
-    assert main(["--preset", "flash", "--batch", "4", "--context", "8192", "--gpu", "H200",
-                 "--state-dtype", "fp8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "--preset",
+                "flash",
+                "--batch",
+                "4",
+                "--context",
+                "8192",
+                "--gpu",
+                "H200",
+                "--state-dtype",
+                "fp8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
-    for k in ("weight_bytes", "state_bytes", "total_bytes", "flops", "floor_s", "components",
-              "config"):
+    for k in (
+        "weight_bytes",
+        "state_bytes",
+        "total_bytes",
+        "flops",
+        "floor_s",
+        "components",
+        "config",
+    ):
         assert k in d
     assert d["config"]["batch"] == 4 and d["config"]["gpu"]["name"] == "H200"
     assert d["total_bytes"] == pytest.approx(d["weight_bytes"] + d["state_bytes"])
@@ -145,10 +189,12 @@ def test_cli_json(capsys):
 
 def test_cli_table_overrides_and_bench(capsys, tmp_path):
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"components": {"experts": 5e-3, "attn_proj": 2e-3},
-                                 "step_s": 10e-3}))
-    assert main(["--batch", "1", "--bandwidth", "1000", "--flops", "100", "--bench",
-                 str(bench)]) == 0
+    bench.write_text(
+        json.dumps({"components": {"experts": 5e-3, "attn_proj": 2e-3}, "step_s": 10e-3})
+    )
+    assert (
+        main(["--batch", "1", "--bandwidth", "1000", "--flops", "100", "--bench", str(bench)]) == 0
+    )
     out = capsys.readouterr().out
     assert "attn_proj" in out and "tok/s" in out and "meas/floor" in out
     assert "1000 GB/s" in out

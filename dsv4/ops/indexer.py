@@ -217,7 +217,8 @@ def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
     return min(16, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
 
 
-SCORE_CFG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 5, "programs_per_sm": 4}
+# measured best on an H200 (bench/sweep_kernels.py, 2026-11-29): stages 3-4, 2 programs per SM
+SCORE_CFG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
 
 
 def _scores(

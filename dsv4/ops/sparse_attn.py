@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MIN_KEYS_PER_SPLIT = 64  # a split writes H*D fp32 partials: keep them below ~2x its key bytes
+MIN_KEYS_PER_SPLIT = (
+    32  # measured on an H200: T=1, K=640 is fastest at 20 splits (13.3 vs 14.4 us at 10)
+)
 # finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
 NEG = tl.constexpr(-1.0e30)
 
@@ -161,7 +163,9 @@ def _sparse_attn_kernel(
             off = tl.multiple_of(off, 16 // ELT)  # compiler (else the gather is not vectorised)
         rows = kv0_ptr + off
         # gathered K = V rows: [BN, BDV] (+ [BN, BDV] the other half for S)
-        kv = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0)
+        kv = tl.load(
+            rows[:, None] + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0
+        )
         if UPCAST:
             kv = kv.to(tl.float32)
         s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)  # [BH, BN] fp32
