@@ -15,6 +15,7 @@ def _generate(ns: argparse.Namespace) -> int:
         device=ns.device,
         dtype=ns.dtype,
         quantized=ns.quantized,
+        ops=ns.ops,
         max_seq_len=ns.max_seq_len,
     )
     params = SamplingParams(
@@ -48,6 +49,7 @@ def _load(ns: argparse.Namespace):  # noqa: ANN202
         device=ns.device,
         dtype=ns.dtype,
         quantized=ns.quantized,
+        ops=ns.ops,
         max_seq_len=ns.max_seq_len,
         max_seqs=ns.max_seqs,
         chunk_size=ns.chunk_size,
@@ -88,6 +90,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--quantized", action="store_true", help="keep FP8/FP4 weights packed")
+    p.add_argument(
+        "--ops", default="ref", choices=["ref", "triton"], help="op backend (triton: GPU kernels)"
+    )
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--max-seqs", type=int, default=8, help="max running sequences")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens)")

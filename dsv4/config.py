@@ -624,6 +624,7 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantized: bool = False
+    ops: str = "ref"
     max_seq_len: int = 4096
     max_seqs: int = 8
     chunk_size: int = 512

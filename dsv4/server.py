@@ -64,6 +64,7 @@ class Server:
             device=c.device,
             dtype=c.dtype,
             quantized=c.quantized,
+            ops=c.ops,
             max_seqs=c.max_seqs,
             max_seq_len=c.max_seq_len,
             chunk_size=c.chunk_size,

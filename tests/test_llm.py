@@ -78,3 +78,15 @@ def test_demo_generate_cli(tmp_path, monkeypatch, capsys):  # noqa: ANN001
 def test_generate_cli_bad_model(tmp_path, capsys):  # noqa: ANN001
     assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
     assert "config file not found" in capsys.readouterr().err
+
+
+def test_generate_cli_ops_flag(llm, capsys):  # noqa: ANN001
+    # --ops triton reaches the model: same greedy ids as the reference ops (interpreter on CPU)
+    d = str(llm.model_dir)
+    outs = []
+    for ops in ("ref", "triton"):
+        assert main(["generate", "hi", "--model", d, "--ops", ops, "--max-tokens", "2"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
+    with pytest.raises(SystemExit):  # argparse refuses an unknown backend
+        main(["generate", "hi", "--model", d, "--ops", "cuda"])
