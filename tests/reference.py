@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv4.bench.hf import hf_config  # ModelArgs -> DeepseekV4Config, shared with the bench
 from dsv4.checkpoint import checkpoint_files
 from dsv4.config import ModelArgs
 from tests.test_quant import np_e4m3, np_e8m0, np_nibbles
@@ -51,60 +52,6 @@ def independent_dequant(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
         else:
             out[name] = t.float()
     return out
-
-
-def hf_config(args: ModelArgs):  # noqa: ANN201
-    from transformers import DeepseekV4Config
-
-    rope = None
-    if args.yarn is not None:
-        rope = {
-            "rope_type": "yarn",
-            "factor": args.yarn.factor,
-            "original_max_position_embeddings": args.yarn.original_seq_len,
-            "beta_fast": args.yarn.beta_fast,
-            "beta_slow": args.yarn.beta_slow,
-        }
-    cfg = DeepseekV4Config(
-        vocab_size=args.vocab_size,
-        hidden_size=args.dim,
-        moe_intermediate_size=args.moe_inter_dim,
-        num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads,
-        num_key_value_heads=1,
-        head_dim=args.head_dim,
-        q_lora_rank=args.q_lora_rank,
-        partial_rotary_factor=args.rope_head_dim / args.head_dim,
-        num_experts_per_tok=args.n_activated_experts,
-        n_routed_experts=args.n_routed_experts,
-        n_shared_experts=args.n_shared_experts,
-        routed_scaling_factor=args.route_scale,
-        layer_types=list(args.layer_types),
-        mlp_layer_types=list(args.mlp_layer_types),
-        compress_rates={
-            "compressed_sparse_attention": args.csa_ratio,
-            "heavily_compressed_attention": args.hca_ratio,
-        },
-        compress_rope_theta=args.compress_rope_theta,
-        rope_theta=args.rope_theta,
-        hc_mult=args.hc_mult,
-        hc_sinkhorn_iters=args.hc_sinkhorn_iters,
-        hc_eps=args.hc_eps,
-        swiglu_limit=args.swiglu_limit,
-        sliding_window=args.window_size,
-        o_groups=args.o_groups,
-        o_lora_rank=args.o_lora_rank,
-        index_n_heads=args.index_n_heads,
-        index_head_dim=args.index_head_dim,
-        index_topk=args.index_topk,
-        rms_norm_eps=args.norm_eps,
-        max_position_embeddings=args.max_position_embeddings,
-        rope_parameters=rope,
-        bos_token_id=args.bos_token_id,
-        eos_token_id=args.eos_token_id,
-    )
-    cfg._attn_implementation = "eager"
-    return cfg
 
 
 # official name -> transformers name (applied in order; experts handled separately)

@@ -18,7 +18,7 @@ from dsv4.model import Transformer
 
 
 def hf_config(args: ModelArgs):  # noqa: ANN201  (transformers imported lazily)
-    """ModelArgs -> transformers' DeepseekV4Config (same conversion as tests/reference.py)."""
+    """ModelArgs -> transformers' DeepseekV4Config (the tests build their reference with it too)."""
     from transformers import DeepseekV4Config
 
     rope = None
