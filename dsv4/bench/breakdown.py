@@ -12,8 +12,9 @@ innermost category and layer open at its start ("rest" outside layers):
     the LM head (Transformer.logits);
   - everything else -> other (window/index arithmetic, ring writes, embedding, batch prep, ...).
 The intervals partition the step, so the categories sum to it; device idle time waiting for the
-host lands in the category whose code was running (a Triton kernel's time is counted like any
-other, which a profiler's CPU-op correlation misses).
+host lands in the category whose code was running. (A first version attributed torch.profiler
+kernel times through their launching CPU ops: Triton launches have none, so attention and mHC
+read 0 on the H200. `dsv4 bench step --trace FILE` still writes a profiler trace for drilling in.)
 """
 
 from __future__ import annotations
@@ -128,6 +129,13 @@ class Labels:
             h.remove()
         self.hooks.clear()
         del self.model.logits  # back to the class method
+
+
+def profile_activities(device: torch.device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
 
 
 def attribute(marks: list, on_device: bool) -> SimpleNamespace:

@@ -150,6 +150,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="per-op-category breakdown")
     p.add_argument(
+        "--trace",
+        default=None,
+        help="also write a torch.profiler chrome trace of one step per run (FILE.bB.cL.json)",
+    )
+    p.add_argument(
         "--profile-steps",
         type=_int_at_least("--profile-steps", 1),
         default=1,
@@ -371,6 +376,14 @@ class Bench:
             run["breakdown"] = b
             if b["roofline"] is not None:
                 run["roofline"]["components"] = b["roofline"]
+        if a.trace:  # one step under torch.profiler, for drilling into kernels
+            path = Path(a.trace).with_suffix(f".b{batch}.c{context}.json")
+            with torch.profiler.profile(activities=bd.profile_activities(self.device)) as prof:
+                step(0)
+                if on_device:
+                    torch.cuda.synchronize()
+            prof.export_chrome_trace(str(path))
+            run["trace"] = str(path)
         return run
 
     def decode_hf(self, run: dict) -> dict:
@@ -473,6 +486,7 @@ def _config(a: argparse.Namespace, bench: Bench) -> dict:
         "warmup",
         "cycle",
         "profile",
+        "trace",
         "profile_steps",
         "hf",
         "hf_max_gb",
