@@ -239,7 +239,18 @@ def test_trace_writes_a_profiler_trace(tmp_path):  # noqa: ANN001
     from dsv4.bench.step import main as step_main
 
     out = tmp_path / "b.json"
-    argv = ["--preset", "tiny", "--batch", "1", "--context", "64", "--prefill", "0", "--repeat", "1"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--batch",
+        "1",
+        "--context",
+        "64",
+        "--prefill",
+        "0",
+        "--repeat",
+        "1",
+    ]
     assert step_main([*argv, "--trace", str(tmp_path / "t.json"), "--json", str(out)]) == 0
     run = json.loads(out.read_text())["runs"][0]
     trace = json.loads(open(run["trace"]).read())
