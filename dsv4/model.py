@@ -300,9 +300,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)  # [T, k] each
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in idx.unique().tolist():
-            tok, k = (idx == e).nonzero(as_tuple=True)
-            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, k]).float())
+        # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
+        order = idx.flatten().argsort(stable=True)
+        tok, slot = order // idx.shape[1], order % idx.shape[1]
+        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                t, k = tok[start : start + n], slot[start : start + n]
+                y.index_add_(0, t, self.experts[e](x[t], weights[t, k]).float())
+                start += n
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

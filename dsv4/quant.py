@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_BLOCK = 128  # FP8 weights: one UE8M0 scale per 128x128 tile
@@ -20,6 +22,14 @@ E2M1_VALUES = torch.tensor(
 _PAIR_VALUES = torch.stack(
     [E2M1_VALUES[torch.arange(256) & 0x0F], E2M1_VALUES[torch.arange(256) >> 4]], dim=-1
 )
+
+
+@functools.cache
+def _pair_values(device: torch.device) -> torch.Tensor:
+    # one copy per device: a host->device copy per call would also sync the stream every time
+    return _PAIR_VALUES.to(device)
+
+
 # midpoints between magnitude codes k and k+1, and whether a tie goes up (k+1 even)
 _E2M1_MIDPOINTS = (
     (0.25, False),
@@ -91,7 +101,7 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 def _e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     # uint8/int8 [out, in/2] -> fp32 [out, in], low nibble first
     p = packed.view(torch.uint8).long()
-    return _PAIR_VALUES.to(packed.device)[p].flatten(-2)
+    return _pair_values(packed.device)[p].flatten(-2)
 
 
 def _tile_mul(x: torch.Tensor, s: torch.Tensor, br: int, bc: int) -> torch.Tensor:
