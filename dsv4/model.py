@@ -288,7 +288,7 @@ class MoE(nn.Module):
 
     def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        a = b.args
+        a, self.ops = b.args, b.ops
         self.gate = Gate(layer_id, b)
         self.experts = nn.ModuleList(
             Expert(b, a.moe_inter_dim, b.expert_quant) for _ in range(a.n_routed_experts)
@@ -299,17 +299,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)  # [T, k] each
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
-        order = idx.flatten().argsort(stable=True)
-        tok, slot = order // idx.shape[1], order % idx.shape[1]
-        counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                t, k = tok[start : start + n], slot[start : start + n]
-                y.index_add_(0, t, self.experts[e](x[t], weights[t, k]).float())
-                start += n
+        y = self.ops.moe_experts(x, weights, idx, self.experts)  # [T, D] fp32
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

@@ -2,7 +2,7 @@
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
 rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, index_topk,
-stable_topk. "triton" binds the Triton kernels (one module per op, each beside its reference) and
+stable_topk, moe_experts. "triton" binds the Triton kernels (one module per op, each beside its reference) and
 keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
 """
 
@@ -25,6 +25,7 @@ OPS = (
     "compress_store",
     "index_topk",
     "stable_topk",
+    "moe_experts",
 )
 
 

@@ -194,3 +194,22 @@ def index_topk(
     s = (s * weights.float().unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
     top = stable_topk(s, min(topk, s.shape[-1]))
     return torch.where(valid.gather(1, top), top, -1)
+
+
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, experts: torch.nn.ModuleList
+) -> torch.Tensor:
+    # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] fp32:
+    # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2).
+    # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    order = idx.flatten().argsort(stable=True)
+    tok, slot = order // idx.shape[1], order % idx.shape[1]
+    counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            t, k = tok[start : start + n], slot[start : start + n]
+            y.index_add_(0, t, experts[e](x[t], weights[t, k]).float())
+            start += n
+    return y
