@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-CASE_MODULES = ("sparse_attn", "indexer", "mhc", "rope")
+CASE_MODULES = ("sparse_attn", "indexer", "mhc", "rope", "moe")
 
 
 @dataclass

@@ -30,7 +30,7 @@ OPS = (
 
 
 def _triton() -> SimpleNamespace:
-    from dsv4.ops import indexer, mhc, rope, sparse_attn
+    from dsv4.ops import indexer, mhc, moe, rope, sparse_attn
 
     fns = {name: getattr(ref, name) for name in OPS}
     fns.update(
@@ -42,6 +42,7 @@ def _triton() -> SimpleNamespace:
         rotary=rope.rotary,
         norm_rope=rope.norm_rope,
         compress_store=rope.compress_store,
+        moe_experts=moe.moe_experts,
     )
     return SimpleNamespace(name="triton", **fns)
 

@@ -1,0 +1,451 @@
+"""Routed experts of a MoE layer: two grouped GEMMs with the MXFP4 weights decoded in the kernel.
+
+One launcher with the signature of `dsv4.ops.ref.moe_experts`:
+  moe_experts(x, weights, idx, experts) -> [T, D] fp32
+
+y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]): per (token, slot) pair g = min(x W1^T, limit),
+u = clamp(x W3^T, -limit, limit), h = silu(g) * u * weight (rounded to x.dtype), out = h W2^T.
+
+The weights stay per-expert parameters (their state_dict keys are the checkpoint's). A table of
+where each expert's weights and scales lie (int64 [6, E] offsets, in 16-byte units from expert 0's
+w1 weight / scale, so the compiler knows the pointers are 16-byte aligned and vectorizes the loads)
+is built once per ModuleList and cached. Routing runs on the device without a host sync:
+the T*k pairs are sorted by expert and each expert's rows are padded to a multiple of BLOCK_M,
+giving every row-block one expert and BLOCK_M pair ids (-1 = padding). The number of row-blocks has
+a static bound, so the grids are static and blocks past the real count exit at once.
+
+  _moe_gate_up_kernel  per (row-block, inter tile): gather x rows, W1 and W3 tiles decoded from
+                       e2m1 nibbles and e8m0 scales, two dots; epilogue clamp, silu * u, routing
+                       weight; h [T*k, inter] in x.dtype, pair-major.
+  _moe_down_kernel     per (row-block, D tile): h rows times decoded W2^T; out [T*k, D] in x.dtype
+                       (the reference's w2 output dtype), summed over the k slots in fp32 by torch.
+
+Cast points follow `Expert.forward`: the gate/up results are rounded to x.dtype before the clamp,
+h is rounded to x.dtype before w2 and each pair's w2 output is rounded to x.dtype before the sum.
+Weight formats other than "fp4" fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops import ref
+
+_DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
+MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
+# rows of the address table (globals a kernel reads must be constexpr)
+W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
+S1, S3, S2 = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)  # e8m0 scales
+
+
+def _configs() -> list[triton.Config]:
+    # BLOCK_N output columns, BLOCK_K reduction step (multiple of 32: whole scale groups).
+    # Decode (few rows per block) is bound by reading the packed weights: 0.5 B + 1/32 B per
+    # weight, so the tiles aim for enough programs (T=1, k=6: 6 row-blocks x inter / BLOCK_N)
+    shapes = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+        (32, 128, 4, 3),
+        (32, 256, 4, 3),
+        (64, 128, 4, 3),
+        (64, 256, 8, 3),
+        (64, 64, 4, 4),
+        (128, 64, 8, 3),
+        (128, 128, 8, 3),
+    ]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in shapes
+    ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    # the reduction loop has no tail: BLOCK_K must divide K
+    k = kwargs.get("K", named_args.get("K"))
+    return [c for c in configs if k % c.kwargs["BLOCK_K"] == 0] or configs[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 tile decode: int8 [BLOCK_N, BLOCK_K/2] nibbles + e8m0 [BLOCK_N, BLOCK_K/32] -> fp32
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mxfp4_tile(
+    w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scale bytes
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    b = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_b[None, :], mask=n_ok[:, None], other=0)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
+    b = b.to(tl.int16)
+    # e2m1 code (sign | e1 e0 m) -> fp16 bits (sign << 15 | e1 e0 m << 9): value * 2^-14 exactly,
+    # code 1 (0.5) landing on an fp16 subnormal that the fp32 upcast keeps exact.
+    # low nibble = even column, high nibble = odd column
+    lo = ((b & 0x08) << 12) | ((b & 0x07) << 9)
+    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # interleave even/odd columns
+    # scale 2^(S-127) times the 2^14 above: fp32 bits (S + 14) << 23 (S <= 240)
+    scale = ((s.to(tl.uint8).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(w, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK)) * scale[:, :, None]
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    # fp32 -> ty rounded to nearest even, returned as ty. The interpreter's fp32 -> bf16 cast does
+    # not round to nearest, so there (RNE_BF16) the rounding is done on the bits first
+    if RNE_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(ty)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate/up: h = silu(min(x W1^T, l)) * clamp(x W3^T, -l, l) * weight
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr,  # [T, D] bf16/fp16/fp32 (D contiguous)
+    rw_ptr,  # [T*k] fp32 routing weights, pair p = t*k + j
+    rows_ptr,  # [NB*BLOCK_M] int32 pair ids per row-block, -1 = padding
+    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count
+    tbl_ptr,  # [6, E] int64 offsets in UNIT bytes: w1, w3 (from wbase), s1, s3 (from sbase), ...
+    wbase_ptr,  # int8: expert 0's w1 ; packed weights int8 [out, in/2] lie at wbase + UNIT * off
+    sbase_ptr,  # uint8: expert 0's w1 scale ; e8m0 scales [out, in/32] lie at sbase + UNIT * off
+    h_ptr,  # [T*k, I] x.dtype
+    N,  # inter
+    K,  # D
+    E,
+    limit,
+    tune_key,  # autotune bucket of the row-block count (unused in the body)
+    stride_xt,
+    stride_ht,
+    stride_w,  # K / 2
+    stride_s,  # K / 32
+    TOPK: tl.constexpr,
+    UNIT: tl.constexpr,  # 16 when every weight and scale address is 16-byte aligned (vector loads)
+    UPCAST: tl.constexpr,  # dot in fp32 (interpreter / fp32 x)
+    RNE_BF16: tl.constexpr,  # round to bf16 on the bits (interpreter)
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # read BLOCK_N rows of W1 and W3 (K/2 + K/32 B each) + BLOCK_M x rows ; write BLOCK_M x BLOCK_N
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+
+    # ---- the block's pairs and its expert's weights
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m)
+    r_ok = rows >= 0
+    pair = tl.where(r_ok, rows, 0).to(tl.int64)
+    tok = pair // TOPK
+    w1_ptr = wbase_ptr + tl.load(tbl_ptr + W1 * E + e) * UNIT
+    w3_ptr = wbase_ptr + tl.load(tbl_ptr + W3 * E + e) * UNIT
+    s1_ptr = sbase_ptr + tl.load(tbl_ptr + S1 * E + e) * UNIT
+    s3_ptr = sbase_ptr + tl.load(tbl_ptr + S3 * E + e) * UNIT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # ---- x [BLOCK_M, K] . W1^T, W3^T [K, BLOCK_N]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + tok[:, None] * stride_xt
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+        wg = _mxfp4_tile(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
+        wu = _mxfp4_tile(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
+        if UPCAST:
+            x = x.to(tl.float32)
+        else:  # e2m1 * 2^k is exact in bf16/fp16 (in range)
+            wg = wg.to(x.dtype)
+            wu = wu.to(x.dtype)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
+
+    # ---- epilogue: the linears' x.dtype outputs, clamp, silu * u, routing weight -> x.dtype
+    out_ty = h_ptr.dtype.element_ty
+    g = tl.minimum(_round(acc_g, out_ty, RNE_BF16).to(tl.float32), limit)
+    u = _round(acc_u, out_ty, RNE_BF16).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
+    h = (g * tl.sigmoid(g) * u) * rw[:, None]
+    h_ptrs = h_ptr + pair[:, None] * stride_ht + offs_n[None, :]
+    tl.store(h_ptrs, _round(h, out_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Down: out = h W2^T per pair
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr,  # [T*k, I] x.dtype
+    rows_ptr,  # [NB*BLOCK_M] int32 pair ids, -1 = padding
+    blk_ptr,  # [NB] int32 expert per row-block, -1 = none
+    tbl_ptr,  # [6, E] int64 offsets in UNIT bytes (see _moe_gate_up_kernel)
+    wbase_ptr,
+    sbase_ptr,
+    out_ptr,  # [T*k, D] x.dtype
+    N,  # D
+    K,  # inter
+    E,
+    tune_key,
+    stride_ht,
+    stride_ot,
+    stride_w,  # K / 2
+    stride_s,  # K / 32
+    UNIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # read BLOCK_N rows of W2 (K/2 + K/32 B each) + BLOCK_M h rows ; write BLOCK_M x BLOCK_N
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+
+    # ---- the block's pairs and its expert's W2
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m)
+    r_ok = rows >= 0
+    pair = tl.where(r_ok, rows, 0).to(tl.int64)
+    w2_ptr = wbase_ptr + tl.load(tbl_ptr + W2 * E + e) * UNIT
+    s2_ptr = sbase_ptr + tl.load(tbl_ptr + S2 * E + e) * UNIT
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # ---- h [BLOCK_M, K] . W2^T [K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h_rows = h_ptr + pair[:, None] * stride_ht
+    for k0 in range(0, K, BLOCK_K):
+        h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+        w = _mxfp4_tile(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
+        if UPCAST:
+            h = h.to(tl.float32)
+        else:
+            w = w.to(h.dtype)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+
+    o_ptrs = out_ptr + pair[:, None] * stride_ot + offs_n[None, :]
+    tl.store(
+        o_ptrs, _round(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :]
+    )
+
+
+_gate_up_tuned = triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "tune_key"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_moe_gate_up_kernel)
+_down_tuned = triton.autotune(
+    configs=_configs(),
+    key=["N", "K", "tune_key"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_moe_down_kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: address tables (cached per ModuleList) and the routing alignment
+# ---------------------------------------------------------------------------------------------
+
+# ModuleList -> (probe, table): the probe catches parameters moved or replaced since the build
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe(experts: torch.nn.ModuleList) -> tuple:
+    first, last = experts[0], experts[-1]
+    return (
+        len(experts),
+        first.w1.weight.data_ptr(),
+        first.w1.weight.device,
+        last.w2.weight.data_ptr(),
+        last.w2.scale.data_ptr(),
+    )
+
+
+class ExpertTable(NamedTuple):
+    """Where each expert's MXFP4 tensors lie: base + unit * offset, per expert and tensor."""
+
+    offs: torch.Tensor  # int64 [6, E]: w1, w3, w2 from wbase ; s1, s3, s2 from sbase (in units)
+    unit: int  # 16 when every address is 16-byte aligned, else 1
+    wbase: torch.Tensor  # int8: expert 0's w1 weight
+    sbase: torch.Tensor  # uint8 view of expert 0's w1 scale
+
+
+def expert_table(experts: torch.nn.ModuleList) -> ExpertTable:
+    """The MXFP4 tensors' offsets of every expert (all "fp4" with the same shapes), built once per
+    ModuleList and reused while its parameters stay where they are."""
+    probe = _probe(experts)
+    hit = _TABLES.get(experts)
+    if hit is not None and hit[0] == probe:
+        return hit[1]
+    e0 = experts[0]
+    shapes = [(lin.weight.shape, lin.scale.shape) for lin in (e0.w1, e0.w3, e0.w2)]
+    addrs = []
+    for i, ex in enumerate(experts):
+        lins = (ex.w1, ex.w3, ex.w2)
+        for lin, (ws, ss) in zip(lins, shapes):
+            assert lin.fmt == "fp4", f"expert {i}: weight format {lin.fmt!r} is not 'fp4'"
+            assert lin.weight.dtype == torch.int8 and lin.weight.shape == ws, (
+                f"expert {i}: packed weight {lin.weight.dtype} {tuple(lin.weight.shape)} "
+                f"(expected int8 {tuple(ws)})"
+            )
+            assert lin.scale.dtype == torch.float8_e8m0fnu and lin.scale.shape == ss, (
+                f"expert {i}: scale {lin.scale.dtype} {tuple(lin.scale.shape)} "
+                f"(expected float8_e8m0fnu {tuple(ss)})"
+            )
+            assert lin.weight.is_contiguous() and lin.scale.is_contiguous(), (
+                f"expert {i}: weight/scale must be contiguous"
+            )
+            assert lin.weight.device == e0.w1.weight.device, (
+                f"expert {i} is on {lin.weight.device}, expert 0 on {e0.w1.weight.device}"
+            )
+        addrs.append(
+            [lin.weight.data_ptr() for lin in lins] + [lin.scale.data_ptr() for lin in lins]
+        )
+    wbase, sbase = e0.w1.weight, e0.w1.scale.view(torch.uint8)
+    a = torch.tensor(addrs, dtype=torch.int64).t()  # [6, E] addresses
+    a[:3] -= wbase.data_ptr()
+    a[3:] -= sbase.data_ptr()
+    unit = (
+        16
+        if bool((a % 16 == 0).all()) and wbase.data_ptr() % 16 == sbase.data_ptr() % 16 == 0
+        else 1
+    )
+    table = ExpertTable((a // unit).contiguous().to(wbase.device), unit, wbase, sbase)
+    _TABLES[experts] = (probe, table)
+    return table
+
+
+def num_row_blocks(pairs: int, n_experts: int, block_m: int) -> int:
+    """Static bound on sum_e ceil(count_e / block_m) over the experts that receive pairs."""
+    used = min(n_experts, pairs)
+    return (pairs + used * (block_m - 1)) // block_m
+
+
+def align_rows(
+    idx: torch.Tensor, n_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] expert ids -> (rows int32 [NB*block_m] pair ids grouped by expert, each expert's run
+    padded with -1 to a multiple of block_m ; experts int32 [NB], -1 past the real blocks).
+    NB = num_row_blocks(T*k, E, block_m); device ops only, no host sync."""
+    flat = idx.reshape(-1).long()
+    P, dev = flat.numel(), flat.device
+    order = flat.argsort(stable=True)  # pair ids sorted by expert
+    e_sorted = flat[order]
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    first_block = blocks.cumsum(0) - blocks  # exclusive prefix sums
+    first_pair = counts.cumsum(0) - counts
+    rank = torch.arange(P, device=dev) - first_pair[e_sorted]
+    pos = first_block[e_sorted] * block_m + rank  # padded row of each sorted pair
+    NB = num_row_blocks(P, n_experts, block_m)
+    rows = torch.full((NB * block_m,), -1, dtype=torch.int32, device=dev)
+    rows[pos] = order.to(torch.int32)
+    experts = torch.full((NB,), -1, dtype=torch.int32, device=dev)
+    experts[pos // block_m] = e_sorted.to(torch.int32)  # duplicates write the same value
+    return rows, experts
+
+
+def _fp4(experts: torch.nn.ModuleList) -> bool:
+    e0 = experts[0]
+    return all(getattr(e0, n).fmt == "fp4" for n in ("w1", "w3", "w2"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    experts: torch.nn.ModuleList,
+    config: dict | None = None,
+) -> torch.Tensor:
+    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32
+    if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
+        return ref.moe_experts(x, weights, idx, experts)
+
+    # ---- check
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] rows (shape {tuple(x.shape)})"
+    T, D = x.shape
+    assert idx.dim() == 2 and idx.shape[0] == T, f"idx {tuple(idx.shape)} vs x {tuple(x.shape)}"
+    assert weights.shape == idx.shape, f"weights {tuple(weights.shape)} vs idx {tuple(idx.shape)}"
+    assert weights.is_floating_point(), f"weights dtype {weights.dtype} is not floating"
+    assert not idx.is_floating_point(), f"idx dtype {idx.dtype} is not an integer type"
+    e0 = experts[0]
+    I = e0.w1.weight.shape[0]  # noqa: E741
+    assert e0.w1.weight.shape[1] * 2 == D, f"experts take dim {e0.w1.weight.shape[1] * 2}, x {D}"
+    assert D % 32 == 0 and I % 32 == 0, f"dim {D} and inter {I} must be multiples of 32"
+    E, k = len(experts), idx.shape[1]
+    table = expert_table(experts)
+    assert table.offs.device == x.device, f"experts on {table.offs.device}, x on {x.device}"
+
+    # ---- allocate
+    P = T * k
+    if P == 0:
+        return torch.zeros((T, D), dtype=torch.float32, device=x.device)
+    block_m = 16 if P < 2048 else 64
+    rows, blk = align_rows(idx, E, block_m)
+    NB = blk.numel()
+    rw = weights.reshape(-1).float().contiguous()  # [P] fp32
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    out = torch.empty((P, D), dtype=x.dtype, device=x.device)
+
+    # ---- launch: gate/up, then down; the k slots are summed in fp32
+    upcast = x.device.type != "cuda" or x.dtype == torch.float32
+    rne = x.device.type != "cuda" and x.dtype == torch.bfloat16
+    consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit)
+    tune_key = NB.bit_length()
+    limit = float(e0.limit)
+
+    def grid(n: int):  # noqa: ANN202
+        return lambda meta: (NB, triton.cdiv(n, meta["BLOCK_N"]))
+
+    tbl = (table.offs, table.wbase, table.sbase)
+    args1 = (
+        x, rw, rows, blk, *tbl, h, I, D, E, limit, tune_key,
+        x.stride(0), h.stride(0), D // 2, D // 32,
+    )  # fmt: skip
+    args2 = (
+        h, rows, blk, *tbl, out, D, I, E, tune_key,
+        h.stride(0), out.stride(0), I // 2, I // 32,
+    )  # fmt: skip
+    if config is None and x.device.type == "cuda":
+        _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
+        _down_tuned[grid(D)](*args2, **consts)
+    else:
+        bk = 32 if x.device.type != "cuda" else 128
+        cfg = {"BLOCK_N": 64, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1} | (config or {})
+        assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
+        _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **consts, **cfg)
+        _moe_down_kernel[grid(D)](*args2, **consts, **cfg)
+    return out.view(T, k, D).float().sum(1)

@@ -1,0 +1,219 @@
+"""moe_experts (Triton, MXFP4 experts) against dsv4.ops.ref.moe_experts, plus the routing
+alignment and the cached address table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.model import Build, Expert
+from dsv4.ops import moe, ref, select
+from dsv4.tiny import tiny_args
+
+# relative-norm tolerance per x dtype: fp32 differs only by summation order; bf16 follows the
+# reference's cast points (exact in the interpreter, a bf16 ulp here and there on the GPU)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _experts(D: int, I: int, E: int, seed: int = 0, device: str = "cpu") -> torch.nn.ModuleList:  # noqa: E741
+    # Flash-layout experts (Build / Expert, fmt "fp4") holding quant_mxfp4 of random weights whose
+    # rows span a few binades, so the e8m0 scales differ per 32-block
+    g = torch.Generator().manual_seed(seed)
+    b = Build(tiny_args(dim=D, moe_inter_dim=I), torch.float32, "dense", "fp4", select("ref"))
+    experts = torch.nn.ModuleList(Expert(b, I, "fp4") for _ in range(E))
+    for ex in experts:
+        for lin in (ex.w1, ex.w3, ex.w2):
+            out, inp = lin.weight.shape[0], lin.weight.shape[1] * 2
+            w = torch.randn(out, inp, generator=g) * 0.2
+            w = w * 2.0 ** torch.randint(-2, 3, (out, inp // 32, 1), generator=g).repeat_interleave(
+                32, 1
+            ).view(out, inp)
+            packed, scale = quant.quant_mxfp4(w)
+            lin.weight.data.copy_(packed)
+            lin.scale.data.copy_(scale)
+    return experts.to(device)
+
+
+def _routing(
+    T: int, k: int, E: int, skew: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # idx: [T, k] distinct experts per token ; skew: most tokens pick experts 0..k-1 (many rows
+    # for them, several row-blocks), the rest of the experts are left mostly unused
+    g = torch.Generator().manual_seed(seed + 1)
+    if skew:
+        idx = torch.arange(k).expand(T, k).clone()
+        odd = torch.rand(T, generator=g) < 0.3
+        idx[odd, 0] = torch.randint(k, E, (int(odd.sum()),), generator=g)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g) + 0.1
+    return weights, idx
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def _check(x, weights, idx, experts, dtype) -> None:  # noqa: ANN001
+    y = moe.moe_experts(x, weights, idx, experts)
+    want = ref.moe_experts(x, weights, idx, experts)
+    want32 = ref.moe_experts(x.float(), weights, idx, experts)
+    assert y.dtype == torch.float32 and y.shape == x.shape, (y.dtype, y.shape)
+    err = _rel(y, want)
+    assert err < TOL[dtype], f"rel err vs ref {err:.3g} (tol {TOL[dtype]})"
+    # and against the fp32 reference: bf16 rounding only
+    assert _rel(y, want32) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+# (D, I, E, k, T, skew): one token, ragged counts, unused experts, experts with > BLOCK_M rows
+SHAPES = [
+    (64, 32, 4, 1, 1, False),
+    (64, 32, 4, 2, 5, False),
+    (96, 64, 9, 3, 17, False),
+    (64, 64, 9, 2, 17, True),
+    (96, 32, 4, 3, 17, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,I,E,k,T,skew", SHAPES)
+def test_moe_experts(D: int, I: int, E: int, k: int, T: int, skew: bool, dtype) -> None:  # noqa: E741, ANN001
+    experts = _experts(D, I, E, seed=D + I + E)
+    weights, idx = _routing(T, k, E, skew, seed=T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
+    _check(x, weights, idx, experts, dtype)
+
+
+def test_moe_experts_strided_x_and_limit() -> None:
+    # x rows with a padded stride, a limit small enough that both clamps bite
+    experts = _experts(64, 32, 4, seed=3)
+    for ex in experts:
+        ex.limit = 0.5
+    weights, idx = _routing(5, 2, 4, False, seed=4)
+    x = torch.randn(5, 80, generator=torch.Generator().manual_seed(5))[:, :64] * 4
+    _check(x, weights, idx, experts, torch.float32)
+
+
+def test_moe_experts_repeated_expert_in_a_row() -> None:
+    # the same expert in two slots of one token: two pairs, both counted
+    experts = _experts(64, 32, 4, seed=6)
+    idx = torch.tensor([[1, 1], [2, 1], [3, 3]])
+    weights = torch.rand(3, 2) + 0.1
+    x = torch.randn(3, 64)
+    _check(x, weights, idx, experts, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "T,k,E,block_m", [(1, 1, 4, 16), (5, 2, 4, 16), (17, 3, 9, 4), (40, 6, 9, 8)]
+)
+def test_align_rows(T: int, k: int, E: int, block_m: int) -> None:
+    _, idx = _routing(T, k, E, skew=T > 20, seed=T)
+    rows, blk = moe.align_rows(idx, E, block_m)
+    NB = moe.num_row_blocks(T * k, E, block_m)
+    assert rows.dtype == torch.int32 and blk.dtype == torch.int32
+    assert rows.shape == (NB * block_m,) and blk.shape == (NB,)
+    # every pair exactly once; padding is -1
+    real = rows[rows >= 0]
+    assert sorted(real.tolist()) == list(range(T * k))
+    assert bool(((rows >= 0) | (rows == -1)).all())
+    flat = idx.flatten()
+    counts = torch.bincount(flat, minlength=E)
+    n_real = int(((counts + block_m - 1) // block_m).sum())
+    # the real blocks come first, grouped by expert in ascending order; the rest are -1 and empty
+    assert (blk[:n_real] >= 0).all() and (blk[n_real:] == -1).all()
+    assert (rows.view(NB, block_m)[n_real:] == -1).all()
+    assert torch.equal(blk[:n_real], blk[:n_real].sort().values)
+    assert torch.equal(
+        torch.bincount(blk[:n_real].long(), minlength=E), (counts + block_m - 1) // block_m
+    )
+    # each block's pairs belong to its expert, in pair order, padding at the end of the block
+    for b in range(n_real):
+        r = rows.view(NB, block_m)[b]
+        pairs = r[r >= 0]
+        assert len(pairs) > 0 and (flat[pairs.long()] == blk[b]).all()
+        assert (r[: len(pairs)] >= 0).all() and torch.equal(pairs, pairs.sort().values)
+
+
+def test_table_cached_and_rebuilt() -> None:
+    experts = _experts(64, 32, 4, seed=7)
+    weights, idx = _routing(5, 2, 4, False)
+    x = torch.randn(5, 64)
+    moe.moe_experts(x, weights, idx, experts)
+    t1 = moe.expert_table(experts)
+    moe.moe_experts(x, weights, idx, experts)
+    assert moe.expert_table(experts) is t1  # reused, not rebuilt
+    assert t1.offs.shape == (6, 4) and t1.unit == 16  # CPU allocations are 64-byte aligned
+    w_at = t1.wbase.data_ptr() + t1.unit * t1.offs
+    s_at = t1.sbase.data_ptr() + t1.unit * t1.offs
+    assert w_at[0, 2] == experts[2].w1.weight.data_ptr()
+    assert w_at[1, 1] == experts[1].w3.weight.data_ptr()
+    assert s_at[5, 3] == experts[3].w2.scale.data_ptr()
+    # new storage (as after .to(device)): the table follows
+    for ex in experts:
+        for lin in (ex.w1, ex.w3, ex.w2):
+            lin.weight.data = lin.weight.data.clone()
+            lin.scale.data = lin.scale.data.clone()
+    t2 = moe.expert_table(experts)
+    assert t2 is not t1 and t2.wbase.data_ptr() == experts[0].w1.weight.data_ptr()
+    _check(x, weights, idx, experts, torch.float32)
+
+
+def test_unaligned_storage() -> None:
+    # weights and scales at odd byte addresses (views into one buffer): byte offsets (unit 1)
+    experts = _experts(64, 32, 4, seed=8)
+    tensors = [
+        t for ex in experts for lin in (ex.w1, ex.w3, ex.w2) for t in (lin.weight, lin.scale)
+    ]
+    buf = torch.zeros(sum(t.numel() + 3 for t in tensors), dtype=torch.uint8)
+    at = 1
+    for t in tensors:
+        view = buf[at : at + t.numel()].view(t.dtype).view(t.shape)
+        view.copy_(t.data)
+        t.data = view
+        at += t.numel() + 3
+    assert moe.expert_table(experts).unit == 1
+    weights, idx = _routing(5, 2, 4, False, seed=9)
+    _check(torch.randn(5, 64), weights, idx, experts, torch.float32)
+
+
+def test_non_fp4_falls_back_to_ref() -> None:
+    b = Build(tiny_args(dim=64, moe_inter_dim=32), torch.float32, "dense", "dense", select("ref"))
+    experts = torch.nn.ModuleList(Expert(b, 32, "dense") for _ in range(3))
+    for p in experts.parameters():
+        p.data.normal_(0, 0.1)
+    weights, idx = _routing(4, 2, 3, False)
+    x = torch.randn(4, 64)
+    y = moe.moe_experts(x, weights, idx, experts)
+    assert torch.equal(y, ref.moe_experts(x, weights, idx, experts))
+
+
+def test_bench_cases_quick() -> None:
+    from dsv4.bench import cases_moe
+
+    cs = cases_moe.cases("cpu", True)
+    assert cs
+    for c in cs:
+        err = _rel(c.run(), c.ref())
+        assert err < 1e-2, f"{c.shape}: rel err {err:.3g}"
+        assert c.bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_moe_experts_flash_gpu(T: int) -> None:
+    # Flash sizes D=4096, inter=2048; 32 experts (memory), k=6, bf16, against ref on the GPU
+    from dsv4.bench.cases_moe import random_experts
+
+    D, I, E, k = 4096, 2048, 32, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda", seed=T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+    weights = torch.rand(T, k, generator=g, device="cuda") / k
+    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    y = moe.moe_experts(x, weights, idx, experts)
+    want = ref.moe_experts(x, weights, idx, experts)
+    want32 = ref.moe_experts(x.float(), weights, idx, experts)
+    assert y.dtype == torch.float32 and y.shape == (T, D)
+    assert _rel(y, want) < 1e-2, _rel(y, want)
+    assert _rel(y, want32) < 2e-2, _rel(y, want32)
