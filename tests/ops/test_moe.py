@@ -217,3 +217,13 @@ def test_moe_experts_flash_gpu(T: int) -> None:
     assert y.dtype == torch.float32 and y.shape == (T, D)
     assert _rel(y, want) < 1e-2, _rel(y, want)
     assert _rel(y, want32) < 2e-2, _rel(y, want32)
+
+
+@pytest.mark.parametrize("K", [32, 64, 96, 2048, 4096])
+def test_autotune_configs_divide_the_reduction(K):  # noqa: ANN001
+    # the reduction loop has no tail: every config the autotuner may try must have BLOCK_K | K
+    # (a BLOCK_K of 128 at inter=32 read past the rows on the GPU)
+    from dsv4.ops.moe import _configs, _prune
+
+    kept = _prune(_configs(), {"K": K})
+    assert kept and all(K % c.kwargs["BLOCK_K"] == 0 for c in kept)
