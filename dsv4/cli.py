@@ -5,19 +5,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
+    "device",
+    "dtype",
+    "quantized",
+    "ops",
+    "max_seq_len",
+    "max_seqs",
+    "chunk_size",
+    "max_memory",
+    "memory_fraction",
+)
+
+
+def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerConfig)
+    """The LLM that `source`'s model and engine flags describe."""
+    from dsv4.llm import LLM
+
+    return LLM(source.model, **{name: getattr(source, name) for name in ENGINE_FIELDS})
+
 
 def _generate(ns: argparse.Namespace) -> int:
-    from dsv4.llm import LLM
     from dsv4.sampling import SamplingParams
 
-    llm = LLM(
-        ns.model,
-        device=ns.device,
-        dtype=ns.dtype,
-        quantized=ns.quantized,
-        ops=ns.ops,
-        max_seq_len=ns.max_seq_len,
-    )
+    llm = build_llm(ns)
     params = SamplingParams(
         temperature=ns.temperature,
         top_k=ns.top_k,
@@ -38,31 +49,14 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _load(ns: argparse.Namespace):  # noqa: ANN202
+def _chat(ns: argparse.Namespace) -> int:
     import logging
 
-    from dsv4.llm import LLM
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return LLM(
-        ns.model,
-        device=ns.device,
-        dtype=ns.dtype,
-        quantized=ns.quantized,
-        ops=ns.ops,
-        max_seq_len=ns.max_seq_len,
-        max_seqs=ns.max_seqs,
-        chunk_size=ns.chunk_size,
-        max_memory=ns.max_memory,
-        memory_fraction=ns.memory_fraction,
-    )
-
-
-def _chat(ns: argparse.Namespace) -> int:
     from dsv4.chat import encode_messages
     from dsv4.sampling import SamplingParams
 
-    llm = _load(ns)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    llm = build_llm(ns)
     if llm.tokenizer is None:
         print("error: the model has no tokenizer", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -230,10 +231,10 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             for out in outs:
-                snapshot = RequestOutput(
-                    **{k: (list(v) if isinstance(v, list) else v) for k, v in out.__dict__.items()}
-                )
-                self._deliver(out.request_id, snapshot)
+                # the engine rebinds token_ids / delta lists every step and never touches the
+                # prompt: only logprobs grows in place (no O(prompt) copy per token)
+                logprobs = None if out.logprobs is None else list(out.logprobs)
+                self._deliver(out.request_id, dataclasses.replace(out, logprobs=logprobs))
 
     def _deliver(self, rid: str, item: RequestOutput | Exception) -> None:
         target = self._queues.get(rid)

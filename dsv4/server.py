@@ -56,21 +56,10 @@ class Server:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
-        from dsv4.llm import LLM
+        from dsv4.cli import build_llm
 
-        c, t0 = self.config, time.perf_counter()
-        llm = LLM(
-            c.model,
-            device=c.device,
-            dtype=c.dtype,
-            quantized=c.quantized,
-            ops=c.ops,
-            max_seqs=c.max_seqs,
-            max_seq_len=c.max_seq_len,
-            chunk_size=c.chunk_size,
-            max_memory=c.max_memory,
-            memory_fraction=c.memory_fraction,
-        )
+        t0 = time.perf_counter()
+        llm = build_llm(self.config)
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 

@@ -10,6 +10,7 @@ its reference, which is how CI exercises the harness.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import statistics
@@ -57,15 +58,15 @@ def _time_us(fn: Callable[[], object], repeat: int) -> list[float]:
     return [do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3 for _ in range(repeat)]
 
 
-_FLUSH: list[torch.Tensor] = []
+@functools.cache
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > the 60 MB L2
 
 
 def _graph_us(fn: Callable[[], object], repeat: int, n: int = 20) -> list[float] | None:
     """Device time without host launch cost, L2 still cleared: a CUDA graph of n x (memset 256 MB,
     fn) minus a graph of n x memset, per call (None when fn cannot be captured)."""
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-    flush = _FLUSH[0]
+    flush = _l2_flush_buffer()
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()

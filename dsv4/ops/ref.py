@@ -109,6 +109,11 @@ def _hc_mixes(x: torch.Tensor, hc_fn: torch.Tensor, norm_eps: float) -> torch.Te
     )
 
 
+def _hc_collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # y = sum_i pre_i x_i: [T, n] fp32 weights, x [T, n, D] -> [T, D] x.dtype (fp32 sum)
+    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+
+
 def hc_pre(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -129,8 +134,7 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    y = (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
-    return y, post, comb
+    return _hc_collapse(pre, x), post, comb
 
 
 def hc_post(
@@ -154,7 +158,7 @@ def hc_head(
     # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
     mixes = _hc_mixes(x, hc_fn, norm_eps)  # [T, n]
     pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x.float()).sum(1).to(x.dtype)
+    return _hc_collapse(pre, x)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
