@@ -28,31 +28,44 @@ NEG = tl.constexpr(-1.0e30)
 
 
 def _configs() -> list[triton.Config]:
-    # BLOCK_N keys per step ; DV_SPLIT programs share the output channels of one (token, split).
+    # BLOCK_N keys per step ; DV_SPLIT programs share the output channels of one (token, split) ;
+    # BLOCK_H heads per program (64 = all heads of a token; 16 / 32 = more, shorter programs, the
+    # gathered rows re-read from L2 by each head block: what a single token wants).
     # DV_SPLIT=1: the [64, 512] fp32 accumulator takes 8 warps (128 regs/thread); Triton gives S
     # (a dot feeding a dot) warps along M only, so both warpgroups compute all of S.
     # DV_SPLIT=2: 4 warps hold half the accumulator each and both programs recompute S.
     # Shared memory at H=64, D=512 bf16: Q 64 KB + (num_stages - 1) * BLOCK_N KB of gathered
     # rows, so (16, 2, 4, 2) fits two programs per SM. All compile for sm_90 (Triton 3.9) without
     # spills except (32|64, 1, 8, 3): 8 and 168 spilled bytes.
-    shapes = [  # (BLOCK_N, DV_SPLIT, num_warps, num_stages)
-        (16, 1, 8, 3),
-        (32, 1, 8, 3),
-        (64, 1, 8, 3),
-        (16, 2, 4, 2),
-        (32, 2, 4, 3),
-        (64, 2, 4, 3),
+    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages)
+        (16, 1, 64, 8, 3),
+        (32, 1, 64, 8, 3),
+        (64, 1, 64, 8, 3),
+        (16, 2, 64, 4, 2),
+        (32, 2, 64, 4, 3),
+        (64, 2, 64, 4, 3),
+        (32, 1, 16, 4, 2),
+        (32, 1, 32, 4, 2),
+        (64, 1, 16, 4, 2),
+        (32, 2, 16, 4, 2),
     ]
     return [
-        triton.Config({"BLOCK_N": n, "DV_SPLIT": dv}, num_warps=w, num_stages=s)
-        for n, dv, w, s in shapes
+        triton.Config({"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh}, num_warps=w, num_stages=s)
+        for n, dv, bh, w, s in shapes
     ]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    # tl.dot needs K >= 16: a DV_SPLIT program dots over D / DV_SPLIT channels
+    # tl.dot needs K >= 16: a DV_SPLIT program dots over D / DV_SPLIT channels ; head blocks
+    # above the padded head count are only waste
     d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    return [c for c in configs if d // c.kwargs["DV_SPLIT"] >= 16] or configs[:1]
+    h = kwargs.get("H_PAD", named_args.get("H_PAD"))
+    ok = [
+        c
+        for c in configs
+        if d // c.kwargs["DV_SPLIT"] >= 16 and c.kwargs["BLOCK_H"] <= max(16, h)
+    ]
+    return ok or configs[:1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +106,7 @@ def _sparse_attn_kernel(
     stride_ms,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,  # D padded to a power of 2 >= 16 (channels >= D masked)
-    BLOCK_H: tl.constexpr,
+    H_PAD: tl.constexpr,  # H padded to a power of 2 (autotuning key, prune)
     NUM_SRC: tl.constexpr,
     SPLIT: tl.constexpr,
     ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries
@@ -101,6 +114,7 @@ def _sparse_attn_kernel(
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for bf16)
     BLOCK_N: tl.constexpr,
     DV_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
     # (+ 2*BLOCK_H when SPLIT)
@@ -205,7 +219,7 @@ def _sparse_attn_kernel(
 
 _sparse_attn_tuned = triton.autotune(
     configs=_configs(),
-    key=["tune_key", "D", "BLOCK_H", "SPLIT"],
+    key=["tune_key", "D", "H_PAD", "SPLIT"],
     prune_configs_by={"early_config_prune": _prune},
 )(_sparse_attn_kernel)
 
@@ -305,8 +319,8 @@ def sparse_attn(
     of the concatenation of `kv` (never materialised), the sink's probability mass dropped.
 
     num_splits: key splits per token (default: fill the SMs once; 1 = no combine pass).
-    config: force the tile config {"BLOCK_N", "DV_SPLIT", "num_warps", "num_stages"} instead of
-    autotuning (on the GPU; the interpreter always uses a fixed config).
+    config: force the tile config {"BLOCK_N", "DV_SPLIT", "BLOCK_H", "num_warps", "num_stages"} instead of
+    autotuning (the interpreter uses a fixed default unless given one).
     """
     # ---- checks
     assert q.dim() == 3, f"q must be [T, H, D] (got shape {tuple(q.shape)})"
@@ -344,8 +358,8 @@ def sparse_attn(
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0 or K == 0:
         return o.zero_()  # only the sink remains: its mass is dropped
-    BLOCK_H = min(64, max(16, triton.next_power_of_2(H)))
-    head_blocks = triton.cdiv(H, BLOCK_H)
+    H_PAD = max(16, triton.next_power_of_2(H))
+    head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
     if num_splits is None:
         num_splits = _default_splits(T * head_blocks, K, q.device)
     assert num_splits >= 1, f"num_splits must be >= 1 (got {num_splits})"
@@ -377,7 +391,7 @@ def sparse_attn(
     consts = dict(
         D=D,
         BLOCK_D=BLOCK_D,
-        BLOCK_H=BLOCK_H,
+        H_PAD=H_PAD,
         NUM_SRC=len(kv),
         SPLIT=split,
         ALIGNED=all(
@@ -388,13 +402,15 @@ def sparse_attn(
     )
 
     def grid(meta: dict) -> tuple[int, int, int]:
-        return (T, num_splits, head_blocks * meta["DV_SPLIT"])
+        return (T, num_splits, triton.cdiv(H, meta["BLOCK_H"]) * meta["DV_SPLIT"])
 
     if config is None and q.device.type == "cuda":
         _sparse_attn_tuned[grid](*args, **consts)
     else:
-        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "num_warps": 4, "num_stages": 1} | (config or {})
+        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "num_warps": 4}
+        cfg = {"num_stages": 1} | cfg | (config or {})
         assert cfg["DV_SPLIT"] in (1, 2) and BLOCK_D // cfg["DV_SPLIT"] >= 16, f"bad config {cfg}"
+        assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
 
     if split:

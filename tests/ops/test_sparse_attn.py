@@ -84,6 +84,18 @@ def test_split_matches_unsplit(config: dict | None, dtype: torch.dtype) -> None:
         assert torch.all(o[1] == 0)
 
 
+@pytest.mark.parametrize("dv_split", [1, 2])
+def test_head_blocks(dv_split: int) -> None:
+    # BLOCK_H=16 over H=40: three head blocks, the last one partly masked; split and unsplit
+    T, H, D, K = 3, 40, 32, 40
+    q, kv, sink, idx = _inputs(T, H, D, K, (30, 3, 70), torch.float32, seed=4)
+    want = _want(q, kv, sink, idx, 0.3)
+    cfg = {"BLOCK_N": 16, "DV_SPLIT": dv_split, "BLOCK_H": 16}
+    for s in (1, 3):
+        o = sparse_attn(q, kv, sink, idx, 0.3, num_splits=s, config=cfg)
+        assert _rel(o, want) < TOL[torch.float32], f"num_splits={s}: {_rel(o, want):.2e}"
+
+
 def test_int32_indices_and_strided_unaligned_rows() -> None:
     # int32 indices give the same bits as int64; sources may be column slices of wider tensors
     # (row stride 2D) or start off 16 bytes (the kernel then drops its alignment hint)
