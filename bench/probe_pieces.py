@@ -1,76 +1,125 @@
 """Where inside the decode kernels does device time go? Differences of variants (device time, L2
-cleared): hc_pre with 1 vs 20 Sinkhorn iterations, sparse attention with and without the split +
-combine, the indexer's scores vs scores + select vs torch.topk on packed keys.
-Usage: python3 bench/probe_pieces.py"""
+cleared), against the fixed cost of any launch measured the same way:
+  - floors: an empty Triton kernel (1 and 132 programs), one 4-byte load + store;
+  - hc_pre / hc_head: one launch vs two, the finish kernel's warps, 1 vs 20 Sinkhorn iterations;
+  - sparse attention at T=1, K=640: splits, unsplit, only 64 keys;
+  - the indexer: scores alone (paged and scattered rows), select segment sizes, with and without
+    the final sort, torch.topk for comparison.
+Usage: python3 bench/probe_pieces.py [--json FILE]"""
 
 from __future__ import annotations
 
-import torch
+import argparse
+import json
 
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
 from dsv4.ops import indexer, mhc, sparse_attn
 
+ROWS: list[dict] = []
 
-def us(fn) -> float:  # noqa: ANN001
-    return sorted(_graph_us(fn, 3))[1]
+
+def us(name: str, fn) -> float:  # noqa: ANN001
+    t = sorted(_graph_us(fn, 3))[1]
+    ROWS.append({"probe": name, "us": t})
+    print(f"{name:<60}{t:>9.2f} us", flush=True)
+    return t
+
+
+@triton.jit
+def _empty_kernel(p):
+    pass
+
+
+@triton.jit
+def _one_load_kernel(src, dst):
+    tl.store(dst, tl.load(src) + 1.0)
+
+
+def floors() -> None:
+    a = torch.zeros(1024, device="cuda")
+    b = torch.zeros(1024, device="cuda")
+    us("floor: empty kernel, 1 program", lambda: _empty_kernel[(1,)](a))
+    us("floor: empty kernel, 132 programs", lambda: _empty_kernel[(132,)](a))
+    us("floor: one 4-byte load + store", lambda: _one_load_kernel[(1,)](a, b))
+    us("floor: torch a.add_(1) on 4 KB", lambda: a.add_(1))
+
+
+def probe_mhc() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
+    sc, base = torch.rand(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
+    for T in (1, 16, 64):
+        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        for it in (1, 20):
+            for fused in ((True, False) if T <= 16 else (False,)):
+                for fw in ((1, 2, 4) if not fused else (4,)):
+                    us(
+                        f"hc_pre T={T} iters={it} {'one launch' if fused else 'two'} fw={fw}",
+                        lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True, None, fused, fw),  # noqa: B023, E501
+                    )
+        us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
+
+
+def probe_attn() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, D = 64, 512
+    pool = torch.randn(1 << 20, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    ring = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    new = torch.randn(1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    sel = 129 + torch.randint(0, 1 << 20, (512,), device="cuda", generator=g)
+    idx = torch.cat([torch.arange(128, device="cuda"), sel])[None]
+    kv = (ring, new, pool)
+    us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
+    for bh in (16, 32, 64):
+        for s in (10, 20, 40):
+            cfg = {"BLOCK_N": 32, "DV_SPLIT": 1, "BLOCK_H": bh, "num_warps": 4, "num_stages": 2}
+            us(
+                f"sparse_attn T=1 K=640 BH={bh} BN=32 splits={s}",
+                lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04, num_splits=s, config=cfg),  # noqa: B023
+            )
+    cfg = {"BLOCK_N": 64, "DV_SPLIT": 1, "BLOCK_H": 16, "num_warps": 4, "num_stages": 2}
+    us(
+        "sparse_attn T=1 K=64 BH=16 unsplit (one program per head block)",
+        lambda: sparse_attn.sparse_attn(q, kv, sink, idx[:, :64], 0.04, num_splits=1, config=cfg),
+    )
+
+
+def probe_indexer() -> None:
+    for T in (1, 16):
+        for paged in (True, False):
+            q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", paged)
+            lay = "paged" if paged else "rows"
+            us(f"indexer T={T} {lay}: scores", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
+            us(f"indexer T={T} {lay}: scores+select", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023
+        sk = indexer._scores(q, w, keys, cand)
+        us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        for seg in (2048, 4096, 8192, 16384, 32768):
+            for sort in (True, False):
+                us(
+                    f"indexer T={T} paged: scores+select segment={seg} sort={sort}",
+                    lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, sort=sort),  # noqa: B023
+                )
 
 
 def main() -> None:
-    dev, bf = "cuda", torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    # ---- hc_pre
-    fn = torch.randn(24, 16384, device=dev, generator=g) * 0.01
-    sc, base = torch.rand(3, device=dev, generator=g), torch.randn(24, device=dev, generator=g)
-    for T in (1, 64):
-        x = torch.randn(T, 4, 4096, device=dev, dtype=bf, generator=g)
-        for it in (1, 20):
-            print(
-                f"hc_pre T={T} iters={it}: {us(lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, it)):.2f}"
-            )  # noqa: B023
-        print(
-            f"hc_head T={T}: {us(lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6)):.2f}"
-        )  # noqa: B023
-    # ---- sparse attention T=1, K=640
-    H, D = 64, 512
-    pool = torch.randn(1 << 20, D, device=dev, dtype=bf, generator=g)
-    ring = torch.randn(128, D, device=dev, dtype=bf, generator=g)
-    q = torch.randn(1, H, D, device=dev, dtype=bf, generator=g)
-    new = torch.randn(1, D, device=dev, dtype=bf, generator=g)
-    sink = torch.randn(H, device=dev, generator=g)
-    idx = torch.cat(
-        [
-            torch.arange(128, device=dev),
-            129 + torch.randint(0, 1 << 20, (512,), device=dev, generator=g),
-        ]
-    )[None]
-    for s in (1, 2, 5, 10, 20):
-        t = us(lambda: sparse_attn.sparse_attn(q, (ring, new, pool), sink, idx, 0.04, num_splits=s))  # noqa: B023
-        print(f"sparse_attn T=1 K=640 splits={s}: {t:.2f}")
-    idx0 = idx[:, :64]
-    print(
-        f"sparse_attn T=1 K=64 splits=1: {us(lambda: sparse_attn.sparse_attn(q, (ring, new, pool), sink, idx0, 0.04, num_splits=1)):.2f}"
-    )
-    # ---- indexer
-    C = 32768
-    for T in (1, 16):
-        keys = torch.randn(T * C + 64, 128, device=dev, dtype=bf, generator=g)
-        qi = torch.randn(T, 64, 128, device=dev, dtype=bf, generator=g)
-        w = torch.randn(T, 64, device=dev, generator=g)
-        cand = torch.randperm(keys.shape[0], device=dev, generator=g)[: T * C].view(T, C)
-        pos = torch.arange(C, device=dev)
-
-        def packed_topk():  # noqa: ANN202
-            sk = indexer._scores(qi, w, keys, cand)  # noqa: B023
-            key = (sk.to(torch.int64) << 32) | (C - 1 - pos)  # noqa: B023
-            return torch.topk(key, 512, dim=1).values
-
-        sk = indexer._scores(qi, w, keys, cand)
-        print(
-            f"indexer T={T}: scores {us(lambda: indexer._scores(qi, w, keys, cand)):.2f}  "  # noqa: B023
-            f"scores+select {us(lambda: indexer.index_topk(qi, w, keys, cand, 512)):.2f}  "  # noqa: B023
-            f"scores+torch.topk(packed) {us(packed_topk):.2f}  "
-            f"torch.topk(int32) alone {us(lambda: torch.topk(sk, 512, dim=1)):.2f}"
-        )  # noqa: B023
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    floors()
+    probe_mhc()
+    probe_attn()
+    probe_indexer()
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(ROWS, f, indent=1)
 
 
 if __name__ == "__main__":

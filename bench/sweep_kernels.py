@@ -10,6 +10,7 @@ import json
 import torch
 from triton.testing import do_bench
 
+from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
 from dsv4.ops import indexer, mhc, ref, sparse_attn
 
@@ -74,19 +75,15 @@ def sweep_attn(rows: list) -> None:
 
 
 def sweep_indexer(rows: list) -> None:
-    g = torch.Generator(device="cuda").manual_seed(1)
     Hi, d, C = 64, 128, 32768
     for T in (1, 16, 64):
-        keys = torch.randn(T * C + 1000, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        q = torch.randn(T, Hi, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        w = torch.randn(T, Hi, device="cuda", generator=g)
-        cand = torch.randperm(keys.shape[0], device="cuda", generator=g)[: T * C].view(T, C)
+        q, w, keys, cand = index_inputs(T, Hi, d, C, False, "cuda", True)  # engine's paging
         nbytes = T * C * d * 2
         base = dict(indexer.SCORE_CFG)
-        for block_n in (64,):
+        for block_n in (64, 128):
             for stages in (3, 4):
-                for warps in (4,):
-                    for pps in (1, 2, 4, 8):
+                for warps in (4, 8):
+                    for pps in (1, 2, 4):
                         indexer.SCORE_CFG.update(
                             BLOCK_N=block_n, num_stages=stages, num_warps=warps, programs_per_sm=pps
                         )

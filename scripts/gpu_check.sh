@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step]     (default: all three)
+#   scripts/gpu_check.sh [tests] [ops] [step] [probe] [sweep]   (default: tests ops step)
+#   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ PARTS=${*:-tests ops step}
 for part in $PARTS; do
   case $part in
     tests)
-      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --ignore=tests/test_server.py 2>&1 | tee "$OUT/gpu_tests.txt"
+      python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider --ignore=tests/test_server.py 2>&1 | tee "$OUT/gpu_tests.txt"
       echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
     ops)  # every kernel vs its torch reference and the copy bandwidth of this run
       python3 -m dsv4.cli bench ops --repeat 3 --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
@@ -27,5 +28,9 @@ for part in $PARTS; do
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    probe)  # device time of kernel pieces and of an empty launch
+      python3 bench/probe_pieces.py --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
+    sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
+      python3 bench/sweep_kernels.py --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac
 done

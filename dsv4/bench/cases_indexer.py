@@ -1,5 +1,9 @@
 """Lightning indexer + top-k cases: decode over a paged key pool (T = 1, 16, 64 at 128K context,
-T = 16 at 4K) and a causal prefill of one sequence (T = 4096)."""
+T = 16 at 4K) and a causal prefill of one sequence (T = 4096).
+
+Decode candidates are laid out as the engine's state lays them out: pages of PAGE_ENTRIES
+contiguous key rows (a 256-token block at ratio 4) in a random page order; one case also reads
+rows scattered one by one (the worst case for the gather)."""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from dsv4.bench.ops import Case
 from dsv4.ops import indexer, ref
 
 RATIO = 4  # CSA compression: one indexer key per 4 tokens
+PAGE_ENTRIES = 64  # entries of one layer in a page: dsv4.state.default_block_size (256) / RATIO
 
 
 def _inputs(
-    T: int, Hi: int, d: int, C: int, causal: bool, device: str
+    T: int, Hi: int, d: int, C: int, causal: bool, device: str, paged: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # keys: a pool 25% larger than the T*C rows read ; cand: distinct random rows of it, or for the
-    # prefill one row set shared by all tokens with token t seeing entries 0..(t+1)//4-1
+    # keys: a pool 25% larger than the T*C rows read ; cand: distinct pages (or rows) of it, or
+    # for the prefill one row set shared by all tokens with token t seeing entries 0..(t+1)//4-1
     g = torch.Generator(device=device).manual_seed(T * 1000 + C)
     N = (T if not causal else 1) * C * 5 // 4
     keys = torch.randn(N, d, generator=g, device=device).to(torch.bfloat16)
@@ -25,6 +30,10 @@ def _inputs(
         cand = torch.randperm(N, generator=g, device=device)[:C].expand(T, C).clone()
         t = torch.arange(T, device=device)[:, None]
         cand[torch.arange(C, device=device)[None, :] >= (t + 1) // RATIO] = -1
+    elif paged and C % PAGE_ENTRIES == 0:
+        pages = torch.randperm(N // PAGE_ENTRIES, generator=g, device=device)
+        rows = pages[: T * C // PAGE_ENTRIES, None] * PAGE_ENTRIES
+        cand = (rows + torch.arange(PAGE_ENTRIES, device=device)).view(T, C)
     else:
         cand = torch.randperm(N, generator=g, device=device)[: T * C].view(T, C)
     return q, weights, keys, cand
@@ -32,16 +41,16 @@ def _inputs(
 
 def cases(device: str, quick: bool) -> list[Case]:
     Hi, d, topk = (4, 16, 16) if quick else (64, 128, 512)
-    # (T, C, causal): C = context / 4 ; the prefill sees C = T // 4 entries at the last token
+    # (T, C, causal, paged): C = context / 4 ; the prefill sees C = T // 4 entries at the last token
     shapes = (
-        [(1, 300, False), (5, 300, False), (24, 6, True)]
+        [(1, 300, False, False), (5, 256, False, True), (24, 6, True, False)]
         if quick
-        else [(1, 32768, False), (16, 32768, False), (64, 32768, False), (16, 1024, False),
-              (4096, 1024, True)]
+        else [(1, 32768, False, True), (16, 32768, False, True), (16, 32768, False, False),
+              (64, 32768, False, True), (16, 1024, False, True), (4096, 1024, True, False)]
     )  # fmt: skip
     out: list[Case] = []
-    for T, C, causal in shapes:
-        q, weights, keys, cand = _inputs(T, Hi, d, C, causal, device)
+    for T, C, causal, paged in shapes:
+        q, weights, keys, cand = _inputs(T, Hi, d, C, causal, device, paged)
         visible = int((cand >= 0).sum())
         K = min(topk, C)
         # read the visible key rows + q + weights ; write [T, K] int64 (cand_idxs, 8 B per key row
@@ -56,10 +65,11 @@ def cases(device: str, quick: bool) -> list[Case]:
         ctx = f"{C * RATIO // 1024}K" if C * RATIO >= 1024 else str(C * RATIO)
         out.append(Case(
             "index_topk",
-            f"{'prefill' if causal else 'decode'} T={T} C={C} ({ctx})",
+            f"{'prefill' if causal else 'decode'} T={T} C={C} ({ctx})"
+            + ("" if causal or paged else " rows"),
             run=lambda a=args: indexer.index_topk(*a),
             ref=lambda a=args: ref.index_topk(*a),
             bytes=nbytes,
-            target_bw=0.6 if (T, C) == (16, 32768) and not quick else None,
+            target_bw=0.6 if (T, C, paged) == (16, 32768, True) and not quick else None,
         ))  # fmt: skip
     return out

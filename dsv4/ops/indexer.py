@@ -153,6 +153,7 @@ def _index_select_kernel(
     stride_or,
     PACKED: tl.constexpr,
     FINAL: tl.constexpr,
+    SORT: tl.constexpr,  # FINAL: order the winners by score (else they stay in position order)
     BLOCK_L: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -187,7 +188,8 @@ def _index_select_kernel(
         tl.store(out_row + slot, packed, mask=sel)  # the output row doubles as scratch
         tl.debug_barrier()
         win = tl.load(out_row + offs_k, mask=offs_k < kk, other=INT64_MIN, cache_modifier=".cg")
-        win = tl.sort(win, descending=True)
+        if SORT:
+            win = tl.sort(win, descending=True)
         pos = C - 1 - (win & 0xFFFFFFFF)
         res = tl.where((win >> 32).to(tl.int32) == INT32_MIN, -1, pos)
         tl.debug_barrier()
@@ -253,9 +255,14 @@ def index_topk(
     keys: torch.Tensor,
     cand_idxs: torch.Tensor,
     topk: int,
+    *,
+    segment: int = SEGMENT,
+    sort: bool = True,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
+    # (segment: keys per first-level select program ; sort=False leaves the winners in position
+    # order: what a probe of the sort's cost needs)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
@@ -284,7 +291,7 @@ def index_topk(
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     block_k = max(16, triton.next_power_of_2(K))
-    max_l = max(SEGMENT, 4 * block_k)
+    max_l = max(segment, 4 * block_k)
     x, L = skey, C
     while True:
         final = L <= max_l
@@ -295,6 +302,7 @@ def index_topk(
             x, dst, L, C, K, x.stride(0), dst.stride(0),
             PACKED=x.dtype == torch.int64,
             FINAL=final,
+            SORT=sort,
             BLOCK_L=block_l,
             BLOCK_K=block_k,
             num_warps=min(16, max(4, block_l // 256)),
