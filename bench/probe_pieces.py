@@ -1,10 +1,10 @@
 """Where inside the decode kernels does device time go? Differences of variants (device time, L2
 cleared), against the fixed cost of any launch measured the same way:
   - floors: an empty Triton kernel (1 and 132 programs), one 4-byte load + store;
-  - hc_pre / hc_head: one launch vs two, the finish kernel's warps, 1 vs 20 Sinkhorn iterations;
+  - hc_pre / hc_head: the finish kernel's warps, split programs, 1 vs 20 Sinkhorn iterations;
   - sparse attention at T=1, K=640: splits, unsplit, only 64 keys;
-  - the indexer: scores alone (paged and scattered rows), select segment sizes, with and without
-    the final sort, torch.topk for comparison.
+  - the indexer: scores alone (paged and scattered rows), select segment sizes and warps,
+    torch.topk for comparison.
 Usage: python3 bench/probe_pieces.py [--json FILE]"""
 
 from __future__ import annotations
@@ -25,6 +25,27 @@ ROWS: list[dict] = []
 
 def us(name: str, fn) -> float:  # noqa: ANN001
     t = sorted(_graph_us(fn, 3))[1]
+    ROWS.append({"probe": name, "us": t})
+    print(f"{name:<60}{t:>9.2f} us", flush=True)
+    return t
+
+
+def warm_us(name: str, fn, n: int = 20) -> float:  # noqa: ANN001
+    # device time with L2 warm: a graph of n back-to-back calls, per call
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    t = a.elapsed_time(b) / 10 / n * 1e3
     ROWS.append({"probe": name, "us": t})
     print(f"{name:<60}{t:>9.2f} us", flush=True)
     return t
@@ -56,12 +77,17 @@ def probe_mhc() -> None:
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         for it in (1, 20):
-            for fused in ((True, False) if T <= 16 else (False,)):
-                for fw in ((1, 2, 4) if not fused else (4,)):
-                    us(
-                        f"hc_pre T={T} iters={it} {'one launch' if fused else 'two'} fw={fw}",
-                        lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True, None, fused, fw),  # noqa: B023, E501
-                    )
+            for fw in (1, 2):
+                us(
+                    f"hc_pre T={T} iters={it} finish warps={fw}",
+                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True, None, fw),  # noqa: B023
+                )
+        for programs in (32, 64, 128, 256):
+            cfg = mhc._mix_config(T, 24, 16384, 4096, programs)
+            us(
+                f"hc_pre T={T} iters=20 {programs} split programs",
+                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+            )
         us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
 
 
@@ -77,8 +103,16 @@ def probe_attn() -> None:
     idx = torch.cat([torch.arange(128, device="cuda"), sel])[None]
     kv = (ring, new, pool)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
-    for bh in (16, 32, 64):
-        for s in (10, 20, 40):
+    warm_us("sparse_attn T=1 K=640 default, L2 warm", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))  # noqa: E501
+    for st in (1, 2):
+        for bn, dv in ((32, 1), (32, 2), (64, 1), (16, 1)):
+            cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": 16, "num_warps": 4, "num_stages": st}
+            us(
+                f"sparse_attn T=1 K=640 BH=16 BN={bn} DV={dv} stages={st} splits=20",
+                lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04, num_splits=20, config=cfg),  # noqa: B023
+            )
+    for bh in (16, 32):
+        for s in (10, 20):
             cfg = {"BLOCK_N": 32, "DV_SPLIT": 1, "BLOCK_H": bh, "num_warps": 4, "num_stages": 2}
             us(
                 f"sparse_attn T=1 K=640 BH={bh} BN=32 splits={s}",
@@ -101,11 +135,11 @@ def probe_indexer() -> None:
         sk = indexer._scores(q, w, keys, cand)
         us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        for seg in (2048, 4096, 8192, 16384, 32768):
-            for sort in (True, False):
+        for seg in (2048, 4096):
+            for sw in (2, 4, 8, 16):
                 us(
-                    f"indexer T={T} paged: scores+select segment={seg} sort={sort}",
-                    lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, sort=sort),  # noqa: B023
+                    f"indexer T={T} paged: scores+select segment={seg} warps={sw}",
+                    lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, select_warps=sw),  # noqa: B023, E501
                 )
 
 

@@ -9,7 +9,7 @@ positions that are not visible (cand = -1) come out as -1.
 
 Two kernels:
   _index_score_kernel   per (token, chunk of candidates): gather the key rows through cand_idxs,
-                        S = Q[Hi, d] . K^T on tensor cores, relu, weighted sum over heads, and write
+                        S^T = K . Q[Hi, d]^T on tensor cores, relu, weighted sum over heads, and write
                         each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN).
   _index_select_kernel  per (row, segment of <= BLOCK_L keys), all in registers: an 8-bit radix
                         select (4 histogram passes) finds the k-th largest key, then the winners are
@@ -55,6 +55,8 @@ def _index_score_kernel(
     stride_it,
     stride_ot,
     UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
+    PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
+    KEYS_ON_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,12 +100,16 @@ def _index_score_kernel(
             mask=vis[:, None] & d_ok[None, :],
             other=0.0,
         )
-        # ---- S = Q . K^T: [BLOCK_H, BLOCK_N] fp32 ; score = sum_h w_h relu(S_h)
+        # ---- S^T = K . Q^T: [BLOCK_N, BLOCK_H] fp32 ; score = sum_h w_h relu(S_h). Keys on M
+        # put the head sum along the accumulator's rows: a reduction inside each warp
         if UPCAST:
-            s = tl.dot(q, tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kt))
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)  # [BLOCK_N] fp32
+            kt = kt.to(tl.float32)
+        if KEYS_ON_M:
+            s = tl.dot(kt, tl.trans(q), input_precision=PRECISION)
+            score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)  # [BLOCK_N] fp32
+        else:  # S = Q . K^T [BLOCK_H, BLOCK_N]: the head sum crosses warps
+            s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
+            score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (they tie in the reference)
         # ---- order-preserving int32: flip the magnitude bits of negatives
         bits = score.to(tl.int32, bitcast=True)
@@ -220,7 +226,9 @@ def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
 
 
 # measured best on an H200 (bench/sweep_kernels.py, 2026-11-29): stages 3-4, 2 programs per SM
-SCORE_CFG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2}
+SCORE_CFG = {
+    "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "keys_on_m": True
+}  # fmt: skip
 
 
 def _scores(
@@ -239,6 +247,8 @@ def _scores(
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
         skey.stride(0),
         UPCAST=not tensor_core,
+        PRECISION="tf32" if tensor_core else "ieee",
+        KEYS_ON_M=SCORE_CFG["keys_on_m"],
         BLOCK_H=max(16, triton.next_power_of_2(Hi)),
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
@@ -258,11 +268,12 @@ def index_topk(
     *,
     segment: int = SEGMENT,
     sort: bool = True,
+    select_warps: int | None = None,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
     # (segment: keys per first-level select program ; sort=False leaves the winners in position
-    # order: what a probe of the sort's cost needs)
+    # order ; select_warps: warps of a select program -- knobs for bench/probe_pieces.py)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
@@ -305,7 +316,7 @@ def index_topk(
             SORT=sort,
             BLOCK_L=block_l,
             BLOCK_K=block_k,
-            num_warps=min(16, max(4, block_l // 256)),
+            num_warps=select_warps or min(16, max(4, block_l // 256)),
         )  # fmt: skip
         if final:
             return out

@@ -4,13 +4,14 @@ Same signatures and semantics as `dsv4.ops.ref`. The mix projection `fn . flatte
 [T, n*D]) is a split-K reduction: at decode the 1.5 MB `fn` (M = 24 rows of 16384) must be streamed by many
 programs at once, so the first kernel splits the n*D axis over the grid and writes fp32 partial dot products
 plus partial sums of squares to a workspace [splits, T, M+1]; the second kernel sums the partials in a fixed
-order (deterministic, no atomics), applies rsqrt / sigmoid / Sinkhorn (4x4 in registers) and collapses the
-streams, y = sum_i pre_i x_i, re-reading x (L2-resident at decode).
+order (deterministic, no atomics), applies rsqrt / sigmoid and collapses the streams, y = sum_i pre_i x_i,
+re-reading x (L2-resident at decode), while one more program per token runs the 4x4 Sinkhorn in registers.
+(A single launch whose last split program finishes was tried: 11.5 vs 7.6 us at T=1, because one program
+then does the whole collapse.)
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -56,11 +57,25 @@ def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS
 
 
 @triton.jit
-def _mixes_partial(
-    pid_s, pid_t, x_ptr, fn_ptr, ws_ptr, T, K, split_k, stride_xt, stride_fnm, stride_wss,
-    stride_wst, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+def _hc_mixes_partial_kernel(
+    x_ptr,  # [T, K] (x: [T, n, D] contiguous, K = n*D), bf16 / fp32
+    fn_ptr,  # [M, K] fp32
+    ws_ptr,  # [splits, T, M+1] fp32: cols 0..M-1 partial fn . x, col M partial sum(x^2)
+    T,
+    K,
+    split_k,
+    stride_xt,
+    stride_fnm,
+    stride_wss,
+    stride_wst,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,  # >= 16, power of 2
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # read BLOCK_T*split_k x elements and M*split_k fn floats ; write BLOCK_T*(M+1) floats
+    pid_s = tl.program_id(0)
+    pid_t = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_m = tl.arange(0, M_PAD)
     mask_t = offs_t < T
@@ -97,137 +112,9 @@ def _mixes_partial(
     tl.store(ws, acc, mask=mask_t[:, None] & (offs_m[None, :] <= M))
 
 
-@triton.jit
-def _hc_mixes_partial_kernel(
-    x_ptr,  # [T, K] (x: [T, n, D] contiguous, K = n*D), bf16 / fp32
-    fn_ptr,  # [M, K] fp32
-    ws_ptr,  # [splits, T, M+1] fp32: cols 0..M-1 partial fn . x, col M partial sum(x^2)
-    T,
-    K,
-    split_k,
-    stride_xt,
-    stride_fnm,
-    stride_wss,
-    stride_wst,
-    M: tl.constexpr,
-    M_PAD: tl.constexpr,  # >= 16, power of 2
-    BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    _mixes_partial(
-        tl.program_id(0), tl.program_id(1), x_ptr, fn_ptr, ws_ptr, T, K, split_k, stride_xt,
-        stride_fnm, stride_wss, stride_wst, M, M_PAD, BLOCK_T, BLOCK_K,
-    )  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------------
 # kernel 2: finish the reduction, sigmoid / Sinkhorn, collapse the streams
 # ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _finish_token(
-    t,
-    pid_d,
-    x_ptr,  # [T, n, D] bf16 / fp32
-    ws_ptr,  # [splits, T, M+1] fp32
-    scale_ptr,  # [3] (hc_pre) or [1] (hc_head) fp32
-    base_ptr,  # [M] fp32
-    y_ptr,  # [T, D] x.dtype
-    post_ptr,  # [T, n] fp32 (HAS_COMB)
-    comb_ptr,  # [T, n, n] fp32 (HAS_COMB)
-    D,
-    K,
-    splits,
-    norm_eps,
-    hc_eps,
-    sinkhorn_iters,
-    stride_xt,
-    stride_xn,
-    stride_wss,
-    stride_wst,
-    stride_yt,
-    M: tl.constexpr,  # (2+n)*n (hc_pre) or n (hc_head)
-    N: tl.constexpr,
-    N_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_COMB: tl.constexpr,
-):
-    # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y (+ n + n*n floats in one program)
-    offs_s = tl.arange(0, S_PAD)
-    offs_n = tl.arange(0, N_PAD)
-    mask_s = offs_s < splits
-    mask_n = offs_n < N
-    # [S_PAD] pointers to this token's partials
-    ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-
-    # ---- rsqrt(mean(x^2) + eps) over all n*D, and pre = sigmoid(m * s0 + base) + eps
-    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0, cache_modifier=".cg"), axis=0)
-    r = 1.0 / tl.sqrt(sq / K + norm_eps)
-    mask_sn = mask_s[:, None] & mask_n[None, :]
-    mix_pre = tl.sum(
-        tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0, cache_modifier=".cg"),
-        axis=0,
-    )
-    s0 = tl.load(scale_ptr)
-    base_pre = tl.load(base_ptr + offs_n, mask=mask_n, other=0.0)
-    pre = tl.sigmoid(mix_pre * r * s0 + base_pre) + hc_eps
-    pre = tl.where(mask_n, pre, 0.0)  # [N_PAD]
-
-    # ---- collapse: y = sum_i pre_i x_i (fp32)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    x = tl.load(
-        x_ptr + t * stride_xt + offs_n[:, None] * stride_xn + offs_d[None, :],
-        mask=mask_n[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [N_PAD, BLOCK_D]
-    y = tl.sum(pre[:, None] * x, axis=0)
-    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-
-    if HAS_COMB:
-        if pid_d == 0:
-            # ---- post = 2 sigmoid(m[n:2n] * s1 + base[n:2n])
-            s1 = tl.load(scale_ptr + 1)
-            s2 = tl.load(scale_ptr + 2)
-            mix_post = tl.sum(
-                tl.load(
-                    ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0,
-                    cache_modifier=".cg",
-                ),
-                axis=0,
-            )
-            base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
-            post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
-            tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
-
-            # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
-            jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
-            mask_jk = mask_n[:, None] & mask_n[None, :]
-            mix_comb = tl.sum(
-                tl.load(
-                    ws_t[:, None, None] + 2 * N + jk[None, :, :],
-                    mask=mask_s[:, None, None] & mask_jk[None, :, :],
-                    other=0.0,
-                    cache_modifier=".cg",  # written by other programs of the fused kernel
-                ),
-                axis=0,
-            )
-            base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
-            logits = mix_comb * r * s2 + base_comb
-            logits = tl.where(mask_jk, logits, float("-inf"))
-
-            # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
-            #      (iters - 1) x (row norm, column norm), eps inside every denominator
-            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-            c = e / tl.sum(e, axis=1)[:, None] + hc_eps
-            c = tl.where(mask_jk, c, 0.0)
-            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-            for _ in range(sinkhorn_iters - 1):
-                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
 @triton.jit
@@ -257,66 +144,76 @@ def _hc_pre_finish_kernel(
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
 ):
-    _finish_token(
-        tl.program_id(0).to(tl.int64), tl.program_id(1), x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr, D, K, splits, norm_eps, hc_eps, sinkhorn_iters, stride_xt, stride_xn, stride_wss, stride_wst, stride_yt, M, N, N_PAD, S_PAD, BLOCK_D, HAS_COMB,
-    )  # fmt: skip
+    # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y ; with HAS_COMB one more program per
+    # token (pid_d = cdiv(D, BLOCK_D)) writes post and the Sinkhorn comb beside the collapse
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_n = tl.arange(0, N_PAD)
+    mask_s = offs_s < splits
+    mask_n = offs_n < N
+    # [S_PAD] pointers to this token's partials
+    ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
 
+    # ---- rsqrt(mean(x^2) + eps) over all n*D, and pre = sigmoid(m * s0 + base) + eps
+    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(sq / K + norm_eps)
+    mask_sn = mask_s[:, None] & mask_n[None, :]
+    mix_pre = tl.sum(tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0), axis=0)
+    s0 = tl.load(scale_ptr)
+    base_pre = tl.load(base_ptr + offs_n, mask=mask_n, other=0.0)
+    pre = tl.sigmoid(mix_pre * r * s0 + base_pre) + hc_eps
+    pre = tl.where(mask_n, pre, 0.0)  # [N_PAD]
 
-@triton.jit
-def _hc_fused_small_kernel(
-    x_ptr,  # [T, n, D] (contiguous: also read as [T, K])
-    fn_ptr,
-    ws_ptr,
-    count_ptr,  # [1] int32, 0 between launches: programs done with their partials
-    scale_ptr,
-    base_ptr,
-    y_ptr,
-    post_ptr,
-    comb_ptr,
-    T,
-    D,
-    K,
-    split_k,
-    splits,
-    norm_eps,
-    hc_eps,
-    sinkhorn_iters,
-    stride_xt,
-    stride_xn,
-    stride_fnm,
-    stride_wss,
-    stride_wst,
-    stride_yt,
-    M: tl.constexpr,
-    M_PAD: tl.constexpr,
-    N: tl.constexpr,
-    N_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,  # 1, or 16 (one tl.dot token block holds all T <= 16)
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_COMB: tl.constexpr,
-):
-    # one launch for few tokens: every program writes its split-K partials (one token block),
-    # and the last program to finish (an acq_rel
-    # counter, reset by that program) sums them and does the whole finish, T tokens x D.
-    # read as both kernels, minus one launch
-    _mixes_partial(
-        tl.program_id(0), 0, x_ptr, fn_ptr, ws_ptr, T, K, split_k, stride_xt, stride_fnm,
-        stride_wss, stride_wst, M, M_PAD, BLOCK_T, BLOCK_K,
-    )  # fmt: skip
-    tl.debug_barrier()  # every thread's partial stores precede the release below
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == splits - 1:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-        for t in range(0, T):
-            for pid_d in range(0, tl.cdiv(D, BLOCK_D)):
-                _finish_token(
-                    t, pid_d, x_ptr, ws_ptr, scale_ptr, base_ptr, y_ptr, post_ptr,
-                    comb_ptr, D, K, splits, norm_eps, hc_eps, sinkhorn_iters, stride_xt,
-                    stride_xn, stride_wss, stride_wst, stride_yt, M, N, N_PAD, S_PAD, BLOCK_D,
-                    HAS_COMB,
-                )  # fmt: skip
+    # ---- collapse: y = sum_i pre_i x_i (fp32)
+    if pid_d * BLOCK_D < D:
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(
+            x_ptr + t * stride_xt + offs_n[:, None] * stride_xn + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [N_PAD, BLOCK_D]
+        y = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+    if HAS_COMB:
+        if pid_d * BLOCK_D >= D:  # the extra program: its Sinkhorn runs beside the collapse
+            # ---- post = 2 sigmoid(m[n:2n] * s1 + base[n:2n])
+            s1 = tl.load(scale_ptr + 1)
+            s2 = tl.load(scale_ptr + 2)
+            mix_post = tl.sum(
+                tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0), axis=0
+            )
+            base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
+            post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
+            tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
+
+            # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
+            jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
+            mask_jk = mask_n[:, None] & mask_n[None, :]
+            mix_comb = tl.sum(
+                tl.load(
+                    ws_t[:, None, None] + 2 * N + jk[None, :, :],
+                    mask=mask_s[:, None, None] & mask_jk[None, :, :],
+                    other=0.0,
+                ),
+                axis=0,
+            )
+            base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
+            logits = mix_comb * r * s2 + base_comb
+            logits = tl.where(mask_jk, logits, float("-inf"))
+
+            # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
+            #      (iters - 1) x (row norm, column norm), eps inside every denominator
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+            c = tl.where(mask_jk, c, 0.0)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(sinkhorn_iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -391,15 +288,6 @@ def _check_mix_args(
     assert hc_scale.is_contiguous() and hc_base.is_contiguous(), "hc_scale / hc_base not contiguous"
 
 
-FUSED_MAX_T = 16  # up to here one launch (the last program finishes); above, two kernels
-
-
-@functools.cache
-def _arrival_counter(device: torch.device) -> torch.Tensor:
-    # programs of the fused kernel count in here; the last one resets it (launches on one stream)
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def _hc_collapse(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -410,11 +298,11 @@ def _hc_collapse(
     sinkhorn_iters: int,
     has_comb: bool,
     cfg: _MixConfig | None = None,
-    fused: bool | None = None,
-    finish_warps: int = 4,
+    finish_warps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows). fused: one launch, the
-    default while T <= FUSED_MAX_T tokens fit one token block."""
+    """Both kernels; hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows).
+    finish_warps: one warp was fastest on an H200 at T = 1, 16, 64 (the 4x4 Sinkhorn reduces
+    within a warp: 9.6 vs 11.2 us at T = 1)."""
     T, n, D = x.shape
     M, K = hc_fn.shape
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -427,35 +315,21 @@ def _hc_collapse(
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
     splits = triton.cdiv(K, cfg.split_k)
     ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
-    if fused is None:
-        fused = T <= min(FUSED_MAX_T, cfg.block_t)
-    assert not fused or T <= cfg.block_t, f"fused: one token block (T={T}, {cfg})"
-    M_PAD = max(16, triton.next_power_of_2(M + 1))
-    N_PAD, S_PAD = triton.next_power_of_2(n), triton.next_power_of_2(splits)
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
-    if fused:
-        _hc_fused_small_kernel[(splits,)](
-            x, hc_fn, ws, _arrival_counter(x.device), hc_scale, hc_base, y, post, comb,
-            T, D, K, cfg.split_k, splits, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-            x.stride(0), x.stride(1), hc_fn.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
-            M=M, M_PAD=M_PAD, N=n, N_PAD=N_PAD, S_PAD=S_PAD, BLOCK_T=cfg.block_t,
-            BLOCK_K=cfg.block_k, BLOCK_D=max(cfg.block_d, min(1024, triton.next_power_of_2(D))),
-            HAS_COMB=has_comb, num_warps=cfg.num_warps,
-        )  # fmt: skip
-        return y, post, comb
     grid1 = (splits, triton.cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
-        M=M, M_PAD=M_PAD, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
     )  # fmt: skip
-    grid2 = (T, triton.cdiv(D, cfg.block_d))
+    grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
-        M=M, N=n, N_PAD=N_PAD, S_PAD=S_PAD, BLOCK_D=cfg.block_d, HAS_COMB=has_comb,
-        num_warps=finish_warps,
+        M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb
 

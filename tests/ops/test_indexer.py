@@ -77,6 +77,14 @@ def test_index_topk_ties(T: int, Hi: int, d: int, C: int, topk: int, dtype: torc
     _check(*_inputs(T, Hi, d, C, dtype, n_keys=7, integer=True), topk)
 
 
+@pytest.mark.parametrize("keys_on_m", [True, False])
+def test_index_topk_score_orientation(keys_on_m: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # both layouts of the score dot (keys or heads on the tile's rows) give the reference
+    monkeypatch.setitem(indexer.SCORE_CFG, "keys_on_m", keys_on_m)
+    _check(*_inputs(7, 16, 32, 300, torch.float32), 64)
+    _check(*_inputs(4, 2, 16, 300, torch.float32, n_keys=7, integer=True), 64)
+
+
 def test_index_topk_strided_bf16_weights() -> None:
     # q a slice of a wider tensor (head stride 2d), weights in the activation dtype
     q, weights, keys, cand = _inputs(4, 16, 32, 300, torch.bfloat16)
