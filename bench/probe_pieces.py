@@ -88,6 +88,7 @@ def probe_mhc() -> None:
                 f"hc_pre T={T} iters=20 {programs} split programs",
                 lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
             )
+        warm_us(f"hc_pre T={T} default, L2 warm", lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20))  # noqa: B023
         us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
 
 
@@ -132,6 +133,7 @@ def probe_indexer() -> None:
             lay = "paged" if paged else "rows"
             us(f"indexer T={T} {lay}: scores", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
             us(f"indexer T={T} {lay}: scores+select", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023
+        warm_us(f"indexer T={T} scores+select, L2 warm (rows)", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023, E501
         sk = indexer._scores(q, w, keys, cand)
         us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
