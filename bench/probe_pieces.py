@@ -137,12 +137,20 @@ def probe_indexer() -> None:
         sk = indexer._scores(q, w, keys, cand)
         us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        for seg in (2048, 4096):
-            for sw in (2, 4, 8, 16):
-                us(
-                    f"indexer T={T} paged: scores+select segment={seg} warps={sw}",
-                    lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, select_warps=sw),  # noqa: B023, E501
-                )
+        for seg in (2048, 4096, 8192, 32768):
+            for sw in (4, 8, 16, 32):
+                try:
+                    us(
+                        f"indexer T={T} paged: scores+select segment={seg} warps={sw}",
+                        lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, select_warps=sw),  # noqa: B023, E501
+                    )
+                except Exception as e:  # noqa: BLE001  (a tile that does not fit)
+                    print(f"indexer T={T} segment={seg} warps={sw}: {str(e)[:80]}")
+        for sort in (True, False):
+            us(
+                f"indexer T={T} paged: scores+select sort={sort}",
+                lambda: indexer.index_topk(q, w, keys, cand, 512, sort=sort),  # noqa: B023
+            )
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ Two kernels:
   _index_score_kernel   per (token, chunk of candidates): gather the key rows through cand_idxs,
                         S^T = K . Q[Hi, d]^T on tensor cores, relu, weighted sum over heads, and write
                         each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN).
-  _index_select_kernel  per (row, segment of <= BLOCK_L keys), all in registers: an 8-bit radix
-                        select (4 histogram passes) finds the k-th largest key, then the winners are
+  _index_select_kernel  per (row, segment of <= BLOCK_L keys), all in registers: a bitwise search
+                        (32 counting reductions) finds the k-th largest key, then the winners are
                         compacted in position order. Ties at the threshold keep the lowest positions,
                         so the winners are exactly the first k of a stable descending sort. A long row
                         (C > BLOCK_L) is cut into segments whose local top-k are packed as
@@ -123,29 +123,25 @@ def _index_score_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Selection: radix select on register-resident keys, compaction in position order, final sort
+# Selection: bitwise k-th largest on register-resident keys, compaction in position order, sort
 # ---------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _radix_threshold(u, valid, kk):
+def _kth_largest(u, valid, kk):
     # u: [BL] uint32 keys (unsigned order) ; valid: [BL] ; kk: 1 <= kk <= count(valid)
-    # -> (thr, need): the kk-th largest valid u, and how many of the elements equal to thr to keep
-    bins = tl.arange(0, 256)
+    # -> (thr, need): the kk-th largest valid u, and how many of the elements equal to thr to keep.
+    # Bit by bit from the top: keep a bit when at least kk keys are >= the prefix with it set.
+    # Counts are plain reductions: tl.histogram serialises on the few bins that clustered scores
+    # share (an H200 took ~17 us per 4096 keys with 16 warps, 200 us with 2).
     prefix = tl.full([], 0, tl.uint32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        if p == 0:
-            match = valid
-        else:
-            match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = ((u >> shift) & 0xFF).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=match)  # [256] int32
-        ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # elements with digit >= bin
-        b = tl.max(tl.where(ge >= kk, bins, 0))  # ge is non-increasing; ge[0] >= kk
-        kk = kk - tl.sum(tl.where(bins > b, hist, 0))
-        prefix = prefix | (b.to(tl.uint32) << shift)
-    return prefix, kk
+    one = tl.full([], 1, tl.uint32)
+    for i in tl.static_range(32):
+        cand = prefix | (one << (31 - i))
+        count = tl.sum((valid & (u >= cand)).to(tl.int32), axis=0)
+        prefix = tl.where(count >= kk, cand, prefix)
+    above = tl.sum((valid & (u > prefix)).to(tl.int32), axis=0)
+    return prefix, kk - above
 
 
 @triton.jit
@@ -179,7 +175,7 @@ def _index_select_kernel(
     # ---- the kk-th largest key of the segment, kk = min(K, segment length)
     kk = tl.minimum(K, tl.minimum(L - seg * BLOCK_L, BLOCK_L))
     u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # signed order -> unsigned order
-    thr, need = _radix_threshold(u, valid, kk)
+    thr, need = _kth_largest(u, valid, kk)
 
     # ---- winners: every key above thr, and the first `need` (lowest positions) equal to it
     eq = (valid & (u == thr)).to(tl.int32)
