@@ -210,9 +210,9 @@ def _hc_pre_finish_kernel(
             c = e / tl.sum(e, axis=1)[:, None] + hc_eps
             c = tl.where(mask_jk, c, 0.0)
             c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-            for _ in range(sinkhorn_iters - 1):  # the serial chain: fast (2 ulp) division
-                c = tl.fdiv(c, tl.sum(c, axis=1)[:, None] + hc_eps, ieee_rounding=False)
-                c = tl.fdiv(c, tl.sum(c, axis=0)[None, :] + hc_eps, ieee_rounding=False)
+            for _ in range(sinkhorn_iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
             tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
