@@ -153,14 +153,32 @@ def probe_indexer() -> None:
             )
 
 
+def probe_select() -> None:
+    # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for T in (1, 16):
+        keys = torch.randint(-(2**30), 2**30, (T, 4096), device="cuda", generator=g, dtype=torch.int32)
+        for final, sort in ((False, False), (True, False), (True, True)):
+            out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
+            for warps in (8, 16):
+                us(
+                    f"select T={T} 4096 keys final={final} sort={sort} warps={warps}",
+                    lambda: indexer._index_select_kernel[(1, T)](  # noqa: B023
+                        keys, out, 4096, 4096, 512, keys.stride(0), out.stride(0), PACKED=False,
+                        FINAL=final, SORT=sort, BLOCK_L=4096, BLOCK_K=512, num_warps=warps,  # noqa: B023
+                    ),
+                )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
-    floors()
-    probe_mhc()
-    probe_attn()
-    probe_indexer()
+    parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
+             "select": probe_select}  # fmt: skip
+    for name in ns.only.split(","):
+        parts[name]()
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(ROWS, f, indent=1)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
 #   scripts/gpu_check.sh [tests] [ops] [step] [probe] [sweep]   (default: tests ops step)
-#   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests
+#   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
+#   bench, PROBE=floors,select the probe
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
@@ -21,7 +22,8 @@ for part in $PARTS; do
       python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider --ignore=tests/test_server.py 2>&1 | tee "$OUT/gpu_tests.txt"
       echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
     ops)  # every kernel vs its torch reference and the copy bandwidth of this run
-      python3 -m dsv4.cli bench ops --repeat 3 --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
+      python3 -m dsv4.cli bench ops --repeat 3 $(for o in ${OPS:-}; do echo --only $o; done) \
+        --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
     step)  # one decode step at Flash width: sliding, CSA, HCA layers
       python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
         --batch 1,16,64 --context 4096,131072 --prefill 4096 --repeat 5 --profile --hf \
@@ -29,7 +31,7 @@ for part in $PARTS; do
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
     probe)  # device time of kernel pieces and of an empty launch
-      python3 bench/probe_pieces.py --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
+      python3 bench/probe_pieces.py ${PROBE:+--only $PROBE} --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac
