@@ -160,7 +160,7 @@ def probe_select() -> None:
         keys = torch.randint(-(2**30), 2**30, (T, 4096), device="cuda", generator=g, dtype=torch.int32)
         for final, sort in ((False, False), (True, False), (True, True)):
             out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
-            for warps in (8, 16):
+            for warps in (8, 16, 32):
                 us(
                     f"select T={T} 4096 keys final={final} sort={sort} warps={warps}",
                     lambda: indexer._index_select_kernel[(1, T)](  # noqa: B023
@@ -170,13 +170,29 @@ def probe_select() -> None:
                 )
 
 
+def probe_topk() -> None:
+    # the whole op at the shapes, select segment sizes and warps
+    for T in (1, 16):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        us(f"index_topk T={T} C=32768 paged default", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023, E501
+        us(f"index_topk T={T} scores alone", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
+        for seg, sw in ((2048, 8), (4096, 8), (4096, 32), (8192, 16), (8192, 32), (32768, 32)):
+            try:
+                us(
+                    f"index_topk T={T} segment={seg} warps={sw}",
+                    lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, select_warps=sw),  # noqa: B023, E501
+                )
+            except Exception as e:  # noqa: BLE001  (a tile that does not fit)
+                print(f"index_topk T={T} segment={seg} warps={sw}: {str(e)[:80]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
-             "select": probe_select}  # fmt: skip
+             "select": probe_select, "topk": probe_topk}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

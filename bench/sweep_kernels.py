@@ -80,10 +80,10 @@ def sweep_indexer(rows: list) -> None:
         q, w, keys, cand = index_inputs(T, Hi, d, C, False, "cuda", True)  # engine's paging
         nbytes = T * C * d * 2
         base = dict(indexer.SCORE_CFG)
-        for block_n, keys_on_m in ((64, True), (128, True), (64, False)):
+        for block_n, keys_on_m in ((64, True), (128, True)):
             for stages in (3, 4):
                 for warps in (4, 8):
-                    for pps in (1, 2, 4):
+                    for pps in (1, 2):
                         indexer.SCORE_CFG.update(
                             BLOCK_N=block_n, num_stages=stages, num_warps=warps,
                             programs_per_sm=pps, keys_on_m=keys_on_m,

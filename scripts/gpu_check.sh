@@ -2,7 +2,7 @@
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
 #   scripts/gpu_check.sh [tests] [ops] [step] [probe] [sweep]   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
-#   bench, PROBE=floors,select the probe
+#   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
@@ -33,6 +33,6 @@ for part in $PARTS; do
     probe)  # device time of kernel pieces and of an empty launch
       python3 bench/probe_pieces.py ${PROBE:+--only $PROBE} --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
-      python3 bench/sweep_kernels.py --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
+      python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac
 done
