@@ -73,7 +73,10 @@ def floors() -> None:
 def probe_mhc() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    sc, base = torch.rand(3, device="cuda", generator=g), torch.randn(24, device="cuda", generator=g)
+    sc, base = (
+        torch.rand(3, device="cuda", generator=g),
+        torch.randn(24, device="cuda", generator=g),
+    )
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         for it in (1, 20):
@@ -88,7 +91,9 @@ def probe_mhc() -> None:
                 f"hc_pre T={T} iters=20 {programs} split programs",
                 lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
             )
-        warm_us(f"hc_pre T={T} default, L2 warm", lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20))  # noqa: B023
+        warm_us(
+            f"hc_pre T={T} default, L2 warm", lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)
+        )  # noqa: B023
         us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
 
 
@@ -104,7 +109,10 @@ def probe_attn() -> None:
     idx = torch.cat([torch.arange(128, device="cuda"), sel])[None]
     kv = (ring, new, pool)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
-    warm_us("sparse_attn T=1 K=640 default, L2 warm", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))  # noqa: E501
+    warm_us(
+        "sparse_attn T=1 K=640 default, L2 warm",
+        lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04),
+    )  # noqa: E501
     for st in (1, 2):
         for bn, dv in ((32, 1), (32, 2), (64, 1), (16, 1)):
             cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": 16, "num_warps": 4, "num_stages": st}
@@ -132,8 +140,14 @@ def probe_indexer() -> None:
             q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", paged)
             lay = "paged" if paged else "rows"
             us(f"indexer T={T} {lay}: scores", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
-            us(f"indexer T={T} {lay}: scores+select", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023
-        warm_us(f"indexer T={T} scores+select, L2 warm (rows)", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023, E501
+            us(
+                f"indexer T={T} {lay}: scores+select",
+                lambda: indexer.index_topk(q, w, keys, cand, 512),
+            )  # noqa: B023
+        warm_us(
+            f"indexer T={T} scores+select, L2 warm (rows)",
+            lambda: indexer.index_topk(q, w, keys, cand, 512),
+        )  # noqa: B023, E501
         sk = indexer._scores(q, w, keys, cand)
         us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
@@ -142,7 +156,9 @@ def probe_indexer() -> None:
                 try:
                     us(
                         f"indexer T={T} paged: scores+select segment={seg} warps={sw}",
-                        lambda: indexer.index_topk(q, w, keys, cand, 512, segment=seg, select_warps=sw),  # noqa: B023, E501
+                        lambda: indexer.index_topk(
+                            q, w, keys, cand, 512, segment=seg, select_warps=sw
+                        ),  # noqa: B023, E501
                     )
                 except Exception as e:  # noqa: BLE001  (a tile that does not fit)
                     print(f"indexer T={T} segment={seg} warps={sw}: {str(e)[:80]}")
@@ -157,15 +173,28 @@ def probe_select() -> None:
     # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
     g = torch.Generator(device="cuda").manual_seed(3)
     for T in (1, 16):
-        keys = torch.randint(-(2**30), 2**30, (T, 4096), device="cuda", generator=g, dtype=torch.int32)
+        keys = torch.randint(
+            -(2**30), 2**30, (T, 4096), device="cuda", generator=g, dtype=torch.int32
+        )
         for final, sort in ((False, False), (True, False), (True, True)):
             out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
             for warps in (8, 16, 32):
                 us(
                     f"select T={T} 4096 keys final={final} sort={sort} warps={warps}",
                     lambda: indexer._index_select_kernel[(1, T)](  # noqa: B023
-                        keys, out, 4096, 4096, 512, keys.stride(0), out.stride(0), PACKED=False,
-                        FINAL=final, SORT=sort, BLOCK_L=4096, BLOCK_K=512, num_warps=warps,  # noqa: B023
+                        keys,
+                        out,
+                        4096,
+                        4096,
+                        512,
+                        keys.stride(0),
+                        out.stride(0),
+                        PACKED=False,
+                        FINAL=final,
+                        SORT=sort,
+                        BLOCK_L=4096,
+                        BLOCK_K=512,
+                        num_warps=warps,  # noqa: B023
                     ),
                 )
 
@@ -174,7 +203,10 @@ def probe_topk() -> None:
     # the whole op at the shapes, select segment sizes and warps
     for T in (1, 16):
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        us(f"index_topk T={T} C=32768 paged default", lambda: indexer.index_topk(q, w, keys, cand, 512))  # noqa: B023, E501
+        us(
+            f"index_topk T={T} C=32768 paged default",
+            lambda: indexer.index_topk(q, w, keys, cand, 512),
+        )  # noqa: B023, E501
         us(f"index_topk T={T} scores alone", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
         for seg, sw in ((2048, 8), (4096, 8), (4096, 32), (8192, 16), (8192, 32), (32768, 32)):
             try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [probe] [sweep]   (default: tests ops step)
+#   scripts/gpu_check.sh [tests] [ops] [step] [probe] [kernels] [sweep]   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep
 set -uo pipefail
@@ -32,6 +32,14 @@ for part in $PARTS; do
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
     probe)  # device time of kernel pieces and of an empty launch
       python3 bench/probe_pieces.py ${PROBE:+--only $PROBE} --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
+    kernels)  # per-kernel device time inside the multi-kernel ops (torch profiler), then Nsight
+      python3 bench/kernel_times.py --json "$OUT/kernel_times.json" 2>&1 | tee "$OUT/kernel_times.txt"
+      if command -v ncu >/dev/null; then
+        timeout 120 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+          -k regex:"sparse_attn_kernel|index_select|hc_pre_finish" -c 6 \
+          python3 bench/kernel_times.py > "$OUT/ncu.txt" 2>&1
+        tail -c 20000 "$OUT/ncu.txt" | grep -E "==PROF==|Duration|Stall|Warp Cycles|Registers|Block Size|Grid|Issued|Elapsed|_kernel" | head -80
+      else echo "no ncu here"; fi ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac

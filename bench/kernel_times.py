@@ -1,0 +1,78 @@
+"""Per-kernel device time inside one op call (torch profiler): which launch of a multi-kernel op
+(sparse_attn main + combine, hc_pre partial + finish, index_topk scores + select levels) takes the
+time. L2 is warm (back-to-back calls), so this is the kernels' execution chain, not HBM.
+Usage: python3 bench/kernel_times.py [--json FILE]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4.bench.cases_indexer import _inputs as index_inputs
+from dsv4.ops import indexer, mhc, sparse_attn
+
+
+def kernel_us(fn, calls: int = 20) -> dict[str, float]:  # noqa: ANN001
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name[:60]] += e.device_time / calls
+    return dict(total)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", default=None)
+    ns = p.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    H, D = 64, 512
+    pool = torch.randn(1 << 20, D, device="cuda", dtype=bf, generator=g)
+    ring = torch.randn(128, D, device="cuda", dtype=bf, generator=g)
+    q = torch.randn(1, H, D, device="cuda", dtype=bf, generator=g)
+    new = torch.randn(1, D, device="cuda", dtype=bf, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    idx = torch.cat(
+        [torch.arange(128, device="cuda"), 129 + torch.randint(0, 1 << 20, (512,), device="cuda")]
+    )[None]
+    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
+    sc, base = (
+        torch.rand(3, device="cuda", generator=g),
+        torch.randn(24, device="cuda", generator=g),
+    )
+    x = torch.randn(1, 4, 4096, device="cuda", dtype=bf, generator=g)
+    cases = {
+        "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(
+            q, (ring, new, pool), sink, idx, 0.04
+        ),
+        "hc_pre T=1": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
+    }
+    for T in (1, 16):
+        qi, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        cases[f"index_topk T={T} C=32768"] = lambda qi=qi, w=w, keys=keys, cand=cand: (
+            indexer.index_topk(qi, w, keys, cand, 512)
+        )
+    out = {}
+    for name, f in cases.items():
+        out[name] = kernel_us(f)
+        print(name)
+        for k, v in sorted(out[name].items(), key=lambda kv: -kv[1]):
+            print(f"    {v:8.2f} us  {k}")
+    if ns.json:
+        with open(ns.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
