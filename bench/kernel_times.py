@@ -34,6 +34,7 @@ def kernel_us(fn, calls: int = 20) -> dict[str, float]:  # noqa: ANN001
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
+    p.add_argument("--plain", action="store_true", help="only run each case (under ncu)")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
@@ -65,6 +66,11 @@ def main() -> None:
         )
     out = {}
     for name, f in cases.items():
+        if ns.plain:
+            for _ in range(2):
+                f()
+            torch.cuda.synchronize()
+            continue
         out[name] = kernel_us(f)
         print(name)
         for k, v in sorted(out[name].items(), key=lambda kv: -kv[1]):

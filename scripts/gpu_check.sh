@@ -36,8 +36,8 @@ for part in $PARTS; do
       python3 bench/kernel_times.py --json "$OUT/kernel_times.json" 2>&1 | tee "$OUT/kernel_times.txt"
       if command -v ncu >/dev/null; then
         timeout 120 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
-          -k regex:"sparse_attn_kernel|index_select|hc_pre_finish" -c 6 \
-          python3 bench/kernel_times.py > "$OUT/ncu.txt" 2>&1
+          -k regex:"sparse_attn_kernel|index_select|hc_pre_finish|hc_mixes" -c 8 \
+          python3 bench/kernel_times.py --plain > "$OUT/ncu.txt" 2>&1
         tail -c 20000 "$OUT/ncu.txt" | grep -E "==PROF==|Duration|Stall|Warp Cycles|Registers|Block Size|Grid|Issued|Elapsed|_kernel" | head -80
       else echo "no ncu here"; fi ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
