@@ -35,10 +35,12 @@ for part in $PARTS; do
     kernels)  # per-kernel device time inside the multi-kernel ops (torch profiler), then Nsight
       python3 bench/kernel_times.py --json "$OUT/kernel_times.json" 2>&1 | tee "$OUT/kernel_times.txt"
       if command -v ncu >/dev/null; then
-        timeout 120 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
-          -k regex:"sparse_attn_kernel|index_select|hc_pre_finish|hc_mixes" -c 8 \
-          python3 bench/kernel_times.py --plain > "$OUT/ncu.txt" 2>&1
-        tail -c 20000 "$OUT/ncu.txt" | grep -E "==PROF==|Duration|Stall|Warp Cycles|Registers|Block Size|Grid|Issued|Elapsed|_kernel" | head -80
+        for k in "index_select|hc_pre_finish|hc_mixes:6" "sparse_attn:2"; do
+          timeout 100 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+            -k regex:"${k%%:*}" -c "${k##*:}" python3 bench/kernel_times.py --plain 2>&1 \
+            | grep -vE "^\s*$" >> "$OUT/ncu.txt"
+        done
+        grep -E "^  _|Duration|Warp Cycles Per Issued|Registers Per|Block Size|Grid Size|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.txt" | head -90
       else echo "no ncu here"; fi ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
