@@ -249,35 +249,35 @@ def _sparse_attn_combine_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # read num_splits * (BLOCK_D + 2) fp32 ; write BLOCK_D elements
+    # One pass, the splits merged online like the keys of a split: the (max, sum) and the partial
+    # rows of a block of splits are loaded together, so a block costs one round trip to L2 (the
+    # two-pass form, maxima first, took 4.5 us at T=1 with 20 splits on an H200: as long as the
+    # attention kernel itself). The sink starts the running max and the denominator.
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    sink = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
     ml = ml_ptr + t * stride_mt + h
     parts = part_ptr + t * stride_pt + h * stride_ph + offs_d[None, :]
 
-    # ---- global max over the splits and the sink
-    m_all = sink
-    for s0 in range(0, num_splits, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        m_s = tl.load(ml + offs_s * stride_ms, mask=offs_s < num_splits, other=NEG)
-        m_all = tl.maximum(m_all, tl.max(m_s, 0))
-
-    # ---- rescale and sum: o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M))
-    denom = tl.exp2(sink - m_all)
+    # o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M the running max
+    m_run = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
+    denom = tl.full([], 1.0, tl.float32)  # 2^(sink - m_run)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         mask_s = offs_s < num_splits
         m_s = tl.load(ml + offs_s * stride_ms, mask=mask_s, other=NEG)
         l_s = tl.load(ml + offs_s * stride_ms + H, mask=mask_s, other=0.0)
-        w = tl.exp2(m_s - m_all)  # [BS]
-        denom += tl.sum(w * l_s, 0)
         a = tl.load(
             parts + offs_s[:, None] * stride_ps, mask=mask_s[:, None] & mask_d[None, :], other=0.0
         )
-        acc += tl.sum(a * w[:, None], 0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.exp2(m_s - m_new)  # [BS]
+        denom = denom * rescale + tl.sum(w * l_s, 0)
+        acc = acc * rescale + tl.sum(a * w[:, None], 0)
+        m_run = m_new
     tl.store(
         o_ptr + t * stride_ot + h * stride_oh + offs_d,
         (acc / denom).to(o_ptr.dtype.element_ty),
@@ -415,7 +415,8 @@ def sparse_attn(
 
     if split:
         block_d = BLOCK_D if T * H >= 512 else min(BLOCK_D, 128)
-        block_s = min(triton.next_power_of_2(num_splits), 16)
+        # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
+        block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
         _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
             part, ml, attn_sink, o, H, D, num_splits,
             part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),

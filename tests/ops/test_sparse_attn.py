@@ -96,6 +96,18 @@ def test_head_blocks(dv_split: int) -> None:
         assert _rel(o, want) < TOL[torch.float32], f"num_splits={s}: {_rel(o, want):.2e}"
 
 
+def test_combine_in_several_blocks() -> None:
+    # 70 splits of one key at D=256: the combine merges them online in two blocks of <= 64
+    T, H, D, K = 2, 4, 256, 70
+    q, kv, sink, idx = _inputs(T, H, D, K, (40, 50), torch.float32, seed=5)
+    want = _want(q, kv, sink, idx, 0.1)
+    o = sparse_attn(q, kv, sink, idx, 0.1, num_splits=70)
+    assert _rel(o, want) < TOL[torch.float32], f"{_rel(o, want):.2e}"
+    torch.testing.assert_close(
+        o, sparse_attn(q, kv, sink, idx, 0.1, num_splits=1), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_int32_indices_and_strided_unaligned_rows() -> None:
     # int32 indices give the same bits as int64; sources may be column slices of wider tensors
     # (row stride 2D) or start off 16 bytes (the kernel then drops its alignment hint)
