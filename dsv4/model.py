@@ -209,8 +209,10 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
         q = self.wq_b(qr).view(T, H, hd)
         q = self.ops.norm_rope(q, None, self.eps, *rope)
-        # ---- window K=V of the new tokens
-        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope)  # [T, hd]
+        # ---- window K=V of the new tokens; at decode also stored into the ring in the same op
+        # (the slot it takes held position p - window, outside every window of this step)
+        store = (ls.window, batch.ring_writes(self.window)[1]) if batch.decode else None
+        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope, store=store)
         # ---- key rows: ring | new tokens | compressed entries
         idxs = batch.window_idxs(self.window)  # [T, W]
         sources = [ls.window, kv]
@@ -226,8 +228,9 @@ class Attention(nn.Module):
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
             sources.append(st.kv_cache)
         o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5)
-        tok, rows = batch.ring_writes(self.window)
-        ls.window[rows] = kv[tok].to(ls.window.dtype)
+        if not batch.decode:  # a chunk's ring slots still hold its earlier tokens' windows
+            tok, rows = batch.ring_writes(self.window)
+            ls.window[rows] = kv[tok].to(ls.window.dtype)
         # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
         o = self.ops.rotary(o, *rope, inverse=True)
         o = self.ops.grouped_linear(

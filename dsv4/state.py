@@ -168,6 +168,7 @@ class Batch:
     block_table: torch.Tensor  # [B, max_blocks] pages of each sequence (-1 = none)
     block_size: int
     max_seqs: int
+    decode: bool = False  # every sequence brings one new token
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -212,6 +213,7 @@ class Batch:
             block_table=block_table,
             block_size=state.block_size,
             max_seqs=max_seqs,
+            decode=max(lens) == 1,
         )
 
     @property
@@ -272,6 +274,9 @@ class Batch:
         """(tokens, rows): the last `ring` tokens of each sequence and their ring rows."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.decode:  # every token is its sequence's last: no host sync for nonzero
+                tok = torch.arange(self.num_tokens, device=self.positions.device)
+                return tok, self._tok("slot") * ring + self.positions.remainder(ring)
             last = self.positions >= self._tok("start") + self._tok("len") - ring
             tok = last.nonzero().squeeze(1)
             return tok, self._tok("slot")[tok] * ring + self.positions[tok].remainder(ring)

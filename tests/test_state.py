@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dsv4.config import flash_args
 from dsv4.llm import LLM
-from dsv4.state import DecodeState, bytes_per_seq, bytes_per_token
+from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token
 from dsv4.tiny import make_tiny, tiny_args
 
 
@@ -34,3 +36,16 @@ def test_shuffled_small_pages_equal_default(tmp_path):  # noqa: ANN001
     llm._score_state = st
     got = llm.score(ids, chunk_size=13)
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+def test_decode_batch_ring_writes_without_nonzero():
+    # a batch of single tokens is flagged decode and writes every token's ring slot; the general
+    # path (nonzero over "last `ring` tokens of each sequence") gives the same rows
+    st = DecodeState(tiny_args(vocab_size=300), 4, 64, torch.float32, "cpu", num_blocks=8)
+    st.block_table[:, 0] = torch.arange(4)
+    dec = Batch.build([2, 0, 3], [5, 17, 31], [1, 1, 1], st)
+    assert dec.decode and not Batch.build([2, 0], [5, 17], [1, 2], st).decode
+    general = dataclasses.replace(dec, decode=False, _cache={})
+    for ring in (1, 4, 8):
+        for a, b in zip(dec.ring_writes(ring), general.ring_writes(ring)):
+            assert torch.equal(a, b)

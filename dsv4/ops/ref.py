@@ -76,10 +76,20 @@ def rotary(
 
 
 def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    # x: [T, ..., d] -> RMSNorm over d (fp32 weight or none), then RoPE on the trailing rd dims
-    return rotary(rms_norm(x, weight, eps), cos, sin)
+    # x: [T, ..., d] -> RMSNorm over d (fp32 weight or none), then RoPE on the trailing rd dims ;
+    # store = (dst [N, d], rows [T]): also dst[rows[t]] = out[t] (x: [T, d]; rows distinct, >= 0)
+    out = rotary(rms_norm(x, weight, eps), cos, sin)
+    if store is not None:
+        dst, rows = store
+        dst[rows] = out.to(dst.dtype)
+    return out
 
 
 def sparse_attn(

@@ -2,7 +2,10 @@
 
 Three launchers with the signatures of `dsv4.ops.ref`:
   rotary(x, cos, sin, inverse)              x: [T, ..., d] -> rotate pairs (2i, 2i+1) of the trailing rd
-  norm_rope(x, weight, eps, cos, sin)       RMSNorm over d (fp32 stats), cast, then rotary
+  norm_rope(x, weight, eps, cos, sin, store)
+                                            RMSNorm over d (fp32 stats), cast, then rotary ;
+                                            store = (dst, rows) also writes dst[rows[t]] (decode's
+                                            window ring, in the same launch)
   compress_store(kv, score, weight, eps, cos, sin, out, dest)
                                             out[dest] = norm_rope(softmax_slots(score) . kv)
 Every op is one launch that reads its inputs once and writes its output once; the statistics, the
@@ -56,6 +59,9 @@ def _norm_rope_kernel(
     cos_ptr,  # [T, rd/2] fp32
     sin_ptr,  # [T, rd/2] fp32
     out_ptr,  # [T, R, d] x.dtype, contiguous
+    dst_ptr,  # [N, d] (HAS_STORE): also dst[dst_rows[t]] = out[t] (R = 1)
+    dst_rows_ptr,  # [T] int rows of dst (HAS_STORE)
+    stride_dst,
     n_rows,  # T * R
     R,  # rows per token (heads; 1 for [T, d])
     d,
@@ -68,10 +74,11 @@ def _norm_rope_kernel(
     NORM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     INVERSE: tl.constexpr,
+    HAS_STORE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # read BLOCK_R * d elements (+ their cos/sin) ; write BLOCK_R * d elements
+    # read BLOCK_R * d elements (+ their cos/sin) ; write BLOCK_R * d elements (twice if HAS_STORE)
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     t = rows // R
@@ -103,6 +110,12 @@ def _norm_rope_kernel(
 
     out_offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
     tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_STORE:
+        d_rows = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        d_offs = d_rows[:, None] * stride_dst + cols[None, :]
+        # cast as the reference does: to x.dtype first, then to dst's dtype
+        y_dst = y.to(out_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
+        tl.store(dst_ptr + d_offs, y_dst, mask=mask)
 
 
 def _rows_config(n_rows: int, block_d: int, programs: int = 528) -> tuple[int, int]:
@@ -142,9 +155,23 @@ def _launch_rows(
     sin: torch.Tensor,
     norm: bool,
     inverse: bool,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     rd = _check_rope(x, cos, sin)
     T, d = x.shape[0], x.shape[-1]
+    if store is not None:
+        dst, dst_rows = store
+        assert x.dim() == 2, f"store takes x as [T, d] (got shape {tuple(x.shape)})"
+        assert dst.dim() == 2 and dst.shape[1] == d and dst.stride(1) == 1, (
+            f"store dst must be [N, {d}] with contiguous rows (got {tuple(dst.shape)}, "
+            f"strides {dst.stride()})"
+        )
+        assert dst_rows.shape == (T,) and dst_rows.dtype in (torch.int32, torch.int64), (
+            f"store rows must be int [{T}] (got {dst_rows.dtype} {tuple(dst_rows.shape)})"
+        )
+        assert dst_rows.is_contiguous() and dst.device == x.device == dst_rows.device, (
+            "store rows must be contiguous and on x's device"
+        )
     if weight is not None:
         assert weight.shape == (d,) and weight.is_contiguous(), (
             f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
@@ -164,6 +191,9 @@ def _launch_rows(
         cos,
         sin,
         out,
+        out if store is None else store[0],
+        cos if store is None else store[1],
+        0 if store is None else store[0].stride(0),
         n_rows,
         R,
         d,
@@ -176,6 +206,7 @@ def _launch_rows(
         NORM=norm,
         HAS_WEIGHT=weight is not None,
         INVERSE=inverse,
+        HAS_STORE=store is not None,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -191,10 +222,16 @@ def rotary(
 
 
 def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    # x: [T, ..., d] -> RMSNorm over d (fp32 stats, weight or none), cast, RoPE on the trailing rd
-    return _launch_rows(x, weight, eps, cos, sin, norm=True, inverse=False)
+    # x: [T, ..., d] -> RMSNorm over d (fp32 stats, weight or none), cast, RoPE on the trailing rd ;
+    # store = (dst [N, d], rows [T]): also dst[rows[t]] = out[t] in the same launch (x: [T, d])
+    return _launch_rows(x, weight, eps, cos, sin, norm=True, inverse=False, store=store)
 
 
 # ---------------------------------------------------------------------------------------------

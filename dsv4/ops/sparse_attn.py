@@ -61,9 +61,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     h = kwargs.get("H_PAD", named_args.get("H_PAD"))
     ok = [
-        c
-        for c in configs
-        if d // c.kwargs["DV_SPLIT"] >= 16 and c.kwargs["BLOCK_H"] <= max(16, h)
+        c for c in configs if d // c.kwargs["DV_SPLIT"] >= 16 and c.kwargs["BLOCK_H"] <= max(16, h)
     ]
     return ok or configs[:1]
 

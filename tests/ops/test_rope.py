@@ -60,6 +60,31 @@ def test_norm_rope(
     assert _rel(y, ref.norm_rope(x, w, 1e-6, cos, sin)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("block_r", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_store(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, block_r: int) -> None:
+    # the window ring write of a decode step in the same launch: dst[rows[t]] = out[t], every
+    # other row of dst untouched; the same bits as the reference's index_put
+    monkeypatch.setattr(rope, "_rows_config", lambda n_rows, block_d, programs=528: (block_r, 2))
+    torch.manual_seed(9)
+    T, d = 5, 40
+    x = _x(T, None, d, dtype)
+    w = torch.rand(d) + 0.5
+    cos, sin = _angles(T, 8)
+    rows = torch.tensor([7, 0, 12, 3, 9])
+    dst = torch.randn(16, d).to(dtype)
+    want_dst = dst.clone()
+    want = ref.norm_rope(x, w, 1e-6, cos, sin, store=(want_dst, rows))
+    y = rope.norm_rope(x, w, 1e-6, cos, sin, store=(dst, rows.int()))
+    assert _rel(y, want) < TOL[dtype]
+    torch.testing.assert_close(dst[rows], y)  # the copy is the output, bit for bit
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(dst[untouched], want_dst[untouched])
+    with pytest.raises(AssertionError, match="store takes x as"):
+        rope.norm_rope(x[:, None], w, 1e-6, cos, sin, store=(dst, rows))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_row_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     # large inputs take BLOCK_R > 1 rows per program; force it at a tiny shape with a ragged last tile
