@@ -23,29 +23,9 @@ from dsv4.ops import indexer, mhc, sparse_attn
 ROWS: list[dict] = []
 
 
-def us(name: str, fn) -> float:  # noqa: ANN001
-    t = sorted(_graph_us(fn, 3))[1]
-    ROWS.append({"probe": name, "us": t})
-    print(f"{name:<60}{t:>9.2f} us", flush=True)
-    return t
-
-
-def warm_us(name: str, fn, n: int = 20) -> float:  # noqa: ANN001
-    # device time with L2 warm: a graph of n back-to-back calls, per call
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    t = a.elapsed_time(b) / 10 / n * 1e3
+def us(name: str, fn, cold: bool = True) -> float:  # noqa: ANN001
+    # device time, L2 cleared before every call (cold=False: back-to-back calls, L2 warm)
+    t = sorted(_graph_us(fn, 3, cold=cold))[1]
     ROWS.append({"probe": name, "us": t})
     print(f"{name:<60}{t:>9.2f} us", flush=True)
     return t
@@ -91,9 +71,11 @@ def probe_mhc() -> None:
                 f"hc_pre T={T} iters=20 {programs} split programs",
                 lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
             )
-        warm_us(
-            f"hc_pre T={T} default, L2 warm", lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)
-        )  # noqa: B023
+        us(
+            f"hc_pre T={T} default, L2 warm",
+            lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),  # noqa: B023
+            cold=False,
+        )
         us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
 
 
@@ -109,10 +91,11 @@ def probe_attn() -> None:
     idx = torch.cat([torch.arange(128, device="cuda"), sel])[None]
     kv = (ring, new, pool)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
-    warm_us(
+    us(
         "sparse_attn T=1 K=640 default, L2 warm",
         lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04),
-    )  # noqa: E501
+        cold=False,
+    )
     for st in (1, 2):
         for bn, dv in ((32, 1), (32, 2), (64, 1), (16, 1)):
             cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": 16, "num_warps": 4, "num_stages": st}
@@ -144,10 +127,11 @@ def probe_indexer() -> None:
                 f"indexer T={T} {lay}: scores+select",
                 lambda: indexer.index_topk(q, w, keys, cand, 512),
             )  # noqa: B023
-        warm_us(
+        us(
             f"indexer T={T} scores+select, L2 warm (rows)",
-            lambda: indexer.index_topk(q, w, keys, cand, 512),
-        )  # noqa: B023, E501
+            lambda: indexer.index_topk(q, w, keys, cand, 512),  # noqa: B023
+            cold=False,
+        )
         sk = indexer._scores(q, w, keys, cand)
         us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)

@@ -63,16 +63,20 @@ def _l2_flush_buffer() -> torch.Tensor:
     return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > the 60 MB L2
 
 
-def _graph_us(fn: Callable[[], object], repeat: int, n: int = 20) -> list[float] | None:
+def _graph_us(
+    fn: Callable[[], object], repeat: int, n: int = 20, cold: bool = True
+) -> list[float] | None:
     """Device time without host launch cost, L2 still cleared: a CUDA graph of n x (memset 256 MB,
-    fn) minus a graph of n x memset, per call (None when fn cannot be captured)."""
+    fn) minus a graph of n x memset, per call (None when fn cannot be captured). cold=False: a
+    graph of n back-to-back calls, L2 warm."""
     flush = _l2_flush_buffer()
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(n):
-                flush.zero_()
+                if cold:
+                    flush.zero_()
                 if with_fn:
                     fn()
         return g
@@ -99,7 +103,7 @@ def _graph_us(fn: Callable[[], object], repeat: int, n: int = 20) -> list[float]
     out = []
     for _ in range(repeat):
         t1 = statistics.median(replay_ms(g1) for _ in range(3))
-        t0 = statistics.median(replay_ms(g0) for _ in range(3))
+        t0 = statistics.median(replay_ms(g0) for _ in range(3)) if cold else 0.0
         out.append(max(t1 - t0, 0.0) * 1e3 / n)
     return out
 
