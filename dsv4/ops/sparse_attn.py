@@ -37,21 +37,34 @@ def _configs() -> list[triton.Config]:
     # Shared memory at H=64, D=512 bf16: Q 64 KB + (num_stages - 1) * BLOCK_N KB of gathered
     # rows, so (16, 2, 4, 2) fits two programs per SM. All compile for sm_90 (Triton 3.9) without
     # spills except (32|64, 1, 8, 3): 8 and 168 spilled bytes.
-    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages)
-        (16, 1, 64, 8, 3),
-        (32, 1, 64, 8, 3),
-        (64, 1, 64, 8, 3),
-        (16, 2, 64, 4, 2),
-        (32, 2, 64, 4, 3),
-        (64, 2, 64, 4, 3),
-        (32, 1, 16, 4, 2),
-        (32, 1, 32, 4, 2),
-        (64, 1, 16, 4, 2),
-        (32, 2, 16, 4, 2),
+    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages, KEYS_ON_M)
+        (16, 1, 64, 8, 3, False),
+        (32, 1, 64, 8, 3, False),
+        (64, 1, 64, 8, 3, False),
+        (16, 2, 64, 4, 2, False),
+        (32, 2, 64, 4, 3, False),
+        (64, 2, 64, 4, 3, False),
+        (32, 1, 16, 4, 2, False),
+        (32, 1, 32, 4, 2, False),
+        (64, 1, 16, 4, 2, False),
+        (32, 2, 16, 4, 2, False),
+        # keys on the MMA rows: the [512, 64] accumulator O^T splits over the warpgroups along
+        # the channels and S^T [BN, 64] is an operand B (shared memory), not a register operand
+        # A, so Triton need not give every warpgroup all of S (not yet timed on a GPU). sm_90
+        # shared memory: 197 / 103 / 213 / 165 / 50 KB, no spills (Triton 3.9)
+        (64, 1, 64, 8, 2, True),
+        (32, 1, 64, 8, 3, True),
+        (128, 1, 64, 8, 1, True),
+        (64, 2, 64, 4, 3, True),
+        (32, 1, 16, 4, 2, True),
     ]
     return [
-        triton.Config({"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh}, num_warps=w, num_stages=s)
-        for n, dv, bh, w, s in shapes
+        triton.Config(
+            {"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": km},
+            num_warps=w,
+            num_stages=st,
+        )
+        for n, dv, bh, w, st, km in shapes
     ]
 
 
@@ -113,6 +126,7 @@ def _sparse_attn_kernel(
     BLOCK_N: tl.constexpr,
     DV_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    KEYS_ON_M: tl.constexpr,  # keys on the MMA rows (S^T, O^T): no S recomputed per warpgroup
 ):
     # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
     # (+ 2*BLOCK_H when SPLIT)
@@ -149,7 +163,10 @@ def _sparse_attn_kernel(
     k_end = tl.minimum(k_begin + keys_per_split, K)
     m_i = tl.full([BLOCK_H], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    if KEYS_ON_M:
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for start in range(k_begin, k_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_end, other=-1)
@@ -180,27 +197,46 @@ def _sparse_attn_kernel(
         )
         if UPCAST:
             kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)  # [BH, BN] fp32
         if DV_SPLIT == 2:
             kv_w = tl.load(
                 rows[:, None] + offs_w[None, :], mask=valid[:, None] & mask_w[None, :], other=0.0
             )
             if UPCAST:
                 kv_w = kv_w.to(tl.float32)
-            s = tl.dot(q_w, tl.trans(kv_w), s, input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)  # [BH, BDV]
+        if KEYS_ON_M:  # S^T [BN, BH]: keys on the MMA rows, O^T = K^T P^T [BDV, BH]
+            s = tl.dot(kv, tl.trans(q), input_precision=PRECISION)
+            if DV_SPLIT == 2:
+                s = tl.dot(kv_w, tl.trans(q_w), s, input_precision=PRECISION)
+            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(kv), p.to(kv.dtype), acc, input_precision=PRECISION)
+        else:  # S [BH, BN]: heads on the MMA rows, O = P K [BH, BDV]
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+            if DV_SPLIT == 2:
+                s = tl.dot(q_w, tl.trans(kv_w), s, input_precision=PRECISION)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)
         m_i = m_new
 
-    # ---- epilogue: partials for the combine, or the sink-normalised output
+    # ---- epilogue: partials for the combine, or the sink-normalised output ([h, v] tiles, or
+    # [v, h] with KEYS_ON_M: the pointers follow the accumulator, nothing is transposed)
+    if KEYS_ON_M:
+        hv = offs_h[None, :] * stride_ph + offs_v[:, None]
+        mask_hv = mask_h[None, :] & mask_v[:, None]
+    else:
+        hv = offs_h[:, None] * stride_ph + offs_v[None, :]
+        mask_hv = mask_h[:, None] & mask_v[None, :]
     if SPLIT:
-        p_ptrs = part_ptr + t * stride_pt + split * stride_ps + offs_h[:, None] * stride_ph
-        tl.store(p_ptrs + offs_v[None, :], acc, mask=mask_h[:, None] & mask_v[None, :])
+        tl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc, mask=mask_hv)
         ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
         mask_ml = offs_h < tl.where(dv == 0, H, 0)  # one channel part writes (max, sum)
         tl.store(ml, m_i, mask=mask_ml)
@@ -210,9 +246,13 @@ def _sparse_attn_kernel(
         m_all = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_all)
         inv = alpha / (l_i * alpha + tl.exp2(sink - m_all))  # the sink only joins the denominator
-        out = acc * inv[:, None]
-        o_ptrs = o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_v[None, :])
+        if KEYS_ON_M:
+            out = acc * inv[None, :]
+            o_hv = offs_h[None, :] * stride_oh + offs_v[:, None]
+        else:
+            out = acc * inv[:, None]
+            o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
+        tl.store(o_ptr + t * stride_ot + o_hv, out.to(o_ptr.dtype.element_ty), mask=mask_hv)
 
 
 _sparse_attn_tuned = triton.autotune(
@@ -317,7 +357,8 @@ def sparse_attn(
     of the concatenation of `kv` (never materialised), the sink's probability mass dropped.
 
     num_splits: key splits per token (default: fill the SMs once; 1 = no combine pass).
-    config: force the tile config {"BLOCK_N", "DV_SPLIT", "BLOCK_H", "num_warps", "num_stages"} instead of
+    config: force the tile config {"BLOCK_N", "DV_SPLIT", "BLOCK_H", "KEYS_ON_M", "num_warps",
+    "num_stages"} instead of
     autotuning (the interpreter uses a fixed default unless given one).
     """
     # ---- checks
@@ -405,7 +446,8 @@ def sparse_attn(
     if config is None and q.device.type == "cuda":
         _sparse_attn_tuned[grid](*args, **consts)
     else:
-        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "num_warps": 4}
+        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "KEYS_ON_M": False}
+        cfg |= {"num_warps": 4}
         cfg = {"num_stages": 1} | cfg | (config or {})
         assert cfg["DV_SPLIT"] in (1, 2) and BLOCK_D // cfg["DV_SPLIT"] >= 16, f"bad config {cfg}"
         assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"

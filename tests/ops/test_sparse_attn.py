@@ -67,7 +67,10 @@ def test_matches_ref(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [None, {"BLOCK_N": 32, "DV_SPLIT": 2}])
+@pytest.mark.parametrize(
+    "config",
+    [None, {"BLOCK_N": 32, "DV_SPLIT": 2}, {"KEYS_ON_M": True}, {"KEYS_ON_M": True, "DV_SPLIT": 2}],
+)
 def test_split_matches_unsplit(config: dict | None, dtype: torch.dtype) -> None:
     # flash-decoding (partials + combine) against one program per token, and both against ref
     T, H, D, K = 5, 4, 32, 40
@@ -84,13 +87,14 @@ def test_split_matches_unsplit(config: dict | None, dtype: torch.dtype) -> None:
         assert torch.all(o[1] == 0)
 
 
+@pytest.mark.parametrize("keys_on_m", [False, True])
 @pytest.mark.parametrize("dv_split", [1, 2])
-def test_head_blocks(dv_split: int) -> None:
+def test_head_blocks(dv_split: int, keys_on_m: bool) -> None:
     # BLOCK_H=16 over H=40: three head blocks, the last one partly masked; split and unsplit
     T, H, D, K = 3, 40, 32, 40
     q, kv, sink, idx = _inputs(T, H, D, K, (30, 3, 70), torch.float32, seed=4)
     want = _want(q, kv, sink, idx, 0.3)
-    cfg = {"BLOCK_N": 16, "DV_SPLIT": dv_split, "BLOCK_H": 16}
+    cfg = {"BLOCK_N": 16, "DV_SPLIT": dv_split, "BLOCK_H": 16, "KEYS_ON_M": keys_on_m}
     for s in (1, 3):
         o = sparse_attn(q, kv, sink, idx, 0.3, num_splits=s, config=cfg)
         assert _rel(o, want) < TOL[torch.float32], f"num_splits={s}: {_rel(o, want):.2e}"
