@@ -235,6 +235,32 @@ def test_flash_width_on_gpu(tmp_path):  # noqa: ANN001
     assert run["projected_s"] > 0 and sum(run["breakdown"]["projected"].values()) > 0
 
 
+@pytest.mark.gpu
+def test_graph_step_on_gpu(tmp_path, capsys):  # noqa: ANN001
+    # the decode step captured as CUDA graphs: device time without the host's launch cost, so
+    # shorter than the eager step (every layer and the whole step each captured)
+    path = tmp_path / "graph.json"
+    argv = ["--preset", "tiny", "--ops", "triton", "--batch", "1,4", "--context", "64",
+            "--prefill", "0", "--repeat", "2", "--graph", "--json", str(path)]  # fmt: skip
+    assert step.main(argv) == 0
+    assert "decode step as CUDA graphs" in capsys.readouterr().out
+    for run in json.loads(path.read_text())["runs"]:
+        g = run["graph"]
+        assert "error" not in g, g
+        assert all(v["median_s"] > 0 for v in g["layers"].values())
+        assert 0 < g["step"]["median_s"] < run["step"]["median_s"]
+        assert 0 < g["projected_s"] < run["projected_s"]
+
+
+def test_graph_is_skipped_on_the_cpu(tmp_path):  # noqa: ANN001
+    path = tmp_path / "g.json"
+    argv = BASE + ["--batch", "1", "--context", "40", "--prefill", "0", "--graph",
+                   "--json", str(path)]  # fmt: skip
+    assert step.main(argv) == 0
+    (run,) = json.loads(path.read_text())["runs"]
+    assert run["graph"] == {"skipped": "CUDA graphs need a GPU"}
+
+
 def test_trace_writes_a_profiler_trace(tmp_path):  # noqa: ANN001
     from dsv4.bench.step import main as step_main
 

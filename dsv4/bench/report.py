@@ -150,6 +150,24 @@ def print_report(res: dict) -> None:
         elif hf and h:
             line += f"  hf: {h.get('error') or h.get('skipped')}"
         print(line)
+    graphs = [r for r in res["runs"] if r.get("graph")]
+    if graphs:
+        print("\ndecode step as CUDA graphs, ms (device time only, no host launch cost)")
+        print(
+            f"{'batch':>5}{'context':>8}" + "".join(f"{k:>{w[k]}}" for k in cols)
+            + f"{'rest':>8}{'proj.':>10}{'tok/s':>9}{'x floor':>9}{'eager/graph':>12}"
+        )  # fmt: skip
+        for run in graphs:
+            g, line = run["graph"], f"{run['batch']:>5}{run['context']:>8}"
+            if "layers" not in g:
+                print(line + f"  {g.get('error') or g.get('skipped')}")
+                continue
+            line += "".join(_ms(g["layers"][k]["median_s"], w[k]) for k in cols)
+            line += _ms(g["rest"]["median_s"], 8) + _ms(g["projected_s"], 10)
+            if g["projected_s"]:
+                line += f"{g['tok_per_s']:>9.1f}{g['x_floor']:>9.3g}"
+                line += f"{run['projected_s'] / g['projected_s']:>12.1f}"
+            print(line)
     if hf and any((r.get("hf") or {}).get("note") for r in res["runs"]):
         print(
             "hf ctx < context: transformers ran at a smaller context (see --hf-max-gb); "

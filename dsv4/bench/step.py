@@ -20,7 +20,9 @@ JSON (--json); times in seconds, STATS = {median_s, min_s, max_s, samples}:
   prefill TIMING + {tokens, chunk, chunks} | null
   runs [TIMING + {batch, context, positions, distinct_experts {key: n},
                   floor {gpu, floor_s, total_bytes, gbps}, roofline {step_s, components?},
-                  breakdown?, hf?}]        (a failed run: {batch, context, error})
+                  breakdown?, hf?, graph?}]        (a failed run: {batch, context, error})
+  graph = TIMING + {x_floor} (--graph: CUDA graphs of the step and of each layer, device time
+          only, dsv4/bench/graph.py) | {error} | {skipped}
   TIMING = {layers {key: STATS}, rest STATS, step STATS, rest_detail {batch_prep_s, embed_s,
             head_s}, projected_s, projected_spread {min_s, max_s}, tok_per_s}
   breakdown = {per_layer {key: {category: s}}, rest {category: s}, projected {category: s},
@@ -149,6 +151,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(4: CSA windows close on one step in four, as in real decode)",
     )
     p.add_argument("--profile", action="store_true", help="per-op-category breakdown")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time the decode step as CUDA graphs (device time, no host launch cost; GPU)",
+    )
     p.add_argument(
         "--trace",
         default=None,
@@ -365,6 +372,8 @@ class Bench:
             "gbps": fl.total_bytes / proj / 1e9 if proj else None,
         }
         run["roofline"] = {"step_s": proj}  # what `dsv4 roofline --bench` reads
+        if a.graph:
+            run["graph"] = self.decode_graph(state, batch, context, ids, fl.floor_s)
         if a.profile:
 
             def profiled(j: int) -> None:
@@ -385,6 +394,29 @@ class Bench:
             prof.export_chrome_trace(str(path))
             run["trace"] = str(path)
         return run
+
+    def decode_graph(
+        self, state: DecodeState, batch: int, context: int, ids: torch.Tensor, floor_s: float
+    ) -> dict:
+        """The step at position `context` as CUDA graphs: device time without launch cost."""
+        from dsv4.bench.graph import graph_measure
+
+        if self.device.type != "cuda":
+            return {"skipped": "CUDA graphs need a GPU"}
+        b = Batch.build(list(range(batch)), [context] * batch, [1] * batch, state)
+        _prepare(b, self.args)
+        self.clock.paused = True
+        try:
+            t = graph_measure(self.model, state, b, ids, self.keys, self.a.repeat)
+        except Exception as e:  # noqa: BLE001  (a host sync left in the forward: not capturable)
+            torch.cuda.synchronize()
+            return {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            self.clock.paused = False
+            self.clock.marks.clear()
+        t = with_projection(t, self.counts, batch)
+        proj = t["projected_s"]
+        return t | {"x_floor": proj / floor_s if proj else None}
 
     def decode_hf(self, run: dict) -> dict:
         from dsv4.bench.hf import time_decode
@@ -486,6 +518,7 @@ def _config(a: argparse.Namespace, bench: Bench) -> dict:
         "warmup",
         "cycle",
         "profile",
+        "graph",
         "trace",
         "profile_steps",
         "hf",

@@ -23,6 +23,7 @@ class Clock:
     def __init__(self, device: torch.device, layers: torch.nn.ModuleList) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.paused = False  # no marks (a CUDA graph capture runs the hooks too)
         self.hooks = []
         for i, layer in enumerate(layers):
             self.hooks.append(
@@ -33,6 +34,8 @@ class Clock:
             )
 
     def mark(self, name: object) -> None:
+        if self.paused:
+            return
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
