@@ -6,6 +6,7 @@ H = heads, hd = head_dim. Per-sequence bookkeeping lives in `Batch` and `DecodeS
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace as Ops
 
@@ -94,6 +95,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+@functools.cache
+def _mm_fp32_out(device: torch.device) -> bool:
+    """Does torch.mm take out_dtype=float32 for bf16 inputs here (CUDA builds of recent torch)?"""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 16, dtype=torch.bfloat16, device=device)
+        out = torch.mm(a, a.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 16).all())
 
 
 def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
@@ -428,7 +442,16 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, n, D] streams -> fp32 logits [N, vocab]."""
-        return F.linear(self.hc_head(h, self).float(), self.head.weight.float())
+        return self.head_logits(self.hc_head(h, self))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] -> fp32 logits: the products of the activation-dtype values summed in fp32.
+        With bf16 on a GPU that is one bf16 GEMM with fp32 output, not an fp32 copy of the ~1 GB
+        head weight on every step."""
+        w = self.head.weight
+        if x.dtype == w.dtype == torch.bfloat16 and _mm_fp32_out(x.device):
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), w.float())
 
     def hc_head(self, h: torch.Tensor, owner: nn.Module) -> torch.Tensor:
         """Collapse the n streams with `owner`'s hc_head params (main model or an MTP layer), norm."""
@@ -461,4 +484,4 @@ class Transformer(nn.Module):
             rope_at(inv, batch.positions),
             inv,
         )
-        return x, F.linear(self.hc_head(x, mtp).float(), self.head.weight.float())
+        return x, self.head_logits(self.hc_head(x, mtp))

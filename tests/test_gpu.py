@@ -46,3 +46,17 @@ def test_cuda_triton_ops_match_reference(tiny):  # noqa: ANN001
         q = LLM(tiny, device="cuda", dtype="bfloat16", quantized=True, ops=ops, progress=False)
         err[ops] = float((q.score(ids).float() - ref).norm() / ref.norm())
     assert err["ref"] < 0.15 and err["triton"] < 1.25 * err["ref"] + 0.01, err
+
+
+def test_bf16_head_sums_in_fp32(tiny):  # noqa: ANN001
+    # the bf16 head GEMM with fp32 output gives the fp32 product of the bf16 values (as the
+    # upcast path does), whichever path this torch build takes
+    import torch
+    import torch.nn.functional as F
+
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", progress=False)
+    x = torch.randn(5, llm.args.dim, device="cuda").to(torch.bfloat16)
+    got = llm.model.head_logits(x)
+    want = F.linear(x.double(), llm.model.head.weight.double()).float()
+    assert got.dtype == torch.float32
+    assert float((got - want).norm() / want.norm()) < 1e-5
