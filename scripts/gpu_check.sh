@@ -26,7 +26,7 @@ for part in $PARTS; do
         --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
     step)  # one decode step at Flash width: sliding, CSA, HCA layers
       python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
-        --batch 1,16,64 --context 4096,131072 --prefill 4096 --repeat 5 --profile --hf \
+        --batch 1,16,64 --context 4096,131072 --prefill 4096 --repeat 5 --profile --hf --graph \
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
