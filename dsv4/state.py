@@ -169,6 +169,10 @@ class Batch:
     block_size: int
     max_seqs: int
     decode: bool = False  # every sequence brings one new token
+    # the same per-sequence (start_pos, lens) on the host: index lists whose length depends on
+    # positions (closing windows, ring writes, the visible width) come from these, so the forward
+    # never waits on the device for a count
+    host_seqs: tuple[tuple[int, int], ...] = ()
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -214,6 +218,7 @@ class Batch:
             block_size=state.block_size,
             max_seqs=max_seqs,
             decode=max(lens) == 1,
+            host_seqs=tuple(zip(start_pos, lens)),
         )
 
     @property
@@ -270,15 +275,25 @@ class Batch:
 
         return self._memo(("win", window), build)
 
+    def _host_tokens(self, pick) -> torch.Tensor:  # noqa: ANN001
+        """Flat token indices, chosen on the host per sequence: pick(start, len) -> offsets within
+        the sequence's tokens. Uploaded without a stream sync (pinned, non-blocking)."""
+        flat, off = [], 0
+        for start, n in self.host_seqs:
+            flat += [off + i for i in pick(start, n)]
+            off += n
+        device = self.positions.device
+        host = torch.tensor(flat, dtype=torch.long, pin_memory=device.type == "cuda")
+        return host.to(device, non_blocking=True)
+
     def ring_writes(self, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, rows): the last `ring` tokens of each sequence and their ring rows."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.decode:  # every token is its sequence's last: no host sync for nonzero
+            if self.decode:  # every token is its sequence's last
                 tok = torch.arange(self.num_tokens, device=self.positions.device)
                 return tok, self._tok("slot") * ring + self.positions.remainder(ring)
-            last = self.positions >= self._tok("start") + self._tok("len") - ring
-            tok = last.nonzero().squeeze(1)
+            tok = self._host_tokens(lambda start, n: range(max(0, n - ring), n))
             return tok, self._tok("slot")[tok] * ring + self.positions[tok].remainder(ring)
 
         return self._memo(("ring", ring), build)
@@ -291,7 +306,8 @@ class Batch:
         """
 
         def build() -> tuple[torch.Tensor, ...]:
-            tok = ((self.positions + 1).remainder(ratio) == 0).nonzero().squeeze(1)
+            # positions p = start + i with (p + 1) % ratio == 0: i = first, first + ratio, ...
+            tok = self._host_tokens(lambda start, n: range((-start - 1) % ratio, n, ratio))
             w = self.positions[tok] // ratio
             n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
             pos = first[:, None] + torch.arange(n_slots, device=tok.device)
@@ -316,7 +332,7 @@ class Batch:
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             count = (self.positions + 1) // ratio
-            C = max(int(count.max()), 1)
+            C = max(max((st + n) // ratio for st, n in self.host_seqs), 1)  # = count.max()
             w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
             w = torch.where(w < count[:, None], w, -1)
             return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count

@@ -49,3 +49,25 @@ def test_decode_batch_ring_writes_without_nonzero():
     for ring in (1, 4, 8):
         for a, b in zip(dec.ring_writes(ring), general.ring_writes(ring)):
             assert torch.equal(a, b)
+
+
+def test_host_index_lists_match_the_device_formulas():
+    # closing windows, ring writes and the visible width come from host-side (start, len) lists;
+    # they equal the formulas over the device positions (what nonzero / max used to compute)
+    st = DecodeState(tiny_args(vocab_size=300), 4, 512, torch.float32, "cpu", num_blocks=8)
+    st.block_table[:, 0] = torch.arange(4)
+    st.block_table[:, 1] = torch.arange(4, 8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        lens = torch.randint(1, 40, (3,), generator=g).tolist()
+        starts = torch.randint(0, 400, (3,), generator=g).tolist()
+        b = Batch.build([1, 3, 0], starts, lens, st)
+        pos, seq = b.positions, b.token_seq
+        for ratio in (4, 128):
+            tok = b.closing_windows(ratio, ratio == 4)[0]
+            assert torch.equal(tok, ((pos + 1).remainder(ratio) == 0).nonzero().squeeze(1))
+            cand, count = b.visible_entries(ratio)
+            assert cand.shape[1] == max(int(count.max()), 1)
+        for ring in (8, 128):
+            last = pos >= b.start_pos[seq] + b.lens[seq] - ring
+            assert torch.equal(b.ring_writes(ring)[0], last.nonzero().squeeze(1))
