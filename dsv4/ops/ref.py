@@ -186,10 +186,12 @@ def compress_store(
     out: torch.Tensor,
     dest: torch.Tensor,
 ) -> None:
-    # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows
+    # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows,
+    # -1 = no store (a window that does not close: the static shapes of a CUDA-graph step)
     # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)): per-channel softmax pooling
     pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(out.dtype)
-    out[dest] = norm_rope(pooled, weight, eps, cos, sin)
+    keep = dest >= 0
+    out[dest[keep]] = norm_rope(pooled, weight, eps, cos, sin)[keep]
 
 
 def index_topk(

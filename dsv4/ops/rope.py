@@ -7,7 +7,8 @@ Three launchers with the signatures of `dsv4.ops.ref`:
                                             store = (dst, rows) also writes dst[rows[t]] (decode's
                                             window ring, in the same launch)
   compress_store(kv, score, weight, eps, cos, sin, out, dest)
-                                            out[dest] = norm_rope(softmax_slots(score) . kv)
+                                            out[dest] = norm_rope(softmax_slots(score) . kv),
+                                            dest -1 = no store
 Every op is one launch that reads its inputs once and writes its output once; the statistics, the
 softmax pooling and the rotation live in registers. Rounding follows the reference: the normalised
 value is cast to the output dtype before it is rotated, and the pooled value before it is normalised.
@@ -247,12 +248,11 @@ def _compress_store_kernel(
     cos_ptr,  # [n, rd/2] fp32
     sin_ptr,  # [n, rd/2] fp32
     out_ptr,  # [rows, d] bf16/fp32 paged store
-    dest_ptr,  # [n] int rows of out (negative rows wrap, as torch indexing does)
+    dest_ptr,  # [n] int rows of out, -1 = no store
     slots,
     d,
     nope,
     eps,
-    out_rows,
     stride_kvn,
     stride_kvs,
     stride_sn,
@@ -309,12 +309,12 @@ def _compress_store_kernel(
 
     # ---- store the entry at its pool row
     row = tl.load(dest_ptr + i).to(tl.int64)
-    row = tl.where(row < 0, row + out_rows, row)
-    tl.store(
-        out_ptr + row * stride_o0 + cols[None, :],
-        y.to(out_ptr.dtype.element_ty),
-        mask=col_ok[None, :],
-    )
+    if row >= 0:
+        tl.store(
+            out_ptr + row * stride_o0 + cols[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=col_ok[None, :],
+        )
 
 
 def _compress_config(slots: int, block_d: int) -> tuple[int, int]:
@@ -378,7 +378,6 @@ def compress_store(
         d,
         d - rd,
         eps,
-        out.shape[0],
         kv.stride(0),
         kv.stride(1),
         score.stride(0),

@@ -167,6 +167,17 @@ def test_compress_store(n: int, slots: int, d: int, rd: int, dtype: torch.dtype)
     same = before.clone()
     ref.compress_store(kv, score, w, 1e-6, cos, sin, same, dest)  # ref at the store dtype
     assert _rel(out[dest], same[dest]) < TOL[dtype]
+    # dest -1: that window is not stored (both backends), the others are as before
+    skip = dest.clone()
+    skip[::2] = -1
+    for impl in (rope, ref):
+        o = before.clone()
+        impl.compress_store(kv, score, w, 1e-6, cos, sin, o, skip)
+        kept = skip[skip >= 0]
+        assert torch.equal(o[kept], out[kept] if impl is rope else same[kept])
+        untouched = torch.ones(rows, dtype=torch.bool)
+        untouched[kept] = False
+        assert torch.equal(o[untouched], before[untouched])
 
 
 def test_compress_store_many_slot_chunks() -> None:
