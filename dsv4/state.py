@@ -173,6 +173,9 @@ class Batch:
     # positions (closing windows, ring writes, the visible width) come from these, so the forward
     # never waits on the device for a count
     host_seqs: tuple[tuple[int, int], ...] = ()
+    # > 0: a static decode step (`build_static`): every list keeps its shape for all positions
+    # below graph_len, and windows that do not close are stored nowhere (dest -1)
+    graph_len: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -219,6 +222,32 @@ class Batch:
             max_seqs=max_seqs,
             decode=max(lens) == 1,
             host_seqs=tuple(zip(start_pos, lens)),
+        )
+
+    @classmethod
+    def build_static(
+        cls, slots: torch.Tensor, start_pos: torch.Tensor, state: DecodeState, graph_len: int
+    ) -> Batch:
+        """One decode token per sequence, from device tensors [B] (read, not copied), with index
+        lists shaped only by B and graph_len (> every position): what a CUDA graph captures and
+        replays with new slots / positions written into the same tensors. Build it inside the
+        capture so the page-table gather is replayed too."""
+        B, device = slots.shape[0], slots.device
+        if graph_len <= 0 or graph_len > state.max_seq_len:
+            raise ValueError(f"graph_len={graph_len} must be in [1, {state.max_seq_len}]")
+        ar = torch.arange(B + 1, device=device)
+        return cls(
+            slots=slots,
+            start_pos=start_pos,
+            lens=torch.ones(B, dtype=torch.long, device=device),
+            positions=start_pos,
+            token_seq=ar[:B],
+            cu_lens=ar,
+            block_table=state.block_table[slots],
+            block_size=state.block_size,
+            max_seqs=state.max_seqs,
+            decode=True,
+            graph_len=graph_len,
         )
 
     @property
@@ -306,14 +335,19 @@ class Batch:
         """
 
         def build() -> tuple[torch.Tensor, ...]:
-            # positions p = start + i with (p + 1) % ratio == 0: i = first, first + ratio, ...
-            tok = self._host_tokens(lambda start, n: range((-start - 1) % ratio, n, ratio))
+            if self.graph_len:  # every token, the windows that stay open stored nowhere
+                tok = torch.arange(self.num_tokens, device=self.positions.device)
+            else:  # positions p = start + i with (p + 1) % ratio == 0: i = first, +ratio, ...
+                tok = self._host_tokens(lambda start, n: range((-start - 1) % ratio, n, ratio))
             w = self.positions[tok] // ratio
             n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
             pos = first[:, None] + torch.arange(n_slots, device=tok.device)
             ring = 2 * ratio if overlap else ratio
             rows = self.history_rows(pos, tok[:, None].expand_as(pos), ring)
-            return tok, w, self.entry_rows(self.token_seq[tok], w, ratio), rows
+            dest = self.entry_rows(self.token_seq[tok], w, ratio)
+            if self.graph_len:
+                dest = torch.where((self.positions + 1).remainder(ratio) == 0, dest, -1)
+            return tok, w, dest, rows
 
         return self._memo(("close", ratio, overlap), build)
 
@@ -332,7 +366,10 @@ class Batch:
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             count = (self.positions + 1) // ratio
-            C = max(max((st + n) // ratio for st, n in self.host_seqs), 1)  # = count.max()
+            if self.graph_len:
+                C = max(self.graph_len // ratio, 1)  # >= count.max() for positions < graph_len
+            else:
+                C = max(max((st + n) // ratio for st, n in self.host_seqs), 1)  # = count.max()
             w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
             w = torch.where(w < count[:, None], w, -1)
             return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count

@@ -1,0 +1,72 @@
+"""Static decode steps (what a CUDA graph captures) give the eager step's logits and state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv4.bench import step
+from dsv4.bench.weights import fill_state_, init_random_
+from dsv4.model import Transformer
+from dsv4.ops import select
+from dsv4.state import Batch, DecodeState
+
+
+@pytest.fixture(scope="module")
+def model_and_state():  # noqa: ANN201
+    args, _ = step.bench_args("tiny", step._layer_list("sliding:hash,csa,hca"))
+    model = Transformer(args, torch.float32, quantized=True, ops=select("ref"))
+    init_random_(model, seed=5)
+    state = DecodeState(args, 4, 256, torch.float32, "cpu")
+    fill_state_(state, seed=5)
+    return model, state
+
+
+def _state_tensors(state: DecodeState) -> list[torch.Tensor]:
+    out = []
+    for layer in state.layers:
+        out.append(layer.window)
+        for c in (layer.compressor, layer.indexer):
+            if c is not None:
+                out += [c.kv_cache, c.kv_state, c.score_state]
+    return out
+
+
+# positions: CSA (ratio 4) windows close at p = 3 mod 4, HCA (ratio 16) at p = 15 mod 16
+@pytest.mark.parametrize(
+    "slots,starts,graph_len",
+    [
+        ([0, 2, 1], [47, 100, 130], 256),  # 47: both close; 100: none; 130: none
+        ([3], [63], 64),  # both close, the width exactly at the bound
+        ([1, 3], [5, 250], 256),  # early CSA window (w = 1), far HCA
+    ],
+)
+def test_static_step_matches_eager(model_and_state, slots, starts, graph_len) -> None:  # noqa: ANN001
+    model, state0 = model_and_state
+    ids = torch.tensor([7, 11, 13][: len(slots)])
+    eager_state, static_state = copy.deepcopy(state0), copy.deepcopy(state0)
+    with torch.inference_mode():
+        b = Batch.build(slots, starts, [1] * len(slots), eager_state)
+        want = model.logits(model(ids, b, eager_state))
+        # one padding row, a copy of sequence 0: same inputs, so the same writes
+        pad_slots = torch.tensor(slots + [slots[0]])
+        pad_starts = torch.tensor(starts + [starts[0]])
+        pad_ids = torch.cat([ids, ids[:1]])
+        sb = Batch.build_static(pad_slots, pad_starts, static_state, graph_len)
+        got = model.logits(model(pad_ids, sb, static_state))
+    torch.testing.assert_close(got[: len(slots)], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[-1], want[0], rtol=1e-5, atol=1e-5)
+    for a, c in zip(_state_tensors(static_state), _state_tensors(eager_state)):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+    changed = sum(
+        not torch.equal(a, c) for a, c in zip(_state_tensors(eager_state), _state_tensors(state0))
+    )
+    assert changed > 0  # the step wrote state (the comparison above is not vacuous)
+
+
+def test_static_rejects_a_bad_bound(model_and_state) -> None:  # noqa: ANN001
+    _, state = model_and_state
+    with pytest.raises(ValueError, match="graph_len"):
+        Batch.build_static(torch.tensor([0]), torch.tensor([3]), state, 10_000)
