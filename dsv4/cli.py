@@ -15,6 +15,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "chunk_size",
     "max_memory",
     "memory_fraction",
+    "cuda_graphs",
 )
 
 
@@ -96,6 +97,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="state budget as a fraction of free device memory after weights",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode steps as CUDA graphs (needs --device cuda --ops triton)",
     )
 
 

@@ -567,6 +567,7 @@ class EngineConfig:
     quantized: bool = False  # keep FP8/FP4 weights packed in memory (dequantize inside ops)
     max_seqs: int = 8
     max_seq_len: int = 4096
+    cuda_graphs: bool = False  # replay decode steps as CUDA graphs (needs cuda + ops="triton")
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
 
     def __post_init__(self) -> None:
@@ -574,6 +575,11 @@ class EngineConfig:
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.ops not in ("ref", "triton"):
             raise ConfigError(f"ops must be 'ref' or 'triton', got {self.ops!r}")
+        if self.cuda_graphs and (self.ops != "triton" or not self.device.startswith("cuda")):
+            raise ConfigError(
+                "cuda_graphs needs a CUDA device and ops='triton' (the torch reference ops wait "
+                f"on the device inside the step); got device={self.device!r}, ops={self.ops!r}"
+            )
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
@@ -630,6 +636,7 @@ class ServerConfig:
     chunk_size: int = 512
     max_memory: int | None = None
     memory_fraction: float | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
 from dsv4.sampling import Sampler, SamplingParams, StopChecker, make_generator
@@ -83,8 +84,10 @@ class Engine:
         max_running: int,  # noqa: ANN001
         max_step_tokens: int,
         chunk_size: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
+        self.graphs = DecodeGraphs(model, state, max_running) if cuda_graphs else None
         self.args = model.args
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
         self.sampler = Sampler(self.args.eos_token_id)
@@ -145,6 +148,17 @@ class Engine:
         return self._postprocess([w for w in work if w.samples], logits)
 
     def _run(self, work: list[Work]) -> torch.Tensor:
+        if self.graphs is not None and all(w.n == 1 and w.samples for w in work):
+            # one new token per sequence: a captured decode step, where one can be
+            starts = [w.start for w in work]
+            if self.graphs.can_run(len(work), max(starts)):
+                logits = self.graphs.run(
+                    [w.request.slot for w in work],
+                    starts,
+                    [w.request.all_ids[w.start] for w in work],
+                )
+                if logits is not None:
+                    return logits
         dev = self.state.block_table.device
         batch = Batch.build(
             [w.request.slot for w in work], [w.start for w in work], [w.n for w in work], self.state

@@ -51,6 +51,7 @@ class LLM:
         max_memory: int | None = None,
         memory_fraction: float | None = None,
         block_size: int | None = None,
+        cuda_graphs: bool = False,
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -61,6 +62,7 @@ class LLM:
             quantized=quantized,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
+            cuda_graphs=cuda_graphs,
         )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
@@ -109,6 +111,7 @@ class LLM:
             max_running=max_seqs,
             max_step_tokens=max_step_tokens,
             chunk_size=chunk_size,
+            cuda_graphs=cuda_graphs,
         )
         self._score_state: DecodeState | None = None
 

@@ -1,0 +1,112 @@
+"""CUDA graphs of decode steps: the engine's pure-decode steps replayed without host launch cost.
+
+A decode step launches ~40 kernels per layer; on hosts that pay tens of microseconds per launch the
+GPU waits on Python. `DecodeGraphs` captures the whole step (embedding .. logits) once per
+(batch bucket, position bound) and replays it with the step's slots, positions and token ids
+written into static buffers:
+  - batch buckets 1, 2, 4, .. up to max_seqs; a step of n sequences pads to the next bucket with
+    copies of its first sequence (same inputs, so the same state writes);
+  - the position bound L is the next power of two above the step's last position (at least 256,
+    at most max_seq_len): the index lists of a static `Batch` (`Batch.build_static`) are shaped by
+    B and L only, entries past a sequence's own count are -1.
+Capture needs a forward without host syncs: the Triton ops (the torch references sync in the
+experts and the compressor's store). Before a capture the step runs once eagerly (autotuning,
+lazy tables); running it twice is harmless, every state write of a decode step is idempotent
+(a slot's ring row is overwritten with the same value, the closed window's entry too).
+Graphs share one memory pool and replay one at a time; the logits are copied out after each
+replay, so a later graph reusing the pool cannot clobber them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dsv4.model import Transformer
+from dsv4.state import Batch, DecodeState
+
+log = logging.getLogger("dsv4.cuda_graphs")
+
+MIN_LEN = 256  # smallest position bound: fewer graphs for short contexts
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def graph_key(n: int, last_pos: int, max_seq_len: int) -> tuple[int, int]:
+    """(batch bucket, position bound) of a decode step of n sequences, largest position last_pos."""
+    return _pow2_at_least(n), min(max(_pow2_at_least(last_pos + 1), MIN_LEN), max_seq_len)
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over `state`, keyed by (batch bucket, position bound)."""
+
+    def __init__(self, model: Transformer, state: DecodeState, max_batch: int) -> None:
+        if state.block_table.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and state on a CUDA device")
+        self.model, self.state = model, state
+        self.max_batch = _pow2_at_least(max_batch)
+        dev = state.block_table.device
+        self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.starts = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.failed: set[tuple[int, int]] = set()
+        self.pool = None
+
+    def key(self, n: int, last_pos: int) -> tuple[int, int]:
+        return graph_key(n, last_pos, self.state.max_seq_len)
+
+    def can_run(self, n: int, last_pos: int) -> bool:
+        return 0 < n <= self.max_batch and self.key(n, last_pos) not in self.failed
+
+    def run(self, slots: list[int], starts: list[int], ids: list[int]) -> torch.Tensor | None:
+        """fp32 logits [n, vocab] of one decode token per sequence, or None where this step
+        cannot be captured (the caller runs it eagerly)."""
+        n = len(slots)
+        key = self.key(n, max(starts))
+        B = key[0]
+        pad = B - n
+        host = torch.tensor(
+            [slots + slots[:1] * pad, starts + starts[:1] * pad, ids + ids[:1] * pad],
+            dtype=torch.long,
+            pin_memory=True,
+        )
+        self.slots[:B].copy_(host[0], non_blocking=True)
+        self.starts[:B].copy_(host[1], non_blocking=True)
+        self.ids[:B].copy_(host[2], non_blocking=True)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key)
+            if entry is None:
+                return None
+        graph, logits = entry
+        graph.replay()
+        return logits[:n].clone()
+
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        B, bound = key
+        batch = Batch.build_static(self.slots[:B], self.starts[:B], self.state, bound)
+        return self.model.logits(self.model(self.ids[:B], batch, self.state))
+
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(key)  # eager once: autotuning and lazy tables outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(key)
+        except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
+            torch.cuda.synchronize()
+            self.failed.add(key)
+            log.warning("decode step %s not captured, running eagerly: %s", key, e)
+            return None
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, logits)
+        log.info("captured decode step: batch %d, positions < %d", *key)
+        return graph, logits
