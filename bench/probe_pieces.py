@@ -192,7 +192,7 @@ def probe_topk() -> None:
             lambda: indexer.index_topk(q, w, keys, cand, 512),
         )  # noqa: B023, E501
         us(f"index_topk T={T} scores alone", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
-        for seg, sw in ((2048, 8), (4096, 8), (4096, 32), (8192, 16), (8192, 32), (32768, 32)):
+        for seg, sw in ((2048, 1), (2048, 2), (2048, 8), (4096, 4), (4096, 8), (8192, 16)):
             try:
                 us(
                     f"index_topk T={T} segment={seg} warps={sw}",

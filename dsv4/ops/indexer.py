@@ -167,12 +167,12 @@ def _index_select_kernel(
     offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
     valid = offs < L
     in_row = in_ptr + r.to(tl.int64) * stride_ir
+    # only the 32-bit keys stay live through the search (the packed values are re-read or rebuilt
+    # for the winners alone): fewer registers, so fewer warps can hold a segment without spills
     if PACKED:
-        packed = tl.load(in_row + offs, mask=valid, other=INT64_MIN)
-        key = (packed >> 32).to(tl.int32)
+        key = (tl.load(in_row + offs, mask=valid, other=INT64_MIN) >> 32).to(tl.int32)
     else:
         key = tl.load(in_row + offs, mask=valid, other=INT32_MIN)
-        packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
 
     # ---- the kk-th largest key of the segment, kk = min(K, segment length)
     kk = tl.minimum(K, tl.minimum(L - seg * BLOCK_L, BLOCK_L))
@@ -185,6 +185,10 @@ def _index_select_kernel(
     sel = (valid & (u > thr)) | ((eq != 0) & (eq_before < need))
     sel_i = sel.to(tl.int32)
     slot = tl.cumsum(sel_i, 0) - sel_i  # compaction keeps the position order
+    if PACKED:
+        packed = tl.load(in_row + offs, mask=sel, other=INT64_MIN)
+    else:
+        packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
     out_row = out_ptr + r.to(tl.int64) * stride_or + seg * K
     offs_k = tl.arange(0, BLOCK_K)
     if FINAL:
