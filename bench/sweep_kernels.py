@@ -79,37 +79,18 @@ def sweep_indexer(rows: list) -> None:
     for T in (1, 16, 64):
         q, w, keys, cand = index_inputs(T, Hi, d, C, False, "cuda", True)  # engine's paging
         nbytes = T * C * d * 2
-        base = dict(indexer.SCORE_CFG)
         for block_n, keys_on_m in ((64, True), (128, True)):
             for stages in (3, 4):
                 for warps in (4, 8):
                     for pps in (1, 2):
-                        indexer.SCORE_CFG.update(
-                            BLOCK_N=block_n, num_stages=stages, num_warps=warps,
-                            programs_per_sm=pps, keys_on_m=keys_on_m,
-                        )  # fmt: skip
+                        cfg = indexer.ScoreConfig(block_n, warps, stages, pps, keys_on_m)
+                        row = {"op": "index_scores", "T": T, "cfg": cfg._asdict()}
                         try:
-                            us = t_us(lambda: indexer._scores(q, w, keys, cand))
+                            us = t_us(lambda: indexer._scores(q, w, keys, cand, cfg))  # noqa: B023
                         except Exception as e:  # noqa: BLE001
-                            rows.append(
-                                {
-                                    "op": "index_scores",
-                                    "T": T,
-                                    "cfg": dict(indexer.SCORE_CFG),
-                                    "error": str(e)[:80],
-                                }
-                            )
+                            rows.append(row | {"error": str(e)[:80]})
                             continue
-                        rows.append(
-                            {
-                                "op": "index_scores",
-                                "T": T,
-                                "cfg": dict(indexer.SCORE_CFG),
-                                "us": us,
-                                "gbps": nbytes / us / 1e3,
-                            }
-                        )
-        indexer.SCORE_CFG.update(base)
+                        rows.append(row | {"us": us, "gbps": nbytes / us / 1e3})
         rows.append(
             {
                 "op": "index_topk(default)",

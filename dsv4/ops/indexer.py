@@ -24,6 +24,7 @@ Scores of visible entries are finite for finite inputs; -0.0 is folded into +0.0
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -227,22 +228,31 @@ def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
     return min(16, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
 
 
-# measured best on an H200 (bench/sweep_kernels.py, 2026-11-29): stages 3-4, 2 programs per SM
-SCORE_CFG = {
-    "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 2, "keys_on_m": True
-}  # fmt: skip
+class ScoreConfig(NamedTuple):
+    """Tiles of the score kernel. The default is the best of the H200 sweep
+    (bench/sweep_kernels.py, 2026-11-29): within 1% of 1 program per SM, 3-4 stages."""
+
+    block_n: int = 64  # candidates per tile
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2
+    keys_on_m: bool = True  # keys on the MMA rows: the head sum stays inside a warp
 
 
 def _scores(
-    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand_idxs: torch.Tensor
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    cand_idxs: torch.Tensor,
+    cfg: ScoreConfig = ScoreConfig(),  # noqa: B008  (immutable)
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible)."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
-    block_n = SCORE_CFG["BLOCK_N"] if C >= 64 else max(16, triton.next_power_of_2(C))
+    block_n = cfg.block_n if C >= 64 else max(16, triton.next_power_of_2(C))
     n_tiles = triton.cdiv(C, block_n)
-    tiles = _score_tiles(T, n_tiles, SCORE_CFG["programs_per_sm"] * _num_sms(q.device))
+    tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * _num_sms(q.device))
     _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
         q, weights, keys, cand_idxs, skey,
         C, Hi, d,
@@ -250,13 +260,13 @@ def _scores(
         skey.stride(0),
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
-        KEYS_ON_M=SCORE_CFG["keys_on_m"],
+        KEYS_ON_M=cfg.keys_on_m,
         BLOCK_H=max(16, triton.next_power_of_2(Hi)),
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
         TILES=tiles,
-        num_warps=SCORE_CFG["num_warps"],
-        num_stages=SCORE_CFG["num_stages"],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return skey
 

@@ -80,7 +80,9 @@ def test_index_topk_ties(T: int, Hi: int, d: int, C: int, topk: int, dtype: torc
 @pytest.mark.parametrize("keys_on_m", [True, False])
 def test_index_topk_score_orientation(keys_on_m: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # both layouts of the score dot (keys or heads on the tile's rows) give the reference
-    monkeypatch.setitem(indexer.SCORE_CFG, "keys_on_m", keys_on_m)
+    cfg = indexer.ScoreConfig(keys_on_m=keys_on_m)
+    real = indexer._scores
+    monkeypatch.setattr(indexer, "_scores", lambda q, w, k, c: real(q, w, k, c, cfg))
     _check(*_inputs(7, 16, 32, 300, torch.float32), 64)
     _check(*_inputs(4, 2, 16, 300, torch.float32, n_keys=7, integer=True), 64)
 
