@@ -59,14 +59,14 @@ class DecodeGraphs:
     def key(self, n: int, last_pos: int) -> tuple[int, int]:
         return graph_key(n, last_pos, self.state.max_seq_len)
 
-    def can_run(self, n: int, last_pos: int) -> bool:
-        return 0 < n <= self.max_batch and self.key(n, last_pos) not in self.failed
-
     def run(self, slots: list[int], starts: list[int], ids: list[int]) -> torch.Tensor | None:
-        """fp32 logits [n, vocab] of one decode token per sequence, or None where this step
-        cannot be captured (the caller runs it eagerly)."""
+        """fp32 logits [n, vocab] of one decode token per sequence, or None where no graph serves
+        this step (more sequences than the largest bucket, or a capture that failed): the caller
+        runs it eagerly."""
         n = len(slots)
         key = self.key(n, max(starts))
+        if not 0 < n <= self.max_batch or key in self.failed:
+            return None
         B = key[0]
         pad = B - n
         host = torch.tensor(

@@ -149,16 +149,14 @@ class Engine:
 
     def _run(self, work: list[Work]) -> torch.Tensor:
         if self.graphs is not None and all(w.n == 1 and w.samples for w in work):
-            # one new token per sequence: a captured decode step, where one can be
-            starts = [w.start for w in work]
-            if self.graphs.can_run(len(work), max(starts)):
-                logits = self.graphs.run(
-                    [w.request.slot for w in work],
-                    starts,
-                    [w.request.all_ids[w.start] for w in work],
-                )
-                if logits is not None:
-                    return logits
+            # one new token per sequence: a captured decode step, where one serves
+            logits = self.graphs.run(
+                [w.request.slot for w in work],
+                [w.start for w in work],
+                [w.request.all_ids[w.start] for w in work],
+            )
+            if logits is not None:
+                return logits
         dev = self.state.block_table.device
         batch = Batch.build(
             [w.request.slot for w in work], [w.start for w in work], [w.n for w in work], self.state

@@ -366,10 +366,9 @@ class Batch:
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             count = (self.positions + 1) // ratio
-            if self.graph_len:
-                C = max(self.graph_len // ratio, 1)  # >= count.max() for positions < graph_len
-            else:
-                C = max(max((st + n) // ratio for st, n in self.host_seqs), 1)  # = count.max()
+            # positions < bound: count.max() itself, or for a static step all it can be
+            bound = self.graph_len or max(st + n for st, n in self.host_seqs)
+            C = max(bound // ratio, 1)
             w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
             w = torch.where(w < count[:, None], w, -1)
             return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count

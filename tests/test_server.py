@@ -21,6 +21,7 @@ from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
 from dsv4.server import Server, build_app, main, parse_args
 from dsv4.tiny import make_tiny, tiny_args
+from tests.test_parsers import TOOLS as PARSER_TOOLS
 
 MODEL = "tiny"  # served name: the checkpoint directory's name
 MAX_LEN = 2048
@@ -669,18 +670,7 @@ def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noq
 
 # ---- the chat stream formatter fed scripted model output ------------------------------------------
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    }
-]
+TOOLS = PARSER_TOOLS[:1]  # get_weather
 SCRIPT = (
     "The user wants weather.</think>Let me check.\n\n<｜DSML｜tool_calls>\n"
     '<｜DSML｜invoke name="get_weather">\n'

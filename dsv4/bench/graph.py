@@ -18,20 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4.bench.ops import replay_ms
 from dsv4.bench.timing import _stats
 from dsv4.model import Transformer
 from dsv4.state import Batch, DecodeState
-
-
-def _replay_s(g: torch.cuda.CUDAGraph, replays: int) -> float:
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e-3 / replays
 
 
 def graph_measure(
@@ -71,8 +61,8 @@ def graph_measure(
     uniq = list(dict.fromkeys(keys))
     samples: dict = {"layers": {k: [] for k in uniq}, "rest": [], "step": []}
     for _ in range(repeat):
-        per_layer = [_replay_s(g, replays) for g in layer_g]
-        step_s = _replay_s(step_g, replays)
+        per_layer = [replay_ms(g, replays) * 1e-3 for g in layer_g]
+        step_s = replay_ms(step_g, replays) * 1e-3
         for k in uniq:
             samples["layers"][k].append(
                 statistics.mean(t for t, kk in zip(per_layer, keys) if kk == k)

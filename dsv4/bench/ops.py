@@ -63,6 +63,18 @@ def _l2_flush_buffer() -> torch.Tensor:
     return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # > the 60 MB L2
 
 
+def replay_ms(g: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    """Milliseconds per replay of a captured graph, after one replay not timed."""
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / replays
+
+
 def _graph_us(
     fn: Callable[[], object], repeat: int, n: int = 20, cold: bool = True
 ) -> list[float] | None:
@@ -89,16 +101,6 @@ def _graph_us(
     except Exception:  # noqa: BLE001  (not capturable: host syncs inside)
         torch.cuda.synchronize()
         return None
-
-    def replay_ms(g: torch.cuda.CUDAGraph) -> float:
-        g.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / 5
 
     out = []
     for _ in range(repeat):
