@@ -53,11 +53,25 @@ def main() -> None:
         torch.randn(24, device="cuda", generator=g),
     )
     x = torch.randn(1, 4, 4096, device="cuda", dtype=bf, generator=g)
+    q64 = torch.randn(64, H, D, device="cuda", dtype=bf, generator=g)
+    new64 = torch.randn(64, D, device="cuda", dtype=bf, generator=g)
+    idx64 = torch.cat(
+        [
+            torch.arange(128, device="cuda").expand(64, 128),
+            192 + torch.randint(0, 1 << 20, (64, 512), device="cuda"),
+        ],
+        dim=1,
+    )
+    x64 = torch.randn(64, 4, 4096, device="cuda", dtype=bf, generator=g)
     cases = {
         "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(
             q, (ring, new, pool), sink, idx, 0.04
         ),
+        "sparse_attn T=64 K=640": lambda: sparse_attn.sparse_attn(
+            q64, (ring, new64, pool), sink, idx64, 0.04
+        ),
         "hc_pre T=1": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
+        "hc_pre T=64": lambda: mhc.hc_pre(x64, fn, sc, base, 1e-6, 1e-6, 20),
     }
     for T in (1, 16):
         qi, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)

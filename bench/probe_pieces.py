@@ -50,6 +50,97 @@ def floors() -> None:
     us("floor: torch a.add_(1) on 4 KB", lambda: a.add_(1))
 
 
+# ---- the least any hc_pre at T=64 can take: its bytes (x 2 MB bf16, fn 1.5 MB fp32, y 0.5 MB)
+# with its dependency (every output needs a sum over all n*D inputs of its token), as two
+# launches (split-K partials, then the collapse) or one launch with a grid-wide barrier
+
+
+@triton.jit
+def _phase_a(x_ptr, fn_ptr, ws_ptr, K, SPLIT: tl.constexpr, T: tl.constexpr):
+    g = tl.program_id(0)
+    offs_k = g * SPLIT + tl.arange(0, SPLIT)
+    x = tl.load(x_ptr + tl.arange(0, T)[:, None] * K + offs_k[None, :]).to(tl.float32)
+    fn = tl.load(
+        fn_ptr + tl.arange(0, 32)[:, None] * K + offs_k[None, :],
+        mask=tl.arange(0, 32)[:, None] < 24,
+    )
+    part = tl.sum(x * x, 1) + tl.sum(tl.sum(fn, 1), 0)
+    tl.store(ws_ptr + g * T + tl.arange(0, T), part)
+
+
+@triton.jit
+def _phase_b(
+    x_ptr, ws_ptr, y_ptr, pid, K, D, G: tl.constexpr, T: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    t = pid // (D // BLOCK_D)
+    offs_d = (pid % (D // BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    r = tl.sum(tl.load(ws_ptr + tl.arange(0, G) * T + t), 0)
+    x = tl.load(x_ptr + t * K + tl.arange(0, 4)[:, None] * D + offs_d[None, :]).to(tl.float32)
+    tl.store(y_ptr + t * D + offs_d, (tl.sum(x, 0) * r).to(tl.bfloat16))
+
+
+@triton.jit
+def _phase_b_kernel(
+    x_ptr, ws_ptr, y_ptr, K, D, G: tl.constexpr, T: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    _phase_b(x_ptr, ws_ptr, y_ptr, tl.program_id(0), K, D, G, T, BLOCK_D)
+
+
+@triton.jit
+def _phase_ab_kernel(x_ptr, fn_ptr, ws_ptr, y_ptr, bar_ptr, K, D, SPLIT: tl.constexpr,
+                     G: tl.constexpr, T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    _phase_a(x_ptr, fn_ptr, ws_ptr, K, SPLIT, T)
+    # sense-reversal grid barrier: bar[0] arrivals, bar[1] generation, bar[2] timeouts
+    gen0 = tl.atomic_add(bar_ptr + 1, 0, sem="relaxed")
+    if tl.atomic_add(bar_ptr, 1, sem="acq_rel") == G - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
+        tl.atomic_add(bar_ptr + 1, 1, sem="release")
+    else:
+        i = 0
+        while (tl.atomic_add(bar_ptr + 1, 0, sem="acquire") == gen0) & (i < 100000):
+            i += 1
+        if i >= 100000:
+            tl.atomic_add(bar_ptr + 2, 1)
+    _phase_b(x_ptr, ws_ptr, y_ptr, tl.program_id(0), K, D, G, T, BLOCK_D)
+
+
+def probe_phases() -> None:
+    T, n, D, G = 64, 4, 4096, 128
+    K = n * D
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    fn = torch.randn(24, K, device="cuda")
+    ws = torch.empty(G, T, device="cuda")
+    y = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
+    bar = torch.zeros(3, dtype=torch.int32, device="cuda")
+    nbytes = x.numel() * 2 + fn.numel() * 4 + y.numel() * 2
+    bd = T * D // G  # one (token, D chunk) per program of the fused form
+
+    def a() -> None:
+        _phase_a[(G,)](x, fn, ws, K, SPLIT=K // G, T=T, num_warps=4)
+
+    def b() -> None:
+        _phase_b_kernel[(T * D // bd,)](x, ws, y, K, D, G=G, T=T, BLOCK_D=bd, num_warps=4)
+
+    def ab() -> None:
+        a()
+        b()
+
+    def fused() -> None:
+        _phase_ab_kernel[(G,)](
+            x, fn, ws, y, bar, K, D, SPLIT=K // G, G=G, T=T, BLOCK_D=bd, num_warps=4
+        )
+
+    print(
+        f"hc_pre T=64 bytes {nbytes / 1e6:.2f} MB; 50% of 4.25 TB/s = {nbytes / 0.5 / 4.25e6:.2f} us"
+    )
+    us("phases: A alone (split-K partials)", a)
+    us("phases: B alone (collapse)", b)
+    us("phases: A then B (two launches)", ab)
+    us("phases: A | grid barrier | B (one launch)", fused)
+    torch.cuda.synchronize()
+    print(f"grid barrier timeouts: {int(bar[2])}")
+
+
 def probe_mhc() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
@@ -208,7 +299,7 @@ def main() -> None:
     p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
-             "select": probe_select, "topk": probe_topk}  # fmt: skip
+             "select": probe_select, "topk": probe_topk, "phases": probe_phases}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

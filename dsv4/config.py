@@ -575,10 +575,14 @@ class EngineConfig:
             raise ConfigError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.ops not in ("ref", "triton"):
             raise ConfigError(f"ops must be 'ref' or 'triton', got {self.ops!r}")
-        if self.cuda_graphs and (self.ops != "triton" or not self.device.startswith("cuda")):
+        if self.cuda_graphs and not (
+            self.ops == "triton" and self.device.startswith("cuda") and self.quantized
+        ):
             raise ConfigError(
-                "cuda_graphs needs a CUDA device and ops='triton' (the torch reference ops wait "
-                f"on the device inside the step); got device={self.device!r}, ops={self.ops!r}"
+                "cuda_graphs needs a CUDA device, ops='triton' and quantized=True (the torch "
+                "reference ops, and the routed experts once dequantized, wait on the device "
+                f"inside the step); got device={self.device!r}, ops={self.ops!r}, "
+                f"quantized={self.quantized}"
             )
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
             raise ConfigError(

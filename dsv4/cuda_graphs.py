@@ -104,7 +104,7 @@ class DecodeGraphs:
         except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
             torch.cuda.synchronize()
             self.failed.add(key)
-            log.warning("decode step %s not captured, running eagerly: %s", key, e)
+            log.warning("decode step %s not captured, running eagerly: %s", key, e, exc_info=True)
             return None
         self.pool = graph.pool()
         self.graphs[key] = (graph, logits)

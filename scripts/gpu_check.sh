@@ -2,7 +2,7 @@
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
 #   scripts/gpu_check.sh [tests] [ops] [step] [probe] [kernels] [sweep]   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
-#   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep
+#   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep, NCU=0 skips Nsight in kernels
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ for part in $PARTS; do
       python3 bench/probe_pieces.py ${PROBE:+--only $PROBE} --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
     kernels)  # per-kernel device time inside the multi-kernel ops (torch profiler), then Nsight
       python3 bench/kernel_times.py --json "$OUT/kernel_times.json" 2>&1 | tee "$OUT/kernel_times.txt"
-      if command -v ncu >/dev/null; then
+      if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
         for k in "index_select|hc_pre_finish|hc_mixes:6" "sparse_attn:2"; do
           timeout 100 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
             -k regex:"${k%%:*}" -c "${k##*:}" python3 bench/kernel_times.py --plain 2>&1 \
