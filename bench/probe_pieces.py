@@ -105,40 +105,87 @@ def _phase_ab_kernel(x_ptr, fn_ptr, ws_ptr, y_ptr, bar_ptr, K, D, SPLIT: tl.cons
 
 
 def probe_phases() -> None:
-    T, n, D, G = 64, 4, 4096, 128
+    T, n, D = 64, 4, 4096
     K = n * D
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
     fn = torch.randn(24, K, device="cuda")
-    ws = torch.empty(G, T, device="cuda")
     y = torch.empty(T, D, device="cuda", dtype=torch.bfloat16)
     bar = torch.zeros(3, dtype=torch.int32, device="cuda")
     nbytes = x.numel() * 2 + fn.numel() * 4 + y.numel() * 2
-    bd = T * D // G  # one (token, D chunk) per program of the fused form
+    print(f"hc_pre T=64: {nbytes / 1e6:.2f} MB; at 50% of 4.25 TB/s {nbytes / 0.5 / 4.25e6:.2f} us")
+    for G in (128, 256, 512):  # split programs of phase A (and programs of the fused form)
+        ws = torch.empty(G, T, device="cuda")
+        bd = T * D // G  # one (token, D chunk) per program of B
 
-    def a() -> None:
-        _phase_a[(G,)](x, fn, ws, K, SPLIT=K // G, T=T, num_warps=4)
+        def a() -> None:
+            _phase_a[(G,)](x, fn, ws, K, SPLIT=K // G, T=T, num_warps=4)  # noqa: B023
 
-    def b() -> None:
-        _phase_b_kernel[(T * D // bd,)](x, ws, y, K, D, G=G, T=T, BLOCK_D=bd, num_warps=4)
+        def b() -> None:
+            _phase_b_kernel[(T * D // bd,)](x, ws, y, K, D, G=G, T=T, BLOCK_D=bd, num_warps=4)  # noqa: B023
 
-    def ab() -> None:
-        a()
-        b()
+        def ab() -> None:
+            a()
+            b()
 
-    def fused() -> None:
-        _phase_ab_kernel[(G,)](
-            x, fn, ws, y, bar, K, D, SPLIT=K // G, G=G, T=T, BLOCK_D=bd, num_warps=4
-        )
+        def fused() -> None:
+            _phase_ab_kernel[(G,)](
+                x,
+                fn,
+                ws,
+                y,
+                bar,
+                K,
+                D,
+                SPLIT=K // G,
+                G=G,
+                T=T,
+                BLOCK_D=bd,
+                num_warps=4,  # noqa: B023
+            )
 
-    print(
-        f"hc_pre T=64 bytes {nbytes / 1e6:.2f} MB; 50% of 4.25 TB/s = {nbytes / 0.5 / 4.25e6:.2f} us"
-    )
-    us("phases: A alone (split-K partials)", a)
-    us("phases: B alone (collapse)", b)
-    us("phases: A then B (two launches)", ab)
-    us("phases: A | grid barrier | B (one launch)", fused)
+        us(f"phases G={G}: A alone (split-K partials)", a)
+        us(f"phases G={G}: B alone (collapse)", b)
+        us(f"phases G={G}: A then B (two launches)", ab)
+        us(f"phases G={G}: A | grid barrier | B (one launch)", fused)
     torch.cuda.synchronize()
     print(f"grid barrier timeouts: {int(bar[2])}")
+
+
+def probe_combine() -> None:
+    # the sparse-attention combine alone: warps and channel chunk per program
+    H, D = 64, 512
+    for T, S in ((1, 20), (64, 3)):
+        part = torch.randn(T, S, H, D, device="cuda")
+        ml = torch.randn(T, S, 2, H, device="cuda").abs()
+        sink = torch.randn(H, device="cuda")
+        o = torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16)
+        bs = triton.next_power_of_2(S)
+        for bd in (32, 64, 128, 512):
+            for w in (1, 2, 4):
+                us(
+                    f"combine T={T} splits={S} block_d={bd} warps={w}",
+                    lambda bd=bd, w=w: sparse_attn._sparse_attn_combine_kernel[  # noqa: B023
+                        (T, H, D // bd)
+                    ](
+                        part,
+                        ml,
+                        sink,
+                        o,
+                        H,
+                        D,
+                        S,
+                        part.stride(0),
+                        part.stride(1),  # noqa: B023
+                        part.stride(2),
+                        ml.stride(0),
+                        ml.stride(1),
+                        o.stride(0),
+                        o.stride(1),  # noqa: B023
+                        BLOCK_S=bs,
+                        BLOCK_D=bd,
+                        num_warps=w,
+                    ),
+                )
 
 
 def probe_mhc() -> None:
@@ -151,23 +198,30 @@ def probe_mhc() -> None:
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         for it in (1, 20):
-            for fw in (1, 2):
-                us(
-                    f"hc_pre T={T} iters={it} finish warps={fw}",
-                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True, None, fw),  # noqa: B023
-                )
-        for programs in (32, 64, 128, 256):
-            cfg = mhc._mix_config(T, 24, 16384, 4096, programs)
             us(
-                f"hc_pre T={T} iters=20 {programs} split programs",
-                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+                f"hc_pre T={T} iters={it}",
+                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True),  # noqa: B023
             )
+        for programs in (128, 256, 512):
+            for warps in (1, 2, 4, 8):
+                cfg = mhc._mix_config(T, 24, 16384, 4096, programs)._replace(num_warps=warps)
+                us(
+                    f"hc_pre T={T} iters=20 {programs} split programs of {warps} warps",
+                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+                )
+        if T == 64:  # token blocks x K splits of the partial kernel
+            for bt, bk, sk, w in ((64, 64, 128, 4), (64, 64, 128, 8), (16, 64, 256, 4),
+                                  (32, 64, 128, 4), (32, 128, 128, 8), (16, 128, 128, 4)):  # fmt: skip
+                cfg = mhc._MixConfig(bt, bk, sk, 1024, w)
+                us(
+                    f"hc_pre T=64 block_t={bt} block_k={bk} split_k={sk} warps={w}",
+                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+                )
         us(
             f"hc_pre T={T} default, L2 warm",
             lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),  # noqa: B023
             cold=False,
         )
-        us(f"hc_head T={T} default", lambda: mhc.hc_head(x, fn[:4], sc[:1], base[:4], 1e-6, 1e-6))  # noqa: B023
 
 
 def probe_attn() -> None:
@@ -299,7 +353,8 @@ def main() -> None:
     p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
-             "select": probe_select, "topk": probe_topk, "phases": probe_phases}  # fmt: skip
+             "select": probe_select, "topk": probe_topk, "phases": probe_phases,
+             "combine": probe_combine}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

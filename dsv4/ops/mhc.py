@@ -132,7 +132,7 @@ def _row_softmax4(ws, mask_s, base, rs, eps):
 
 @triton.jit
 def _norm4(a, b, c, d, eps):
-    s = a + b + c + d + eps
+    s = (a + b) + ((c + d) + eps)  # a tree: three dependent adds a step, not four
     return a / s, b / s, c / s, d / s
 
 
