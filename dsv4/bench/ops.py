@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-CASE_MODULES = ("sparse_attn", "indexer", "mhc", "rope", "moe")
+CASE_MODULES = ("sparse_attn", "indexer", "mhc", "rope", "moe", "linear")
 
 
 @dataclass

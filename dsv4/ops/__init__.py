@@ -30,10 +30,12 @@ OPS = (
 
 
 def _triton() -> SimpleNamespace:
-    from dsv4.ops import indexer, mhc, moe, rope, sparse_attn
+    from dsv4.ops import indexer, linear, mhc, moe, rope, sparse_attn
 
     fns = {name: getattr(ref, name) for name in OPS}
     fns.update(
+        linear=linear.linear,
+        grouped_linear=linear.grouped_linear,
         sparse_attn=sparse_attn.sparse_attn,
         index_topk=indexer.index_topk,
         hc_pre=mhc.hc_pre,

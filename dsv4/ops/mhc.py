@@ -28,7 +28,7 @@ class _MixConfig(NamedTuple):
     block_k: int  # n*D elements per inner step
     split_k: int  # n*D elements per program (a multiple of block_k)
     block_d: int  # D elements per collapse program
-    num_warps: int  # of the split-K kernel (tf32x3 dot tiles need ~200 registers a thread)
+    num_warps: int  # of the split-K kernel (T=64, 32-token tiles: 4 warps 14.2 us, 8 warps 17.5)
 
 
 def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS) -> _MixConfig:
@@ -48,7 +48,7 @@ def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS
     chunks = max(1, programs // T)
     block_d = min(1024, max(256, triton.next_power_of_2(triton.cdiv(D, chunks))))
     block_d = min(block_d, triton.next_power_of_2(D))
-    return _MixConfig(block_t, block_k, split_k, block_d, 8 if block_t >= 32 else 4)
+    return _MixConfig(block_t, block_k, split_k, block_d, 8 if block_t >= 64 else 4)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""FP8 (e4m3, 128x128 UE8M0 block scales) linear layers at decode sizes, the weights read as stored.
+
+The reference (`dsv4.ops.ref.linear`) dequantizes the whole weight on every call and runs a bf16
+GEMM: at decode that is five passes over ~130 MB of weights per layer instead of one over the
+packed bytes. Here each program streams a [BLOCK_N, 128] fp8 tile per step, converts it to the
+activation dtype (exact: an e4m3 value fits bf16's mantissa and exponent), takes the tile's dot
+with the activations in fp32 and scales the partial by its block scale 2^(s-127) (exact, a power
+of two). Same products as the reference, summed in fp32 in another order.
+
+`grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
+kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
+programs, fp32 partials summed afterwards in a fixed order (no atomics). Larger batches (prefill
+chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops import ref
+
+FP8_BLOCK = 128  # the scale tile of the checkpoint format
+MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,  # [M, G, K] activations (G = 1 for linear)
+    w_ptr,  # [G*R, K] float8_e4m3fn
+    s_ptr,  # [cdiv(G*R, 128), cdiv(K, 128)] float8_e8m0fnu, read as uint8
+    y_ptr,  # [M, G, R] x.dtype, or [SPLIT_K, M, G, R] fp32 partials
+    M,
+    R,
+    K,
+    k_per_split,  # a multiple of BLOCK_K
+    stride_xm,
+    stride_xg,
+    stride_wn,
+    stride_sn,
+    stride_ys,
+    stride_ym,
+    stride_yg,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # = 128: one scale column per step
+    UPCAST: tl.constexpr,  # the CPU interpreter: fp32 operands (it mis-computes bf16 dots)
+    PRECISION: tl.constexpr,  # "ieee" for fp32 activations
+):
+    # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
+    # write BLOCK_M * BLOCK_N outputs
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_gk = tl.program_id(2)  # group * SPLIT_K + split
+    n_splits = tl.cdiv(K, k_per_split)
+    g = pid_gk // n_splits
+    split = pid_gk % n_splits
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    r_ok = offs_r < R
+    rows = (g * R + offs_r).to(tl.int64)  # weight rows of this group
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + g * stride_xg
+    w_cols = w_ptr + rows[None, :] * stride_wn  # the tile is read as [BLOCK_K, BLOCK_N]
+    s_rows = s_ptr + (rows // 128) * stride_sn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        # block scale 2^(s - 127) of (row block, k0 // 128): fp32 bits s << 23 (s in 1..254)
+        s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
+        acc += part * (s << 23).to(tl.float32, bitcast=True)[None, :]
+
+    out = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so tests exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype."""
+    M, G, K = x.shape
+    N = weight.shape[0]
+    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+        f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
+    )
+    assert weight.shape[1] == K and N % G == 0, (
+        f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} ({G} groups)"
+    )
+    exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
+        f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
+    )
+    assert weight.stride(1) == 1 and scale.stride(1) == 1 and x.stride(2) == 1, (
+        "fp8 weight, scale and x need unit stride along the reduction"
+    )
+    R = N // G
+    assert G == 1 or R % FP8_BLOCK == 0, f"group rows {R} must be a multiple of {FP8_BLOCK}"
+    on_gpu = x.device.type == "cuda"
+    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    tiles_m = triton.cdiv(M, block_m)
+    sms = _num_sms(x.device)
+    # output tiles of 128 rows down to 16 until the grid covers the SMs twice
+    block_n = min(128, max(16, triton.next_power_of_2(R)))
+    while block_n > 16 and triton.cdiv(R, block_n) * tiles_m * G < 2 * sms:
+        block_n //= 2
+    programs = triton.cdiv(R, block_n) * tiles_m * G
+    k_blocks = triton.cdiv(K, FP8_BLOCK)
+    splits = max(1, min(k_blocks, (2 * sms) // programs))
+    k_per_split = triton.cdiv(k_blocks, splits) * FP8_BLOCK
+    splits = triton.cdiv(K, k_per_split)  # no empty split
+    if splits > 1:
+        y = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((1, M, G, R), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
+    _fp8_linear_kernel[grid](
+        x, weight, scale.view(torch.uint8), y, M, R, K, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), scale.stride(0),
+        y.stride(0), y.stride(1), y.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
+        PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
+        num_warps=4, num_stages=4 if on_gpu else 1,
+    )  # fmt: skip
+    if splits > 1:
+        return y.sum(0).to(x.dtype)
+    return y[0]
+
+
+def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:
+    return fmt == "fp8" and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str = "dense",
+    scale: torch.Tensor | None = None,
+    scale2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # x: [..., in] ; weight: [out, in] in `fmt` ; y: [..., out] in x.dtype
+    K = x.shape[-1]
+    rows = x.numel() // max(K, 1)
+    if not _kernel_serves(x, fmt, rows):
+        return ref.linear(x, weight, fmt, scale, scale2)
+    y = _fp8_grouped(x.reshape(rows, 1, K), weight, scale)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str = "dense",
+    scale: torch.Tensor | None = None,
+    scale2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
+    if not _kernel_serves(x, fmt, x.shape[0]):
+        return ref.grouped_linear(x, weight, fmt, scale, scale2)
+    return _fp8_grouped(x, weight, scale)

@@ -1,0 +1,99 @@
+"""FP8 linear / grouped_linear (Triton) against dsv4.ops.ref: the same products, summed in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.ops import linear, ref
+
+# relative-norm tolerance per x dtype: fp32 differs only by summation order; bf16 by the
+# reference's bf16 GEMM output rounding
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _fp8(out: int, inp: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    # rows of 128-blocks spanning a few binades: the e8m0 scales differ per (row block, k block)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g)
+    rb, kb = -(-out // 128), -(-inp // 128)
+    mag = 2.0 ** torch.randint(-3, 4, (rb, kb), generator=g).float()
+    w = w * mag.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+    wq, s = quant.quant_fp8(w)
+    return wq.to(device), s.to(device)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lead,N,K",
+    [
+        ((1,), 64, 256),  # one token, few output tiles: the split-K path
+        ((3,), 200, 384),  # rows and K not multiples of the tiles (masks, partial scale block)
+        ((2, 5), 128, 300),  # leading dims kept; K % 128 != 0
+        ((17,), 48, 128),  # two row tiles
+    ],
+)
+def test_fp8_linear_matches_reference(lead, N, K, dtype) -> None:  # noqa: ANN001
+    wq, s = _fp8(N, K)
+    x = torch.randn(*lead, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = linear.linear(x, wq, "fp8", s)
+    want = ref.linear(x, wq, "fp8", s)
+    assert y.shape == want.shape and y.dtype == x.dtype
+    assert _rel(y, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,G,R,K", [(1, 2, 128, 256), (5, 4, 128, 128)])
+def test_fp8_grouped_linear_matches_reference(T, G, R, K, dtype) -> None:  # noqa: ANN001
+    wq, s = _fp8(G * R, K, seed=2)
+    x = torch.randn(T, G, K, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = linear.grouped_linear(x, wq, "fp8", s)
+    want = ref.grouped_linear(x, wq, "fp8", s)
+    assert y.shape == (T, G, R) and y.dtype == x.dtype
+    assert _rel(y, want) < TOL[dtype]
+
+
+def test_a_wrong_scale_or_dtype_is_named() -> None:
+    wq, s = _fp8(128, 256)
+    x = torch.randn(1, 256)
+    with pytest.raises(AssertionError, match="fp8 scale must be float8_e8m0fnu"):
+        linear.linear(x, wq, "fp8", s[:, :1])
+    with pytest.raises(AssertionError, match="fp8 weight must be float8_e4m3fn"):
+        linear.linear(x, wq.view(torch.uint8), "fp8", s)
+
+
+def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None:  # noqa: ANN001
+    calls = []
+    monkeypatch.setattr(linear, "_fp8_grouped", lambda *a: calls.append(a))
+    wq, s = _fp8(64, 128)
+    linear.linear(torch.randn(linear.MAX_ROWS + 1, 128), wq, "fp8", s)
+    linear.linear(torch.randn(2, 128), torch.randn(64, 128), "dense")
+    assert calls == []
+
+
+# ---- GPU, Flash shapes: wq_a, wq_b, wkv, wo_b and the grouped wo_a at decode batch sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize(
+    "N,K,G", [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)]
+)
+def test_fp8_linear_on_gpu(T, N, K, G) -> None:  # noqa: ANN001
+    wq, s = _fp8(N, K, device="cuda")
+    x = torch.randn(T, G, K, device="cuda").to(torch.bfloat16)
+    if G == 1:
+        y, want = linear.linear(x[:, 0], wq, "fp8", s), ref.linear(x[:, 0], wq, "fp8", s)
+    else:
+        y = linear.grouped_linear(x, wq, "fp8", s)
+        want = ref.grouped_linear(x, wq, "fp8", s)
+    # against the fp32 products too: both bf16 results sit within bf16 rounding of it
+    exact = ref.linear(x.float().view(-1, K), wq, "fp8", s) if G == 1 else None
+    assert _rel(y, want) < 1e-2
+    if exact is not None:
+        assert _rel(y, exact) < 5e-3
