@@ -347,6 +347,26 @@ def probe_topk() -> None:
                 print(f"index_topk T={T} segment={seg} warps={sw}: {str(e)[:80]}")
 
 
+def probe_linear() -> None:
+    # FP8 projections: output tile rows x K splits at T = 1 and 16
+    from dsv4.bench.cases_linear import _fp8_weight
+    from dsv4.ops import linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K in (("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
+                       ("wq_b", 32768, 1024)):  # fmt: skip
+        w, s = _fp8_weight(N, K, "cuda", g)
+        for T in (1, 16):
+            x = torch.randn(T, 1, K, device="cuda", dtype=torch.bfloat16)
+            us(f"linear {name} T={T} default", lambda: linear._fp8_grouped(x, w, s))  # noqa: B023
+            for bn in (16, 32, 64, 128):
+                for sp in (1, 2, 4, 8):
+                    us(
+                        f"linear {name} T={T} block_n={bn} splits={sp}",
+                        lambda bn=bn, sp=sp: linear._fp8_grouped(x, w, s, (bn, sp)),  # noqa: B023
+                    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -354,7 +374,7 @@ def main() -> None:
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
-             "combine": probe_combine}  # fmt: skip
+             "combine": probe_combine, "linear": probe_linear}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

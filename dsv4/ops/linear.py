@@ -96,8 +96,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype."""
+def _fp8_grouped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    tiles: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
+    tiles: force (BLOCK_N, K splits) instead of the heuristic (bench/probe_pieces.py linear)."""
     M, G, K = x.shape
     N = weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
@@ -113,8 +119,7 @@ def _fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     assert weight.stride(1) == 1 and scale.stride(1) == 1 and x.stride(2) == 1, (
         "fp8 weight, scale and x need unit stride along the reduction"
     )
-    R = N // G
-    assert G == 1 or R % FP8_BLOCK == 0, f"group rows {R} must be a multiple of {FP8_BLOCK}"
+    R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     tiles_m = triton.cdiv(M, block_m)
@@ -126,6 +131,9 @@ def _fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     programs = triton.cdiv(R, block_n) * tiles_m * G
     k_blocks = triton.cdiv(K, FP8_BLOCK)
     splits = max(1, min(k_blocks, (2 * sms) // programs))
+    if tiles is not None:
+        block_n, splits = tiles
+        splits = max(1, min(k_blocks, splits))
     k_per_split = triton.cdiv(k_blocks, splits) * FP8_BLOCK
     splits = triton.cdiv(K, k_per_split)  # no empty split
     if splits > 1:

@@ -48,7 +48,9 @@ def test_fp8_linear_matches_reference(lead, N, K, dtype) -> None:  # noqa: ANN00
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,G,R,K", [(1, 2, 128, 256), (5, 4, 128, 128)])
+@pytest.mark.parametrize(
+    "T,G,R,K", [(1, 2, 128, 256), (5, 4, 128, 128), (3, 4, 16, 64), (2, 3, 80, 200)]
+)  # groups of 16 / 80 rows share scale blocks (the tiny model's wo_a)
 def test_fp8_grouped_linear_matches_reference(T, G, R, K, dtype) -> None:  # noqa: ANN001
     wq, s = _fp8(G * R, K, seed=2)
     x = torch.randn(T, G, K, generator=torch.Generator().manual_seed(3)).to(dtype)
