@@ -124,13 +124,16 @@ def _fp8_grouped(
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     tiles_m = triton.cdiv(M, block_m)
     sms = _num_sms(x.device)
-    # output tiles of 128 rows down to 16 until the grid covers the SMs twice
+    # output tiles of 128 rows down to 32 until the grid covers the SMs twice, then up to 8 K
+    # splits toward 4 programs per SM (H200 sweep, bench/probe_pieces.py linear, T=1: wq_a 9.0 us,
+    # wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4 splits; 16-row tiles or 1 split 12-33 us; wq_b 17.6
+    # at 64 rows, 1 split)
     block_n = min(128, max(16, triton.next_power_of_2(R)))
-    while block_n > 16 and triton.cdiv(R, block_n) * tiles_m * G < 2 * sms:
+    while block_n > 32 and triton.cdiv(R, block_n) * tiles_m * G < 2 * sms:
         block_n //= 2
     programs = triton.cdiv(R, block_n) * tiles_m * G
     k_blocks = triton.cdiv(K, FP8_BLOCK)
-    splits = max(1, min(k_blocks, (2 * sms) // programs))
+    splits = max(1, min(k_blocks, 8, (4 * sms) // programs))
     if tiles is not None:
         block_n, splits = tiles
         splits = max(1, min(k_blocks, splits))
