@@ -41,6 +41,7 @@ def _triton() -> SimpleNamespace:
         hc_pre=mhc.hc_pre,
         hc_post=mhc.hc_post,
         hc_head=mhc.hc_head,
+        rms_norm=rope.rms_norm,
         rotary=rope.rotary,
         norm_rope=rope.norm_rope,
         compress_store=rope.compress_store,

@@ -119,6 +119,56 @@ def _norm_rope_kernel(
         tl.store(dst_ptr + d_offs, y_dst, mask=mask)
 
 
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [n_rows, d] (last dim contiguous)
+    w_ptr,  # [d] norm weight or a dummy when not HAS_WEIGHT
+    out_ptr,  # [n_rows, d] x.dtype, contiguous
+    n_rows,
+    d,
+    eps,
+    stride_x,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # read BLOCK_R * d elements ; write BLOCK_R * d elements: one launch for the reference's
+    # seven (upcast, square, mean, add, rsqrt, multiply, weight, cast)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < d)[None, :]
+    rows = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT, BLOCK_D)
+    tl.store(out_ptr + rows * d + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # x: [..., d] -> RMSNorm over d with fp32 statistics, (fp32 weight *) then cast to x.dtype
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x dtype {x.dtype}"
+    assert x.dim() >= 1 and x.stride(-1) == 1, (
+        f"x must be contiguous in its last dim (shape {tuple(x.shape)}, strides {x.stride()})"
+    )
+    d = x.shape[-1]
+    if weight is not None:
+        assert weight.shape == (d,) and weight.is_contiguous(), (
+            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
+        )
+    x2 = x.reshape(-1, d)  # a view for the activations here; copies only odd layouts
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x2.shape[0]
+    if n_rows == 0 or d == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    block_r, num_warps = _rows_config(n_rows, block_d, 528 if x.is_cuda else 1)
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, x2 if weight is None else weight, out, n_rows, d, eps, x2.stride(0),
+        HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=8 if block_d >= 4096 else num_warps,
+    )  # fmt: skip
+    return out
+
+
 def _rows_config(n_rows: int, block_d: int, programs: int = 528) -> tuple[int, int]:
     """(BLOCK_R, num_warps): tiles of <= 4K elements, and enough programs to fill 132 SMs x 4
     (the CPU interpreter pays per program: ask for 1 there)."""

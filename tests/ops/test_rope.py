@@ -101,6 +101,33 @@ def test_multi_row_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) ->
     assert _rel(y, ref.rotary(x.float(), cos, sin, inverse=True)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 40), (2, 5, 48), (7, 100)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm(shape: tuple[int, ...], weighted: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(9)
+    x = (torch.randn(shape) * 3.0).to(dtype)
+    w = torch.rand(shape[-1]) + 0.5 if weighted else None
+    y = rope.rms_norm(x, w, 1e-6)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    want = ref.rms_norm(x, w, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    else:  # the same fp32 value rounded once: equal but for a rare one-ulp tie
+        assert (y.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+        assert _rel(y, ref.rms_norm(x.float(), w, 1e-6)) < TOL[dtype]
+
+
+def test_rms_norm_multi_row_tiles_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rope, "_rows_config", lambda n_rows, block_d, programs=528: (4, 2))
+    x = torch.randn(11, 24)  # tiles of 4, 4, 3 rows
+    w = torch.rand(24) + 0.5
+    torch.testing.assert_close(rope.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    with pytest.raises(AssertionError, match="weight must be a contiguous"):
+        rope.rms_norm(x, w[:12], 1e-5)
+    assert rope.rms_norm(x[:0], w, 1e-5).shape == (0, 24)
+
+
 def test_inverse_undoes_forward() -> None:
     torch.manual_seed(2)
     x = _x(5, 3, 64, torch.float32)
@@ -231,6 +258,20 @@ def test_gpu_flash_rows(T: int) -> None:
     torch.testing.assert_close(
         rope.rotary(rope.rotary(qf, cos, sin), cos, sin, inverse=True), qf, rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 512])
+@pytest.mark.parametrize("d", [4096, 1024, 512])
+def test_gpu_rms_norm(T: int, d: int) -> None:
+    # the block norms (4096), q_norm (q_lora_rank 1024), the compressor's and kv norms (512)
+    torch.manual_seed(10)
+    x = (torch.randn(T, d, device="cuda") * 3.0).to(torch.bfloat16)
+    w = torch.rand(d, device="cuda") + 0.5
+    want = ref.rms_norm(x, w, 1e-6)
+    y = rope.rms_norm(x, w, 1e-6)
+    assert (y.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    assert _rel(y, ref.rms_norm(x.float(), w, 1e-6)) < 5e-3
 
 
 @pytest.mark.gpu
