@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [probe] [kernels] [sweep]   (default: tests ops step)
+#   scripts/gpu_check.sh [tests] [ops] [step] [trace] [probe] [kernels] [sweep]   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep, NCU=0 skips Nsight in kernels
 set -uo pipefail
@@ -30,6 +30,13 @@ for part in $PARTS; do
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    trace)  # every kernel of one decode step (3 layers + head) by device time: what to fuse next
+      python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
+        --batch ${TRACE_BATCH:-1,64} --context 4096 --prefill 0 --repeat 2 --trace "$OUT/trace" \
+        2>&1 | tail -4
+      python3 bench/trace_kernels.py "$OUT"/trace.b*.json --json "$OUT/trace_kernels.json" 2>&1 \
+        | tee "$OUT/trace_kernels.txt"
+      gzip -f "$OUT"/trace.b*.json ;;
     probe)  # device time of kernel pieces and of an empty launch
       python3 bench/probe_pieces.py ${PROBE:+--only $PROBE} --json "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt" ;;
     kernels)  # per-kernel device time inside the multi-kernel ops (torch profiler), then Nsight
