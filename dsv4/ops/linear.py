@@ -10,7 +10,8 @@ of two). Same products as the reference, summed in fp32 in another order.
 `grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
 programs, fp32 partials summed afterwards in a fixed order (no atomics). Larger batches (prefill
-chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS.
+chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS; so do
+fp32 activations on a GPU (checking runs).
 """
 
 from __future__ import annotations
@@ -158,7 +159,10 @@ def _fp8_grouped(
 
 
 def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:
-    return fmt == "fp8" and 0 < rows <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float32)
+    # bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32 runs
+    # are for checking, the reference serves them)
+    dtypes = (torch.bfloat16,) if x.is_cuda else (torch.bfloat16, torch.float32)
+    return fmt == "fp8" and 0 < rows <= MAX_ROWS and x.dtype in dtypes
 
 
 def linear(
