@@ -272,13 +272,13 @@ class Gate(nn.Module):
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E] fp32
+        # sqrt(softplus(x . W)) in fp32; top-k of score + bias (bias only for selection, ties ->
+        # lower expert id) or the token's fixed experts; the chosen scores normalised, scaled
         if self.hash:
-            idx = self.tid2eid[input_ids]
-        else:  # bias only for selection; ties -> lower expert id
-            idx = self.ops.stable_topk(scores + self.bias, self.topk)
-        weights = scores.gather(1, idx)
-        return weights / weights.sum(-1, keepdim=True) * self.route_scale, idx
+            idx, bias = self.tid2eid[input_ids], None
+        else:
+            idx, bias = None, self.bias
+        return self.ops.moe_gate(x, self.weight, bias, self.topk, self.route_scale, idx)
 
 
 class Expert(nn.Module):

@@ -2,7 +2,7 @@
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
 rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, index_topk,
-stable_topk, moe_experts. "triton" binds the Triton kernels (one module per op, each beside its reference) and
+stable_topk, moe_gate, moe_experts. "triton" binds the Triton kernels (one module per op, each beside its reference) and
 keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
 """
 
@@ -25,12 +25,13 @@ OPS = (
     "compress_store",
     "index_topk",
     "stable_topk",
+    "moe_gate",
     "moe_experts",
 )
 
 
 def _triton() -> SimpleNamespace:
-    from dsv4.ops import indexer, linear, mhc, moe, rope, sparse_attn
+    from dsv4.ops import gate, indexer, linear, mhc, moe, rope, sparse_attn
 
     fns = {name: getattr(ref, name) for name in OPS}
     fns.update(
@@ -45,6 +46,7 @@ def _triton() -> SimpleNamespace:
         rotary=rope.rotary,
         norm_rope=rope.norm_rope,
         compress_store=rope.compress_store,
+        moe_gate=gate.moe_gate,
         moe_experts=moe.moe_experts,
     )
     return SimpleNamespace(name="triton", **fns)

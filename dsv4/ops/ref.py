@@ -171,6 +171,23 @@ def hc_head(
     return _hc_collapse(pre, x)
 
 
+def moe_gate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    k: int,
+    route_scale: float,
+    idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: [T, D] ; weight: [E, D] ; bias: [E] fp32 (selection only) ; idx: [T, k] fixed experts
+    # (hash routing; bias unused) -> (weights [T, k] fp32, idx [T, k] int64)
+    scores = F.softplus(F.linear(x.float(), weight.float())).sqrt()  # [T, E] fp32
+    if idx is None:  # ties -> lower expert id
+        idx = stable_topk(scores + bias, k)
+    weights = scores.gather(1, idx)
+    return weights / weights.sum(-1, keepdim=True) * route_scale, idx
+
+
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     # indices of the k largest along the last dim; equal scores resolve to the lower index
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
