@@ -14,13 +14,12 @@ fixed experts of hash routing, and normalises the chosen scores.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops import ref
+from dsv4.ops.device import num_sms
 
 
 @triton.jit
@@ -130,13 +129,6 @@ def _gate_route_kernel(
     tl.store(idx_out_ptr + t * K + offs_j, ids, mask=offs_j < K)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so tests exercise the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def moe_gate(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -174,7 +166,7 @@ def moe_gate(
     block_e, block_k = 16, 128
     programs = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
     k_blocks = triton.cdiv(D, block_k)
-    splits = max(1, min(k_blocks, 16, (2 * _num_sms(x.device)) // programs))
+    splits = max(1, min(k_blocks, 16, (2 * num_sms(x.device)) // programs))
     d_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty((splits, T, E), dtype=torch.float32, device=x.device)

@@ -23,12 +23,13 @@ Scores of visible entries are finite for finite inputs; -0.0 is folded into +0.0
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from dsv4.ops.device import num_sms
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
@@ -214,13 +215,6 @@ def _index_select_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
     # candidate tiles per program: about `programs` programs, at most 16 tiles (q is re-read per
     # program)
@@ -252,7 +246,7 @@ def _scores(
     tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
     block_n = cfg.block_n if C >= 64 else max(16, triton.next_power_of_2(C))
     n_tiles = triton.cdiv(C, block_n)
-    tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * _num_sms(q.device))
+    tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
     _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
         q, weights, keys, cand_idxs, skey,
         C, Hi, d,

@@ -16,13 +16,12 @@ fp32 activations on a GPU (checking runs).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from dsv4.ops import ref
+from dsv4.ops.device import num_sms
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
@@ -90,13 +89,6 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so tests exercise the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _fp8_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -124,7 +116,7 @@ def _fp8_grouped(
     on_gpu = x.device.type == "cuda"
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
     tiles_m = triton.cdiv(M, block_m)
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
     # output tiles of 128 rows down to 32 until the grid covers the SMs twice, then up to 8 K
     # splits toward 4 programs per SM (H200 sweep, bench/probe_pieces.py linear, T=1: wq_a 9.0 us,
     # wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4 splits; 16-row tiles or 1 split 12-33 us; wq_b 17.6

@@ -13,11 +13,11 @@ large (prefill) one program per token walks all its keys and writes o directly.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from dsv4.ops.device import num_sms
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = (
@@ -328,16 +328,9 @@ def _sparse_attn_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so the default heuristics exercise the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _default_splits(programs: int, K: int, device: torch.device) -> int:
     # split each token's keys until the grid fills the SMs once, keeping >= MIN_KEYS_PER_SPLIT keys
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if programs >= sms:
         return 1
     return max(1, min(sms // programs, triton.cdiv(K, MIN_KEYS_PER_SPLIT)))
