@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 
 
 @functools.cache
@@ -14,3 +15,15 @@ def num_sms(device: torch.device, interpreter: int = 4) -> int:
     if device.type != "cuda":
         return interpreter
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_reduction(
+    length: int, block: int, programs: int, target: int, most: int
+) -> tuple[int, int]:
+    """(elements per split, splits) of a reduction over `length` taken `block` at a time, so that
+    `programs` output tiles times the splits approach `target` programs: at most `most` splits,
+    each a multiple of `block`, none empty."""
+    blocks = triton.cdiv(length, block)
+    splits = max(1, min(blocks, most, target // programs))
+    per_split = triton.cdiv(blocks, splits) * block
+    return per_split, triton.cdiv(length, per_split)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import num_sms, split_reduction
 
 
 @triton.jit
@@ -162,13 +162,10 @@ def moe_gate(
     idx_out = torch.empty((T, k), dtype=torch.int64, device=x.device)
     if T == 0:
         return w_out, idx_out
-    block_t = 16 if T <= 16 else (32 if T <= 32 else 64)
+    block_t = min(64, max(16, triton.next_power_of_2(T)))
     block_e, block_k = 16, 128
     programs = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
-    k_blocks = triton.cdiv(D, block_k)
-    splits = max(1, min(k_blocks, 16, (2 * num_sms(x.device)) // programs))
-    d_per_split = triton.cdiv(k_blocks, splits) * block_k
-    splits = triton.cdiv(D, d_per_split)
+    d_per_split, splits = split_reduction(D, block_k, programs, 2 * num_sms(x.device), 16)
     part = torch.empty((splits, T, E), dtype=torch.float32, device=x.device)
     _gate_dots_kernel[(triton.cdiv(E, block_e), triton.cdiv(T, block_t), splits)](
         x, weight, part, T, E, D, d_per_split, x.stride(0), weight.stride(0),

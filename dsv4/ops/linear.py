@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import num_sms, split_reduction
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
@@ -114,7 +114,7 @@ def _fp8_grouped(
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
     tiles_m = triton.cdiv(M, block_m)
     sms = num_sms(x.device)
     # output tiles of 128 rows down to 32 until the grid covers the SMs twice, then up to 8 K
@@ -124,14 +124,11 @@ def _fp8_grouped(
     block_n = min(128, max(16, triton.next_power_of_2(R)))
     while block_n > 32 and triton.cdiv(R, block_n) * tiles_m * G < 2 * sms:
         block_n //= 2
-    programs = triton.cdiv(R, block_n) * tiles_m * G
-    k_blocks = triton.cdiv(K, FP8_BLOCK)
-    splits = max(1, min(k_blocks, 8, (4 * sms) // programs))
     if tiles is not None:
-        block_n, splits = tiles
-        splits = max(1, min(k_blocks, splits))
-    k_per_split = triton.cdiv(k_blocks, splits) * FP8_BLOCK
-    splits = triton.cdiv(K, k_per_split)  # no empty split
+        block_n = tiles[0]
+    programs = triton.cdiv(R, block_n) * tiles_m * G
+    most, target = (8, 4 * sms) if tiles is None else (tiles[1], tiles[1] * programs)
+    k_per_split, splits = split_reduction(K, FP8_BLOCK, programs, target, most)
     if splits > 1:
         y = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device)
     else:

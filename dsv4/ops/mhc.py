@@ -118,60 +118,6 @@ def _hc_mixes_partial_kernel(
 
 
 @triton.jit
-def _row_softmax4(ws, mask_s, base, rs, eps):
-    # row j of the 4x4 comb: softmax of m * rs + base over its 4 logits, + eps
-    l0 = tl.sum(tl.load(ws + 0, mask=mask_s, other=0.0), 0) * rs + tl.load(base + 0)
-    l1 = tl.sum(tl.load(ws + 1, mask=mask_s, other=0.0), 0) * rs + tl.load(base + 1)
-    l2 = tl.sum(tl.load(ws + 2, mask=mask_s, other=0.0), 0) * rs + tl.load(base + 2)
-    l3 = tl.sum(tl.load(ws + 3, mask=mask_s, other=0.0), 0) * rs + tl.load(base + 3)
-    m = tl.maximum(tl.maximum(l0, l1), tl.maximum(l2, l3))
-    e0, e1, e2, e3 = tl.exp(l0 - m), tl.exp(l1 - m), tl.exp(l2 - m), tl.exp(l3 - m)
-    s = e0 + e1 + e2 + e3
-    return e0 / s + eps, e1 / s + eps, e2 / s + eps, e3 / s + eps
-
-
-@triton.jit
-def _norm4(a, b, c, d, eps):
-    s = (a + b) + ((c + d) + eps)  # a tree: three dependent adds a step, not four
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _store4(ptr, a, b, c, d):
-    tl.store(ptr + 0, a)
-    tl.store(ptr + 1, b)
-    tl.store(ptr + 2, c)
-    tl.store(ptr + 3, d)
-
-
-@triton.jit
-def _sinkhorn4(ws, mask_s, base, rs, eps, iters, out):
-    # the n = 4 Sinkhorn of `_hc_pre_finish_kernel` on scalars c{j}{k}: ws [S] pointers to the
-    # token's 16 comb partials, base its 16 biases; same steps and eps placement as the tile form
-    c00, c01, c02, c03 = _row_softmax4(ws, mask_s, base, rs, eps)
-    c10, c11, c12, c13 = _row_softmax4(ws + 4, mask_s, base + 4, rs, eps)
-    c20, c21, c22, c23 = _row_softmax4(ws + 8, mask_s, base + 8, rs, eps)
-    c30, c31, c32, c33 = _row_softmax4(ws + 12, mask_s, base + 12, rs, eps)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-    for _ in range(iters - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
-    _store4(out, c00, c01, c02, c03)
-    _store4(out + 4, c10, c11, c12, c13)
-    _store4(out + 8, c20, c21, c22, c23)
-    _store4(out + 12, c30, c31, c32, c33)
-
-
-@triton.jit
 def _hc_pre_finish_kernel(
     x_ptr,  # [T, n, D] bf16 / fp32
     ws_ptr,  # [splits, T, M+1] fp32
@@ -243,35 +189,31 @@ def _hc_pre_finish_kernel(
             post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
             tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
 
-            if N == 4:  # Flash: 16 scalars in every lane, no cross-lane step in the 20 iterations
-                _sinkhorn4(ws_t + 2 * N, mask_s, base_ptr + 2 * N, r * s2, hc_eps,
-                           sinkhorn_iters, comb_ptr + t * N * N)  # fmt: skip
-            else:
-                # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
-                jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
-                mask_jk = mask_n[:, None] & mask_n[None, :]
-                mix_comb = tl.sum(
-                    tl.load(
-                        ws_t[:, None, None] + 2 * N + jk[None, :, :],
-                        mask=mask_s[:, None, None] & mask_jk[None, :, :],
-                        other=0.0,
-                    ),
-                    axis=0,
-                )
-                base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
-                logits = mix_comb * r * s2 + base_comb
-                logits = tl.where(mask_jk, logits, float("-inf"))
+            # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
+            jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
+            mask_jk = mask_n[:, None] & mask_n[None, :]
+            mix_comb = tl.sum(
+                tl.load(
+                    ws_t[:, None, None] + 2 * N + jk[None, :, :],
+                    mask=mask_s[:, None, None] & mask_jk[None, :, :],
+                    other=0.0,
+                ),
+                axis=0,
+            )
+            base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
+            logits = mix_comb * r * s2 + base_comb
+            logits = tl.where(mask_jk, logits, float("-inf"))
 
-                # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
-                #      (iters - 1) x (row norm, column norm), eps inside every denominator
-                e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-                c = e / tl.sum(e, axis=1)[:, None] + hc_eps
-                c = tl.where(mask_jk, c, 0.0)
+            # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
+            #      (iters - 1) x (row norm, column norm), eps inside every denominator
+            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+            c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+            c = tl.where(mask_jk, c, 0.0)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+            for _ in range(sinkhorn_iters - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
                 c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-                for _ in range(sinkhorn_iters - 1):
-                    c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-                    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-                tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
+            tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
 # ---------------------------------------------------------------------------------------------------

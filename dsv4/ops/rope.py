@@ -150,10 +150,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         f"x must be contiguous in its last dim (shape {tuple(x.shape)}, strides {x.stride()})"
     )
     d = x.shape[-1]
-    if weight is not None:
-        assert weight.shape == (d,) and weight.is_contiguous(), (
-            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
-        )
+    _check_norm_weight(weight, d)
     x2 = x.reshape(-1, d)  # a view for the activations here; copies only odd layouts
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
@@ -164,7 +161,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, x2 if weight is None else weight, out, n_rows, d, eps, x2.stride(0),
         HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=8 if block_d >= 4096 else num_warps,
+        num_warps=num_warps,
     )  # fmt: skip
     return out
 
@@ -178,6 +175,13 @@ def _rows_config(n_rows: int, block_d: int, programs: int = 528) -> tuple[int, i
         block_r *= 2
     num_warps = 4 if block_r * block_d >= 2048 else 2
     return block_r, num_warps
+
+
+def _check_norm_weight(weight: torch.Tensor | None, d: int) -> None:
+    if weight is not None:
+        assert weight.shape == (d,) and weight.is_contiguous(), (
+            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
+        )
 
 
 def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -223,10 +227,7 @@ def _launch_rows(
         assert dst_rows.is_contiguous() and dst.device == x.device == dst_rows.device, (
             "store rows must be contiguous and on x's device"
         )
-    if weight is not None:
-        assert weight.shape == (d,) and weight.is_contiguous(), (
-            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
-        )
+    _check_norm_weight(weight, d)
     R = math.prod(x.shape[1:-1])  # rows per token: heads (1 for [T, d])
     x3 = x.view(T, R, d)  # fails loudly on a layout that cannot be flattened
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -401,10 +402,7 @@ def compress_store(
     assert dest.shape == (n,) and dest.dtype in (torch.int64, torch.int32), (
         f"dest must be [{n}] int (got {tuple(dest.shape)} {dest.dtype})"
     )
-    if weight is not None:
-        assert weight.shape == (d,) and weight.is_contiguous(), (
-            f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
-        )
+    _check_norm_weight(weight, d)
     assert cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be fp32"
     assert cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n, (
         f"cos/sin must be [{n}, rd/2] (got {tuple(cos.shape)}, {tuple(sin.shape)})"
