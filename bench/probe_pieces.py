@@ -1,7 +1,8 @@
 """Where inside the decode kernels does device time go? Differences of variants (device time, L2
 cleared), against the fixed cost of any launch measured the same way:
   - floors: an empty Triton kernel (1 and 132 programs), one 4-byte load + store;
-  - hc_pre / hc_head: the finish kernel's warps, split programs, 1 vs 20 Sinkhorn iterations;
+  - hc_pre / hc_head: one launch (grid barrier) vs two kernels by token count, 1 vs 20 Sinkhorn
+    iterations;
   - sparse attention at T=1, K=640: splits, unsplit, only 64 keys;
   - the indexer: scores alone (paged and scattered rows), select segment sizes and warps,
     torch.topk for comparison.
@@ -189,34 +190,27 @@ def probe_combine() -> None:
 
 
 def probe_mhc() -> None:
+    # one launch with a grid barrier vs the two kernels, by token count; 1 vs 20 Sinkhorn iterations
     g = torch.Generator(device="cuda").manual_seed(0)
     fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
     sc, base = (
         torch.rand(3, device="cuda", generator=g),
         torch.randn(24, device="cuda", generator=g),
     )
-    for T in (1, 16, 64):
+    fh, bh = fn[:4].contiguous(), base[:4].contiguous()
+    for T in (1, 2, 4, 8, 16, 32, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-        for it in (1, 20):
+        for fused in (True, False):
+            form = "one launch" if fused else "two kernels"
+            for it in (1, 20) if T == 1 else (20,):
+                us(
+                    f"hc_pre T={T} iters={it} {form}",
+                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True, fused=fused),  # noqa: B023
+                )
             us(
-                f"hc_pre T={T} iters={it}",
-                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, it, True),  # noqa: B023
+                f"hc_head T={T} {form}",
+                lambda: mhc._hc_collapse(x, fh, sc[:1], bh, 1e-6, 1e-6, 1, False, fused=fused),  # noqa: B023
             )
-        for programs in (128, 256, 512):
-            for warps in (1, 2, 4, 8):
-                cfg = mhc._mix_config(T, 24, 16384, 4096, programs)._replace(num_warps=warps)
-                us(
-                    f"hc_pre T={T} iters=20 {programs} split programs of {warps} warps",
-                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
-                )
-        if T == 64:  # token blocks x K splits of the partial kernel
-            for bt, bk, sk, w in ((64, 64, 128, 4), (64, 64, 128, 8), (16, 64, 256, 4),
-                                  (32, 64, 128, 4), (32, 128, 128, 8), (16, 128, 128, 4)):  # fmt: skip
-                cfg = mhc._MixConfig(bt, bk, sk, 1024, w)
-                us(
-                    f"hc_pre T=64 block_t={bt} block_k={bk} split_k={sk} warps={w}",
-                    lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
-                )
         us(
             f"hc_pre T={T} default, L2 warm",
             lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),  # noqa: B023

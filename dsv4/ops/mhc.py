@@ -2,12 +2,16 @@
 
 Same signatures and semantics as `dsv4.ops.ref`. The mix projection `fn . flatten(x)` ([M, n*D] fp32 by
 [T, n*D]) is a split-K reduction: at decode the 1.5 MB `fn` (M = 24 rows of 16384) must be streamed by many
-programs at once, so the first kernel splits the n*D axis over the grid and writes fp32 partial dot products
-plus partial sums of squares to a workspace [splits, T, M+1]; the second kernel sums the partials in a fixed
-order (deterministic, no atomics), applies rsqrt / sigmoid and collapses the streams, y = sum_i pre_i x_i,
-re-reading x (L2-resident at decode), while one more program per token runs the 4x4 Sinkhorn in registers.
-(A single launch whose last split program finishes was tried: 11.5 vs 7.6 us at T=1, because one program
-then does the whole collapse.)
+programs at once. Every output (rsqrt norm, pre / post weights, the Sinkhorn comb, the collapse
+y = sum_i pre_i x_i) needs the whole reduction of its token, so there are two dependent phases:
+  - up to FUSED_MAX_T tokens, one launch: program p owns D columns [p*B, (p+1)*B) of every stream,
+    writes its partial dot products and sum of squares, meets the other programs at a grid-wide
+    barrier (at most one program per SM, all resident), then sums the partials in a fixed order and
+    collapses its own columns; the last program to arrive runs post + Sinkhorn meanwhile. (A single
+    launch whose last program also did the whole collapse was slower: 11.5 vs 7.6 us at T=1.)
+  - more tokens, two kernels: split-K partials [splits, T, M+1], then the finish (fixed-order sums,
+    rsqrt / sigmoid, collapse re-reading x, one more program per token for the 4x4 Sinkhorn).
+No atomics touch the values: the results are deterministic.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from dsv4.ops.device import num_sms
 
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
@@ -118,6 +124,87 @@ def _hc_mixes_partial_kernel(
 
 
 @triton.jit
+def _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M: tl.constexpr,
+                 N: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
+    # ws_t: [S_PAD] pointers to one token's partials (masked by mask_s) -> (r, pre):
+    # r = rsqrt(mean(x^2) + eps) over all n*D, pre = sigmoid(m[0:n] * r * s0 + base) + eps, 0 past n.
+    # The partials are read through L2 (.cg): in the one-launch form other programs just wrote them.
+    offs_n = tl.arange(0, N_PAD)
+    mask_n = offs_n < N
+    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0, cache_modifier=".cg"), axis=0)
+    r = 1.0 / tl.sqrt(sq / K + norm_eps)
+    mask_sn = mask_s[:, None] & mask_n[None, :]
+    mix_pre = tl.sum(
+        tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0, cache_modifier=".cg"),
+        axis=0,
+    )
+    s0 = tl.load(scale_ptr)
+    base_pre = tl.load(base_ptr + offs_n, mask=mask_n, other=0.0)
+    pre = tl.sigmoid(mix_pre * r * s0 + base_pre) + hc_eps
+    return r, tl.where(mask_n, pre, 0.0)
+
+
+@triton.jit
+def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N: tl.constexpr,
+              N_PAD: tl.constexpr):  # fmt: skip
+    # y[t, offs_d] = sum_i pre_i x[t, i, offs_d] in fp32
+    offs_n = tl.arange(0, N_PAD)
+    mask_d = offs_d < D
+    x = tl.load(
+        x_ptr + t * stride_xt + offs_n[:, None] * stride_xn + offs_d[None, :],
+        mask=(offs_n[:, None] < N) & mask_d[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [N_PAD, BLOCK_D]
+    y = tl.sum(pre[:, None] * x, axis=0)
+    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps, sinkhorn_iters,
+               N: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
+    # post[t] = 2 sigmoid(m[n:2n] * r * s1 + base[n:2n]) ; comb[t] = Sinkhorn of the n x n logits
+    # m[2n + j*n + k] * r * s2 + base[2n + j*n + k]
+    offs_n = tl.arange(0, N_PAD)
+    mask_n = offs_n < N
+    mask_sn = mask_s[:, None] & mask_n[None, :]
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    mix_post = tl.sum(
+        tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0, cache_modifier=".cg"),
+        axis=0,
+    )
+    base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
+    post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
+    tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
+
+    jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
+    mask_jk = mask_n[:, None] & mask_n[None, :]
+    mix_comb = tl.sum(
+        tl.load(
+            ws_t[:, None, None] + 2 * N + jk[None, :, :],
+            mask=mask_s[:, None, None] & mask_jk[None, :, :],
+            other=0.0,
+            cache_modifier=".cg",
+        ),
+        axis=0,
+    )
+    base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
+    logits = mix_comb * r * s2 + base_comb
+    logits = tl.where(mask_jk, logits, float("-inf"))
+
+    # fp32 Sinkhorn: row softmax + eps, column norm, then (iters - 1) x (row norm, column norm),
+    # eps inside every denominator
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    c = tl.where(mask_jk, c, 0.0)
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
+
+
+@triton.jit
 def _hc_pre_finish_kernel(
     x_ptr,  # [T, n, D] bf16 / fp32
     ws_ptr,  # [splits, T, M+1] fp32
@@ -149,71 +236,118 @@ def _hc_pre_finish_kernel(
     t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
-    offs_n = tl.arange(0, N_PAD)
     mask_s = offs_s < splits
-    mask_n = offs_n < N
-    # [S_PAD] pointers to this token's partials
     ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-
-    # ---- rsqrt(mean(x^2) + eps) over all n*D, and pre = sigmoid(m * s0 + base) + eps
-    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt(sq / K + norm_eps)
-    mask_sn = mask_s[:, None] & mask_n[None, :]
-    mix_pre = tl.sum(tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0), axis=0)
-    s0 = tl.load(scale_ptr)
-    base_pre = tl.load(base_ptr + offs_n, mask=mask_n, other=0.0)
-    pre = tl.sigmoid(mix_pre * r * s0 + base_pre) + hc_eps
-    pre = tl.where(mask_n, pre, 0.0)  # [N_PAD]
-
-    # ---- collapse: y = sum_i pre_i x_i (fp32)
+    r, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N, N_PAD)
     if pid_d * BLOCK_D < D:
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(
-            x_ptr + t * stride_xt + offs_n[:, None] * stride_xn + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [N_PAD, BLOCK_D]
-        y = tl.sum(pre[:, None] * x, axis=0)
-        tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
-
+        _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
     if HAS_COMB:
         if pid_d * BLOCK_D >= D:  # the extra program: its Sinkhorn runs beside the collapse
-            # ---- post = 2 sigmoid(m[n:2n] * s1 + base[n:2n])
-            s1 = tl.load(scale_ptr + 1)
-            s2 = tl.load(scale_ptr + 2)
-            mix_post = tl.sum(
-                tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0), axis=0
-            )
-            base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
-            post = 2.0 * tl.sigmoid(mix_post * r * s1 + base_post)
-            tl.store(post_ptr + t * N + offs_n, post, mask=mask_n)
+            _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
+                       sinkhorn_iters, N, N_PAD)  # fmt: skip
 
-            # ---- comb logits [j, k] = m[2n + j*n + k] * s2 + base[2n + j*n + k]
-            jk = offs_n[:, None] * N + offs_n[None, :]  # [N_PAD, N_PAD]
-            mask_jk = mask_n[:, None] & mask_n[None, :]
-            mix_comb = tl.sum(
-                tl.load(
-                    ws_t[:, None, None] + 2 * N + jk[None, :, :],
-                    mask=mask_s[:, None, None] & mask_jk[None, :, :],
-                    other=0.0,
-                ),
-                axis=0,
-            )
-            base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
-            logits = mix_comb * r * s2 + base_comb
-            logits = tl.where(mask_jk, logits, float("-inf"))
 
-            # ---- fp32 Sinkhorn on the n x n comb: row softmax + eps, column norm, then
-            #      (iters - 1) x (row norm, column norm), eps inside every denominator
-            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-            c = e / tl.sum(e, axis=1)[:, None] + hc_eps
-            c = tl.where(mask_jk, c, 0.0)
-            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-            for _ in range(sinkhorn_iters - 1):
-                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
+# ---------------------------------------------------------------------------------------------------
+# few tokens: the whole op in one launch, a grid-wide barrier between the two phases
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hc_fused_kernel(
+    x_ptr,  # [T, n, D] bf16 / fp32
+    fn_ptr,  # [M, n*D] fp32
+    scale_ptr,  # [3] (hc_pre) or [1] (hc_head) fp32
+    base_ptr,  # [M] fp32
+    ws_ptr,  # [P, T, M+1] fp32 partials
+    bar_ptr,  # [2] int32: arrivals, generation (persistent, never reset by the host)
+    y_ptr,  # [T, D] x.dtype
+    post_ptr,  # [T, n] fp32 (HAS_COMB)
+    comb_ptr,  # [T, n, n] fp32 (HAS_COMB)
+    T,
+    D,
+    K,
+    norm_eps,
+    hc_eps,
+    sinkhorn_iters,
+    stride_xt,
+    stride_xn,
+    stride_fnm,
+    stride_wss,
+    stride_wst,
+    stride_yt,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,  # > M (column M holds the sum of squares)
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    P: tl.constexpr,  # programs = D chunks
+    S_PAD: tl.constexpr,  # next power of 2 >= P
+    BLOCK_D: tl.constexpr,
+    HAS_COMB: tl.constexpr,
+    SPIN: tl.constexpr,  # wait at the barrier (GPU, all P programs resident); else the last one
+    # to arrive collapses every chunk (the interpreter runs programs one after another)
+):
+    # program p owns columns [p*BLOCK_D, (p+1)*BLOCK_D) of every stream: it reads n*BLOCK_D x and
+    # M*n*BLOCK_D fn per token, writes M+1 partials, and after the barrier collapses its own columns
+    # (x again, from L1/L2) ; the last program to arrive also runs post + Sinkhorn
+    p = tl.program_id(0)
+    offs_d = p * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_m = tl.arange(0, M_PAD)
+    for t in range(T):
+        part = tl.zeros((M_PAD,), dtype=tl.float32)
+        sq = tl.zeros((), dtype=tl.float32)
+        for i in tl.static_range(N):
+            x = tl.load(x_ptr + t * stride_xt + i * stride_xn + offs_d, mask=mask_d, other=0.0)
+            x = x.to(tl.float32)
+            fn = tl.load(
+                fn_ptr + offs_m[:, None] * stride_fnm + i * D + offs_d[None, :],
+                mask=(offs_m[:, None] < M) & mask_d[None, :],
+                other=0.0,
+            )  # [M_PAD, BLOCK_D]
+            part += tl.sum(fn * x[None, :], axis=1)
+            sq += tl.sum(x * x, axis=0)
+        part = tl.where(offs_m == M, sq, part)
+        tl.store(ws_ptr + p * stride_wss + t * stride_wst + offs_m, part, mask=offs_m <= M)
+
+    # ---- grid barrier (sense-reversing, atomics in L2): read the generation, arrive; the last
+    # arrival resets the count and bumps the generation, the others wait for the bump
+    tl.debug_barrier()  # every thread's partials are stored before the release below
+    gen0 = tl.atomic_add(bar_ptr + 1, 0, sem="relaxed")
+    last = tl.atomic_add(bar_ptr, 1, sem="acq_rel") == P - 1
+    if last:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
+        tl.atomic_add(bar_ptr + 1, 1, sem="release")
+
+    offs_s = tl.arange(0, S_PAD)
+    mask_s = offs_s < P
+    if HAS_COMB:
+        if last:  # the critical path: post + Sinkhorn start as soon as every partial is in
+            for t in range(T):
+                ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
+                r, _ = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
+                                    N_PAD)  # fmt: skip
+                _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
+                           sinkhorn_iters, N, N_PAD)  # fmt: skip
+    if SPIN:
+        if not last:
+            while tl.atomic_add(bar_ptr + 1, 0, sem="acquire") == gen0:
+                pass
+        tl.debug_barrier()
+        for t in range(T):
+            ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
+            _, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
+                                  N_PAD)  # fmt: skip
+            _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
+    elif last:
+        for t in range(T):
+            ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
+            _, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
+                                  N_PAD)  # fmt: skip
+            for c in range(P):
+                offs_c = c * BLOCK_D + tl.arange(0, BLOCK_D)
+                _collapse(x_ptr, y_ptr, t, pre, offs_c, D, stride_xt, stride_xn, stride_yt, N,
+                          N_PAD)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -288,6 +422,27 @@ def _check_mix_args(
     assert hc_scale.is_contiguous() and hc_base.is_contiguous(), "hc_scale / hc_base not contiguous"
 
 
+FUSED_MAX_T = 16  # tokens up to which one launch with a grid barrier replaces the two kernels
+_barriers: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _barrier(device: torch.device, programs: int) -> torch.Tensor:
+    """The persistent [arrivals, generation] counters of the one-launch form, one pair per device
+    and grid size (launches on one stream are ordered, so they may share it; CUDA graphs capture the
+    pointer, and the barrier leaves the arrivals at 0 after every launch)."""
+    key = (device, programs)
+    if key not in _barriers:
+        _barriers[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _barriers[key]
+
+
+def _fused_programs(D: int, sms: int) -> tuple[int, int]:
+    """(programs, block_d) of the one-launch form: a power-of-2 D chunk, at most one program per SM
+    (every program must be resident at once for the barrier)."""
+    block_d = max(16, triton.next_power_of_2(triton.cdiv(D, max(1, sms))))
+    return triton.cdiv(D, block_d), block_d
+
+
 def _hc_collapse(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -299,8 +454,10 @@ def _hc_collapse(
     has_comb: bool,
     cfg: _MixConfig | None = None,
     finish_warps: int = 1,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both kernels; hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows).
+    """hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows). Up to FUSED_MAX_T tokens
+    (or when `fused`) one launch; else two kernels: split-K partials, then finish.
     finish_warps: one warp was fastest on an H200 at T = 1, 16, 64 (the 4x4 Sinkhorn reduces
     within a warp: 9.6 vs 11.2 us at T = 1)."""
     T, n, D = x.shape
@@ -310,6 +467,19 @@ def _hc_collapse(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
+    consts = dict(M=M, N=n, N_PAD=triton.next_power_of_2(n), HAS_COMB=has_comb)
+    if fused if fused is not None else (cfg is None and T <= FUSED_MAX_T):
+        P, block_d = _fused_programs(D, num_sms(x.device))
+        ws = torch.empty((P, T, M + 1), dtype=torch.float32, device=x.device)
+        _hc_fused_kernel[(P,)](
+            x, hc_fn, hc_scale, hc_base, ws, _barrier(x.device, P), y, post, comb, T, D, K,
+            float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
+            hc_fn.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
+            M_PAD=triton.next_power_of_2(M + 1), P=P, S_PAD=triton.next_power_of_2(P),
+            BLOCK_D=block_d, SPIN=x.is_cuda, num_warps=1, **consts,
+        )  # fmt: skip
+        return y, post, comb
+
     # the CPU interpreter pays per program: few large ones there
     cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
@@ -328,8 +498,8 @@ def _hc_collapse(
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
-        M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, num_warps=finish_warps,
+        S_PAD=triton.next_power_of_2(splits), BLOCK_D=cfg.block_d, num_warps=finish_warps,
+        **consts,
     )  # fmt: skip
     return y, post, comb
 

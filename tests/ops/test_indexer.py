@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.ops import indexer, ref
 
@@ -42,8 +44,8 @@ def _inputs(
     return q.to(dtype).to(**to), weights.to(**to), keys.to(dtype).to(**to), cand.to(**to)
 
 
-def _check(q, weights, keys, cand, topk) -> None:  # noqa: ANN001
-    out = indexer.index_topk(q, weights, keys, cand, topk)
+def _check(q, weights, keys, cand, topk, **knobs) -> None:  # noqa: ANN001, ANN003
+    out = indexer.index_topk(q, weights, keys, cand, topk, **knobs)
     want = ref.index_topk(q, weights, keys, cand, topk)
     assert out.dtype == torch.int64 and out.shape == want.shape, (out.dtype, out.shape, want.shape)
     bad = (out != want).any(-1).nonzero().flatten().tolist()
@@ -133,14 +135,69 @@ def test_index_topk_segments() -> None:
 
 
 @pytest.mark.parametrize("integer", [False, True])
-def test_index_topk_segment_levels(integer: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_topk_segment_levels(integer: bool) -> None:
     # 64-key segments: C=1100 takes two segment levels before the final one; with integer scores
     # the ties cross segment boundaries and must still resolve to the lowest positions
-    monkeypatch.setattr(indexer, "SEGMENT", 64)
     q, weights, keys, cand = _inputs(
         2, 2, 16, 1100, torch.float32, n_keys=5 if integer else None, integer=integer
     )
-    _check(q, weights, keys, cand, 4)
+    _check(q, weights, keys, cand, 4, segment=64)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("topk", [1, 16, 64])
+def test_index_topk_search_paths(topk: int, integer: bool) -> None:
+    # rows that take each path of the k-th largest search, scores of both signs. Segments of
+    # max(64, 4 * padded k) keys: two select levels, three for topk=16; some segment holds exactly
+    # k keys (topk=16: the last 16 of the second level's 80, topk=64: the last 44 of C=300).
+    # Integer scores: many exact ties, the count jumps past k and the search runs to the last bit;
+    # distinct scores: it stops early once exactly k keys are at or above the prefix
+    q, weights, keys, cand = _inputs(
+        8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
+    )
+    cand[1, torch.rand(300, generator=torch.Generator().manual_seed(1)) < 0.3] = -1
+    cand[2] = cand[2, 0]  # every score equal: max == min of the visible keys
+    cand[3, ::2] = cand[3, 0]  # one score on every other entry, the rest hidden
+    cand[3, 1::2] = -1
+    cand[4, :-1] = -1  # one visible entry, in the last segment
+    cand[5] = -1  # none visible
+    cand[6, :200] = -1  # whole segments with no visible entry
+    _check(q, weights, keys, cand, topk, segment=64)
+
+
+@triton.jit
+def _kth_largest_probe(u_ptr, n_ptr, kk_ptr, out_ptr, BLOCK: tl.constexpr):
+    # one row of BLOCK uint32 keys (as int32 bits) per program: the first n are valid, the rest junk
+    r = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + r * BLOCK + offs).to(tl.uint32, bitcast=True)
+    thr, need = indexer._kth_largest(u, offs < tl.load(n_ptr + r), tl.load(kk_ptr + r))
+    tl.store(out_ptr + 2 * r, thr.to(tl.int32, bitcast=True))
+    tl.store(out_ptr + 2 * r + 1, need)
+
+
+def test_kth_largest() -> None:
+    # the search alone against a sort: random uint32 (top bit set and clear), few distinct values
+    # with the extremes 0 and 2^32-1, all equal, a run of consecutive values, k = 1 and k = n
+    g = torch.Generator().manual_seed(0)
+    B, R = 64, 12
+    u = torch.randint(0, 2**32, (R, B), generator=g)
+    few = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1])
+    u[4:7] = few[torch.randint(0, len(few), (3, B), generator=g)]
+    u[7] = 2**31  # hi == lo
+    u[8] = 2**31 - 20 + torch.randperm(B, generator=g)  # consecutive: the last bit decides
+    u[9, :5] = 2**32 - 1  # the k largest at the top of the range
+    n = torch.tensor([B, B, 40, 1, B, B, 33, B, B, B, 17, 2])
+    kk = torch.tensor([1, B, 7, 1, 3, 40, 20, 9, 25, 5, 17, 1])
+    u[10:] = u[10:] >> 8  # a common top byte: the search starts lower
+    out = torch.empty(R, 2, dtype=torch.int32)
+    bits = torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+    _kth_largest_probe[(R,)](bits, n.int(), kk.int(), out, BLOCK=B)
+    for r in range(R):
+        v = u[r, : n[r]]
+        thr = v.sort(descending=True).values[kk[r] - 1]
+        need = kk[r] - (v > thr).sum()
+        assert out[r, 0].item() & 0xFFFFFFFF == thr and out[r, 1] == need, (r, out[r], thr, need)
 
 
 # ---------------------------------------------------------------------------------------------
