@@ -11,6 +11,7 @@ Usage: python3 bench/probe_pieces.py [--json FILE]"""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -317,6 +318,7 @@ def probe_select() -> None:
                         SORT=sort,
                         BLOCK_L=4096,
                         BLOCK_K=512,
+                        PDL=False,
                         num_warps=warps,  # noqa: B023
                     ),
                 )
@@ -361,6 +363,56 @@ def probe_linear() -> None:
                     )
 
 
+@contextlib.contextmanager
+def _pdl(on: bool):  # noqa: ANN202
+    # programmatic dependent launch on / off in the ops that use it (bench-only switch)
+    mods = (mhc, sparse_attn, indexer)
+    saved = [m.pdl for m in mods]
+    for m in mods:
+        m.pdl = (lambda d: d.type == "cuda") if on else (lambda d: False)  # noqa: ARG005
+    try:
+        yield
+    finally:
+        for m, f in zip(mods, saved):
+            m.pdl = f
+
+
+def probe_pdl() -> None:
+    # the dependent second (and third) kernels launched early and waiting in griddepcontrol.wait,
+    # against plain stream order, same inputs, side by side
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
+    sc, base = (
+        torch.rand(3, device="cuda", generator=g),
+        torch.randn(24, device="cuda", generator=g),
+    )
+    H, D = 64, 512
+    pool = torch.randn(1 << 20, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    ring = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = torch.randn(H, device="cuda", generator=g)
+    cases = []
+    for T in (1, 16, 64):
+        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        cases.append((f"hc_pre T={T}", lambda x=x: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)))
+    for T in (1, 64):
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        new = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        sel = 128 + T + torch.randint(0, 1 << 20, (T, 512), device="cuda", generator=g)
+        idx = torch.cat([torch.arange(128, device="cuda").expand(T, 128), sel], 1)
+        kv = (ring, new, pool)
+        cases.append(
+            (f"sparse_attn T={T} K=640", lambda q=q, kv=kv, idx=idx: sparse_attn.sparse_attn(
+                q, kv, sink, idx, 0.04))
+        )  # fmt: skip
+    for T in (1, 16):
+        args = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        cases.append((f"index_topk T={T} 128K paged", lambda a=args: indexer.index_topk(*a, 512)))
+    for name, f in cases:
+        for on in (False, True, False, True):  # twice each, interleaved: the run-to-run spread
+            with _pdl(on):
+                us(f"{name} pdl={'on' if on else 'off'}", f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -368,7 +420,7 @@ def main() -> None:
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
-             "combine": probe_combine, "linear": probe_linear}  # fmt: skip
+             "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -27,3 +27,12 @@ def split_reduction(
     splits = max(1, min(blocks, most, target // programs))
     per_split = triton.cdiv(blocks, splits) * block
     return per_split, triton.cdiv(length, per_split)
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (sm_90+): a kernel launched with it may start while its
+    predecessor runs (once every predecessor program has called gdc_launch_dependents) and waits in
+    gdc_wait until the predecessor's writes are visible. Hides a launch between two dependent
+    kernels; kernels take it as the PDL constexpr (the interpreter has no griddepcontrol)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

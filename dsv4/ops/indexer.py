@@ -30,8 +30,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import num_sms, pdl
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
@@ -65,8 +66,11 @@ def _index_score_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
+    PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
+    if PDL:
+        gdc_launch_dependents()
     pid_c = tl.program_id(0)
     t = tl.program_id(1)
     c0 = pid_c * TILES * BLOCK_N
@@ -152,8 +156,8 @@ def _kth_largest(u, valid, kk):
     # - `above` counts the valid keys past the open range [prefix, prefix | (2 * bit - 1)], which
     #   is the last count that dropped a bit: no count of the keys above the answer at the end.
     # CPU simulation on Flash-like scores (4096 keys, kk=512): ~18 steps, ~20 reductions a level
-    # instead of 33; not yet timed on the GPU. The full 33-reduction search took ~11.5 us per 4096
-    # keys with 8 warps on an H200 (bench/probe_pieces.py select), about 3 us less than 4
+    # instead of 33. H200 (bench/probe_pieces.py select, 4096 keys): 8.5 us with 8 warps (9.8 with
+    # 16), was ~11.5 us for the full 33-reduction search, itself about 3 us less than 4
     # tl.histogram passes. Tried and slower: 4 bits a step (8 reductions of 16 counts over a
     # [BL, 16] compare, 45-53 us per level: the 16x compare work outweighs the fewer barriers).
     zero = tl.full([], 0, tl.uint32)
@@ -197,6 +201,7 @@ def _index_select_kernel(
     SORT: tl.constexpr,  # FINAL: order the winners by score (else they stay in position order)
     BLOCK_L: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched while the scores / the previous level run: wait for their keys
 ):
     # read BLOCK_L keys (4 or 8 B) ; write K int64 (FINAL: + K int64 scratch, read back once)
     seg = tl.program_id(0)
@@ -204,6 +209,9 @@ def _index_select_kernel(
     offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
     valid = offs < L
     in_row = in_ptr + r.to(tl.int64) * stride_ir
+    if PDL:
+        gdc_launch_dependents()  # the next level may launch, and wait in turn
+        gdc_wait()
     # only the 32-bit keys stay live through the search (the packed values are re-read or rebuilt
     # for the winners alone): fewer registers, so fewer warps can hold a segment without spills
     if PACKED:
@@ -294,6 +302,7 @@ def _scores(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
         TILES=tiles,
+        PDL=pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -357,7 +366,9 @@ def index_topk(
             SORT=sort,
             BLOCK_L=block_l,
             BLOCK_K=block_k,
-            num_warps=select_warps or min(16, max(4, block_l // 256)),
+            PDL=pdl(q.device),
+            launch_pdl=pdl(q.device),
+            num_warps=select_warps or min(8, max(4, block_l // 512)),
         )  # fmt: skip
         if final:
             return out

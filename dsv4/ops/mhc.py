@@ -3,15 +3,13 @@
 Same signatures and semantics as `dsv4.ops.ref`. The mix projection `fn . flatten(x)` ([M, n*D] fp32 by
 [T, n*D]) is a split-K reduction: at decode the 1.5 MB `fn` (M = 24 rows of 16384) must be streamed by many
 programs at once. Every output (rsqrt norm, pre / post weights, the Sinkhorn comb, the collapse
-y = sum_i pre_i x_i) needs the whole reduction of its token, so there are two dependent phases:
-  - up to FUSED_MAX_T tokens, one launch: program p owns D columns [p*B, (p+1)*B) of every stream,
-    writes its partial dot products and sum of squares, meets the other programs at a grid-wide
-    barrier (at most one program per SM, all resident), then sums the partials in a fixed order and
-    collapses its own columns; the last program to arrive runs post + Sinkhorn meanwhile. (A single
-    launch whose last program also did the whole collapse was slower: 11.5 vs 7.6 us at T=1.)
-  - more tokens, two kernels: split-K partials [splits, T, M+1], then the finish (fixed-order sums,
-    rsqrt / sigmoid, collapse re-reading x, one more program per token for the 4x4 Sinkhorn).
-No atomics touch the values: the results are deterministic.
+y = sum_i pre_i x_i) needs the whole reduction of its token, so there are two dependent kernels:
+split-K partials [splits, T, M+1], then the finish (fixed-order sums, rsqrt / sigmoid, the collapse
+re-reading x, one more program per token for the 4x4 Sinkhorn beside it).
+Tried in one launch and slower on an H200 (docs/PERF.md): the last split program finishing alone
+(11.5 vs 7.6 us at T=1), and a grid-wide barrier with each program collapsing its own D columns
+(10.8 vs 9.2 us at T=1; the last arrival then runs every token's Sinkhorn in turn, 94 us at T=16).
+No atomics: the results are deterministic.
 """
 
 from __future__ import annotations
@@ -21,8 +19,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import pdl
 
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
@@ -78,8 +77,11 @@ def _hc_mixes_partial_kernel(
     M_PAD: tl.constexpr,  # >= 16, power of 2
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # let the finish kernel launch now (it waits for these partials itself)
 ):
     # read BLOCK_T*split_k x elements and M*split_k fn floats ; write BLOCK_T*(M+1) floats
+    if PDL:
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_t = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -128,14 +130,13 @@ def _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M: tl.c
                  N: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
     # ws_t: [S_PAD] pointers to one token's partials (masked by mask_s) -> (r, pre):
     # r = rsqrt(mean(x^2) + eps) over all n*D, pre = sigmoid(m[0:n] * r * s0 + base) + eps, 0 past n.
-    # The partials are read through L2 (.cg): in the one-launch form other programs just wrote them.
     offs_n = tl.arange(0, N_PAD)
     mask_n = offs_n < N
-    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0, cache_modifier=".cg"), axis=0)
+    sq = tl.sum(tl.load(ws_t + M, mask=mask_s, other=0.0), axis=0)
     r = 1.0 / tl.sqrt(sq / K + norm_eps)
     mask_sn = mask_s[:, None] & mask_n[None, :]
     mix_pre = tl.sum(
-        tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0, cache_modifier=".cg"),
+        tl.load(ws_t[:, None] + offs_n[None, :], mask=mask_sn, other=0.0),
         axis=0,
     )
     s0 = tl.load(scale_ptr)
@@ -170,7 +171,7 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     mix_post = tl.sum(
-        tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0, cache_modifier=".cg"),
+        tl.load(ws_t[:, None] + N + offs_n[None, :], mask=mask_sn, other=0.0),
         axis=0,
     )
     base_post = tl.load(base_ptr + N + offs_n, mask=mask_n, other=0.0)
@@ -184,7 +185,6 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
             ws_t[:, None, None] + 2 * N + jk[None, :, :],
             mask=mask_s[:, None, None] & mask_jk[None, :, :],
             other=0.0,
-            cache_modifier=".cg",
         ),
         axis=0,
     )
@@ -230,6 +230,7 @@ def _hc_pre_finish_kernel(
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
+    PDL: tl.constexpr,  # launched while the partial kernel runs: wait for its partials
 ):
     # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y ; with HAS_COMB one more program per
     # token (pid_d = cdiv(D, BLOCK_D)) writes post and the Sinkhorn comb beside the collapse
@@ -238,6 +239,8 @@ def _hc_pre_finish_kernel(
     offs_s = tl.arange(0, S_PAD)
     mask_s = offs_s < splits
     ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
+    if PDL:
+        gdc_wait()
     r, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N, N_PAD)
     if pid_d * BLOCK_D < D:
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -246,108 +249,6 @@ def _hc_pre_finish_kernel(
         if pid_d * BLOCK_D >= D:  # the extra program: its Sinkhorn runs beside the collapse
             _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
                        sinkhorn_iters, N, N_PAD)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
-# few tokens: the whole op in one launch, a grid-wide barrier between the two phases
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _hc_fused_kernel(
-    x_ptr,  # [T, n, D] bf16 / fp32
-    fn_ptr,  # [M, n*D] fp32
-    scale_ptr,  # [3] (hc_pre) or [1] (hc_head) fp32
-    base_ptr,  # [M] fp32
-    ws_ptr,  # [P, T, M+1] fp32 partials
-    bar_ptr,  # [2] int32: arrivals, generation (persistent, never reset by the host)
-    y_ptr,  # [T, D] x.dtype
-    post_ptr,  # [T, n] fp32 (HAS_COMB)
-    comb_ptr,  # [T, n, n] fp32 (HAS_COMB)
-    T,
-    D,
-    K,
-    norm_eps,
-    hc_eps,
-    sinkhorn_iters,
-    stride_xt,
-    stride_xn,
-    stride_fnm,
-    stride_wss,
-    stride_wst,
-    stride_yt,
-    M: tl.constexpr,
-    M_PAD: tl.constexpr,  # > M (column M holds the sum of squares)
-    N: tl.constexpr,
-    N_PAD: tl.constexpr,
-    P: tl.constexpr,  # programs = D chunks
-    S_PAD: tl.constexpr,  # next power of 2 >= P
-    BLOCK_D: tl.constexpr,
-    HAS_COMB: tl.constexpr,
-    SPIN: tl.constexpr,  # wait at the barrier (GPU, all P programs resident); else the last one
-    # to arrive collapses every chunk (the interpreter runs programs one after another)
-):
-    # program p owns columns [p*BLOCK_D, (p+1)*BLOCK_D) of every stream: it reads n*BLOCK_D x and
-    # M*n*BLOCK_D fn per token, writes M+1 partials, and after the barrier collapses its own columns
-    # (x again, from L1/L2) ; the last program to arrive also runs post + Sinkhorn
-    p = tl.program_id(0)
-    offs_d = p * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_m = tl.arange(0, M_PAD)
-    for t in range(T):
-        part = tl.zeros((M_PAD,), dtype=tl.float32)
-        sq = tl.zeros((), dtype=tl.float32)
-        for i in tl.static_range(N):
-            x = tl.load(x_ptr + t * stride_xt + i * stride_xn + offs_d, mask=mask_d, other=0.0)
-            x = x.to(tl.float32)
-            fn = tl.load(
-                fn_ptr + offs_m[:, None] * stride_fnm + i * D + offs_d[None, :],
-                mask=(offs_m[:, None] < M) & mask_d[None, :],
-                other=0.0,
-            )  # [M_PAD, BLOCK_D]
-            part += tl.sum(fn * x[None, :], axis=1)
-            sq += tl.sum(x * x, axis=0)
-        part = tl.where(offs_m == M, sq, part)
-        tl.store(ws_ptr + p * stride_wss + t * stride_wst + offs_m, part, mask=offs_m <= M)
-
-    # ---- grid barrier (sense-reversing, atomics in L2): read the generation, arrive; the last
-    # arrival resets the count and bumps the generation, the others wait for the bump
-    tl.debug_barrier()  # every thread's partials are stored before the release below
-    gen0 = tl.atomic_add(bar_ptr + 1, 0, sem="relaxed")
-    last = tl.atomic_add(bar_ptr, 1, sem="acq_rel") == P - 1
-    if last:
-        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
-        tl.atomic_add(bar_ptr + 1, 1, sem="release")
-
-    offs_s = tl.arange(0, S_PAD)
-    mask_s = offs_s < P
-    if HAS_COMB:
-        if last:  # the critical path: post + Sinkhorn start as soon as every partial is in
-            for t in range(T):
-                ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-                r, _ = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
-                                    N_PAD)  # fmt: skip
-                _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
-                           sinkhorn_iters, N, N_PAD)  # fmt: skip
-    if SPIN:
-        if not last:
-            while tl.atomic_add(bar_ptr + 1, 0, sem="acquire") == gen0:
-                pass
-        tl.debug_barrier()
-        for t in range(T):
-            ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-            _, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
-                                  N_PAD)  # fmt: skip
-            _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
-    elif last:
-        for t in range(T):
-            ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-            _, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N,
-                                  N_PAD)  # fmt: skip
-            for c in range(P):
-                offs_c = c * BLOCK_D + tl.arange(0, BLOCK_D)
-                _collapse(x_ptr, y_ptr, t, pre, offs_c, D, stride_xt, stride_xn, stride_yt, N,
-                          N_PAD)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -422,27 +323,6 @@ def _check_mix_args(
     assert hc_scale.is_contiguous() and hc_base.is_contiguous(), "hc_scale / hc_base not contiguous"
 
 
-FUSED_MAX_T = 16  # tokens up to which one launch with a grid barrier replaces the two kernels
-_barriers: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _barrier(device: torch.device, programs: int) -> torch.Tensor:
-    """The persistent [arrivals, generation] counters of the one-launch form, one pair per device
-    and grid size (launches on one stream are ordered, so they may share it; CUDA graphs capture the
-    pointer, and the barrier leaves the arrivals at 0 after every launch)."""
-    key = (device, programs)
-    if key not in _barriers:
-        _barriers[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _barriers[key]
-
-
-def _fused_programs(D: int, sms: int) -> tuple[int, int]:
-    """(programs, block_d) of the one-launch form: a power-of-2 D chunk, at most one program per SM
-    (every program must be resident at once for the barrier)."""
-    block_d = max(16, triton.next_power_of_2(triton.cdiv(D, max(1, sms))))
-    return triton.cdiv(D, block_d), block_d
-
-
 def _hc_collapse(
     x: torch.Tensor,
     hc_fn: torch.Tensor,
@@ -454,10 +334,9 @@ def _hc_collapse(
     has_comb: bool,
     cfg: _MixConfig | None = None,
     finish_warps: int = 1,
-    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows). Up to FUSED_MAX_T tokens
-    (or when `fused`) one launch; else two kernels: split-K partials, then finish.
+    """hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows): split-K partials, then
+    the finish.
     finish_warps: one warp was fastest on an H200 at T = 1, 16, 64 (the 4x4 Sinkhorn reduces
     within a warp: 9.6 vs 11.2 us at T = 1)."""
     T, n, D = x.shape
@@ -467,19 +346,6 @@ def _hc_collapse(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    consts = dict(M=M, N=n, N_PAD=triton.next_power_of_2(n), HAS_COMB=has_comb)
-    if fused if fused is not None else (cfg is None and T <= FUSED_MAX_T):
-        P, block_d = _fused_programs(D, num_sms(x.device))
-        ws = torch.empty((P, T, M + 1), dtype=torch.float32, device=x.device)
-        _hc_fused_kernel[(P,)](
-            x, hc_fn, hc_scale, hc_base, ws, _barrier(x.device, P), y, post, comb, T, D, K,
-            float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
-            hc_fn.stride(0), ws.stride(0), ws.stride(1), y.stride(0),
-            M_PAD=triton.next_power_of_2(M + 1), P=P, S_PAD=triton.next_power_of_2(P),
-            BLOCK_D=block_d, SPIN=x.is_cuda, num_warps=1, **consts,
-        )  # fmt: skip
-        return y, post, comb
-
     # the CPU interpreter pays per program: few large ones there
     cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
@@ -488,18 +354,20 @@ def _hc_collapse(
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
+    use_pdl = pdl(x.device)
     grid1 = (splits, triton.cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, PDL=use_pdl, num_warps=cfg.num_warps,
     )  # fmt: skip
     grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
-        S_PAD=triton.next_power_of_2(splits), BLOCK_D=cfg.block_d, num_warps=finish_warps,
-        **consts,
+        M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
+        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=use_pdl, launch_pdl=use_pdl,
+        num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import num_sms, pdl
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = (
@@ -127,9 +128,12 @@ def _sparse_attn_kernel(
     DV_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     KEYS_ON_M: tl.constexpr,  # keys on the MMA rows (S^T, O^T): no S recomputed per warpgroup
+    PDL: tl.constexpr,  # let the combine launch now (it waits for these partials itself)
 ):
     # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
     # (+ 2*BLOCK_H when SPLIT)
+    if PDL:
+        gdc_launch_dependents()
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -285,6 +289,7 @@ def _sparse_attn_combine_kernel(
     stride_oh,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched while the attention kernel runs: wait for its partials
 ):
     # read num_splits * (BLOCK_D + 2) fp32 ; write BLOCK_D elements
     # One pass, the splits merged online like the keys of a split: the (max, sum) and the partial
@@ -300,6 +305,8 @@ def _sparse_attn_combine_kernel(
 
     # o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M the running max
     m_run = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
+    if PDL:
+        gdc_wait()
     denom = tl.full([], 1.0, tl.float32)  # 2^(sink - m_run)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -431,6 +438,7 @@ def sparse_attn(
         ),
         UPCAST=q.device.type != "cuda",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=split and pdl(q.device),
     )
 
     def grid(meta: dict) -> tuple[int, int, int]:
@@ -458,6 +466,7 @@ def sparse_attn(
             part, ml, attn_sink, o, H, D, num_splits,
             part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
             o.stride(0), o.stride(1),
-            BLOCK_S=block_s, BLOCK_D=block_d, num_warps=1 if few else 4,
+            BLOCK_S=block_s, BLOCK_D=block_d, PDL=consts["PDL"], launch_pdl=consts["PDL"],
+            num_warps=1 if few else 4,
         )  # fmt: skip
     return o

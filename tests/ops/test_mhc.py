@@ -84,32 +84,6 @@ def test_hc_pre_tiles(cfg: mhc._MixConfig) -> None:
     _check_pre(out, x, fn, scale, base, iters, 1e-5)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("T,n,D,iters", [(1, 4, 40, 20), (5, 2, 40, 3), (17, 4, 48, 20)])
-def test_hc_pre_one_launch_and_two(T: int, n: int, D: int, iters: int, fused: bool) -> None:
-    # both forms at token counts either would not take by default; D=40 leaves a ragged last chunk
-    fn, scale, base = _params((2 + n) * n, n * D, 3, seed=17)
-    x = _x(T, n, D, torch.bfloat16, seed=18)
-    out = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, fused=fused)
-    _check_pre(out, x, fn, scale, base, iters, 1e-5)
-    fh, sh, bh = _params(n, n * D, 1, seed=19)
-    h = mhc._hc_collapse(x, fh, sh, bh, EPS, EPS, 1, False, fused=fused)[0]
-    assert _rel(h, ref.hc_head(x.float(), fh, sh, bh, EPS, EPS)) < TOL[torch.bfloat16]
-
-
-def test_one_launch_barrier_state() -> None:
-    # the grid barrier leaves no arrival behind and advances its generation once per launch
-    n, D = 4, 64
-    fn, scale, base = _params((2 + n) * n, n * D, 3, seed=20)
-    x = _x(2, n, D, torch.float32, seed=21)
-    P, _ = mhc._fused_programs(D, mhc.num_sms(x.device))
-    bar = mhc._barrier(x.device, P)
-    gen = int(bar[1])
-    for _ in range(3):
-        mhc.hc_pre(x, fn, scale, base, EPS, EPS, 2)
-    assert int(bar[0]) == 0 and int(bar[1]) == gen + 3, bar.tolist()
-
-
 @pytest.mark.parametrize("T", [1, 3])
 def test_eps_placement(T: int) -> None:
     # large eps values make every place they enter (norm, pre, softmax, Sinkhorn denominators) visible
@@ -224,24 +198,3 @@ def test_mhc_gpu_flash(T: int) -> None:
     assert out.dtype == torch.bfloat16
     assert _rel(out, out_ref) < TOL[torch.bfloat16], f"{_rel(out, out_ref):.2e}"
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 4, 16])
-def test_mhc_gpu_one_launch(T: int) -> None:
-    # the grid-barrier form against the two-kernel form and the reference, repeated: a barrier that
-    # let a program through early would read missing partials and differ from run to run
-    n, D, iters, dev = 4, 4096, 20, "cuda"
-    x = _x(T, n, D, torch.bfloat16, dev, seed=22)
-    fn, scale, base = _params((2 + n) * n, n * D, 3, dev, seed=23)
-    first = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, fused=True)
-    _check_pre(first, x, fn, scale, base, iters, GPU_TOL_FP32)
-    two = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, fused=False)
-    for a, b in zip(first, two):
-        assert _rel(a, b) < (TOL[torch.bfloat16] if a.dtype == torch.bfloat16 else GPU_TOL_FP32)
-    for _ in range(200):
-        again = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, fused=True)
-    torch.cuda.synchronize()
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
-    P, _ = mhc._fused_programs(D, mhc.num_sms(x.device))
-    assert int(mhc._barrier(x.device, P)[0]) == 0
