@@ -36,6 +36,7 @@ from dsv4.ops.device import num_sms, pdl
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
+PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
 
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def _index_select_kernel(
     SORT: tl.constexpr,  # FINAL: order the winners by score (else they stay in position order)
     BLOCK_L: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # launched while the scores / the previous level run: wait for their keys
+    PDL: tl.constexpr,  # griddepcontrol (sm_90+): when launched early, wait for the keys here
 ):
     # read BLOCK_L keys (4 or 8 B) ; write K int64 (FINAL: + K int64 scratch, read back once)
     seg = tl.program_id(0)
@@ -359,6 +360,9 @@ def index_topk(
         block_l = max(16, triton.next_power_of_2(L)) if final else max_l
         n_seg = triton.cdiv(L, block_l)
         dst = out if final else torch.empty(T, n_seg * K, dtype=torch.int64, device=q.device)
+        # launched early (programmatic dependent launch) only as a small grid: on an H200, T=1
+        # 27.1 vs 28.5 us, but T=16 (128 first-level programs) 72.0 vs 70.1
+        early = pdl(q.device) and n_seg * T <= PDL_MAX_PROGRAMS
         _index_select_kernel[(n_seg, T)](
             x, dst, L, C, K, x.stride(0), dst.stride(0),
             PACKED=x.dtype == torch.int64,
@@ -367,7 +371,7 @@ def index_topk(
             BLOCK_L=block_l,
             BLOCK_K=block_k,
             PDL=pdl(q.device),
-            launch_pdl=pdl(q.device),
+            launch_pdl=early,
             num_warps=select_warps or min(8, max(4, block_l // 512)),
         )  # fmt: skip
         if final:

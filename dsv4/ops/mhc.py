@@ -23,6 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import pdl
 
+PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
 
@@ -77,7 +78,7 @@ def _hc_mixes_partial_kernel(
     M_PAD: tl.constexpr,  # >= 16, power of 2
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # let the finish kernel launch now (it waits for these partials itself)
+    PDL: tl.constexpr,  # griddepcontrol (sm_90+): the finish kernel may launch now
 ):
     # read BLOCK_T*split_k x elements and M*split_k fn floats ; write BLOCK_T*(M+1) floats
     if PDL:
@@ -230,7 +231,7 @@ def _hc_pre_finish_kernel(
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
-    PDL: tl.constexpr,  # launched while the partial kernel runs: wait for its partials
+    PDL: tl.constexpr,  # griddepcontrol (sm_90+): when launched early, wait for the partials here
 ):
     # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y ; with HAS_COMB one more program per
     # token (pid_d = cdiv(D, BLOCK_D)) writes post and the Sinkhorn comb beside the collapse
@@ -354,19 +355,21 @@ def _hc_collapse(
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
-    use_pdl = pdl(x.device)
+    # the finish launched early (programmatic dependent launch) where it measured faster on an
+    # H200: T=1 8.15 vs 8.5 us, T=16 8.8 vs 9.1; not at T=64 (12.8 vs 12.0: 1088 waiting programs)
+    early = pdl(x.device) and T <= PDL_MAX_T
     grid1 = (splits, triton.cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k, PDL=use_pdl, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, PDL=pdl(x.device), num_warps=cfg.num_warps,
     )  # fmt: skip
     grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
         M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=use_pdl, launch_pdl=use_pdl,
+        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=pdl(x.device), launch_pdl=early,
         num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb

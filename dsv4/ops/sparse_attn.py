@@ -289,7 +289,7 @@ def _sparse_attn_combine_kernel(
     stride_oh,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,  # launched while the attention kernel runs: wait for its partials
+    PDL: tl.constexpr,  # griddepcontrol (sm_90+): launched early, wait for the partials here
 ):
     # read num_splits * (BLOCK_D + 2) fp32 ; write BLOCK_D elements
     # One pass, the splits merged online like the keys of a split: the (max, sum) and the partial
