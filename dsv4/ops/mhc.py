@@ -194,16 +194,14 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
     logits = tl.where(mask_jk, logits, float("-inf"))
 
     # fp32 Sinkhorn: row softmax + eps, column norm, then (iters - 1) x (row norm, column norm),
-    # eps inside every denominator. One reciprocal per row / column, then multiplies: with the
-    # whole n x n in each thread (the layout the aligned partial loads give) that is n divisions a
-    # step instead of n^2 (Triton's fp32 '/' is the 2-ulp div.full either way)
+    # eps inside every denominator
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-    c = e * (1.0 / tl.sum(e, axis=1))[:, None] + hc_eps
+    c = e / tl.sum(e, axis=1)[:, None] + hc_eps
     c = tl.where(mask_jk, c, 0.0)
-    c = c * (1.0 / (tl.sum(c, axis=0) + hc_eps))[None, :]
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     for _ in range(sinkhorn_iters - 1):
-        c = c * (1.0 / (tl.sum(c, axis=1) + hc_eps))[:, None]
-        c = c * (1.0 / (tl.sum(c, axis=0) + hc_eps))[None, :]
+        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
@@ -353,8 +351,7 @@ def _hc_collapse(
     cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
     splits = triton.cdiv(K, cfg.split_k)
-    # rows of M+1 partials padded to 16 floats: 64-byte aligned, so the finish loads them as vectors
-    ws = torch.empty((splits, T, triton.cdiv(M + 1, 16) * 16), dtype=torch.float32, device=x.device)
+    ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
