@@ -213,6 +213,24 @@ def probe_mhc() -> None:
         )
 
 
+def probe_mhc_splits() -> None:
+    # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
+    sc, base = (
+        torch.rand(3, device="cuda", generator=g),
+        torch.randn(24, device="cuda", generator=g),
+    )
+    x = torch.randn(1, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    for programs in (16, 32, 64, 128, 256):
+        for block_d in (256, 1024, 4096):
+            cfg = mhc._mix_config(1, 24, 16384, 4096, programs)._replace(block_d=block_d)
+            us(
+                f"hc_pre T=1 {16384 // cfg.split_k} splits, collapse block_d={block_d}",
+                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+            )
+
+
 def probe_attn() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     H, D = 64, 512
@@ -414,7 +432,8 @@ def main() -> None:
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
-             "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl}  # fmt: skip
+             "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
+             "mhc_splits": probe_mhc_splits}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
