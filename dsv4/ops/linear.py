@@ -9,7 +9,9 @@ of two). Same products as the reference, summed in fp32 in another order.
 
 `grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
-programs, fp32 partials summed afterwards in a fixed order (no atomics). Larger batches (prefill
+programs: each writes an fp32 partial and counts itself in (an atomic per output tile); the last
+split of a tile sums the partials in split order (deterministic) and writes the outputs, so there
+is no second launch. Larger batches (prefill
 chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS; so do
 fp32 activations on a GPU (checking runs).
 """
@@ -32,7 +34,9 @@ def _fp8_linear_kernel(
     x_ptr,  # [M, G, K] activations (G = 1 for linear)
     w_ptr,  # [G*R, K] float8_e4m3fn
     s_ptr,  # [cdiv(G*R, 128), cdiv(K, 128)] float8_e8m0fnu, read as uint8
-    y_ptr,  # [M, G, R] x.dtype, or [SPLIT_K, M, G, R] fp32 partials
+    y_ptr,  # [M, G, R] x.dtype
+    ws_ptr,  # [splits, M, G, R] fp32 partials (a dummy without splits)
+    count_ptr,  # [>= output tiles] int32 arrivals per output tile, 0 between launches
     M,
     R,
     K,
@@ -41,9 +45,9 @@ def _fp8_linear_kernel(
     stride_xg,
     stride_wn,
     stride_sn,
-    stride_ys,
     stride_ym,
     stride_yg,
+    stride_ws,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = 128: one scale column per step
@@ -51,7 +55,8 @@ def _fp8_linear_kernel(
     PRECISION: tl.constexpr,  # "ieee" for fp32 activations
 ):
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
-    # write BLOCK_M * BLOCK_N outputs
+    # write BLOCK_M * BLOCK_N outputs (with splits: fp32 partials, and the tile's last split
+    # reads them all back from L2 and writes the outputs)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_gk = tl.program_id(2)  # group * SPLIT_K + split
@@ -85,8 +90,35 @@ def _fp8_linear_kernel(
         s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
         acc += part * (s << 23).to(tl.float32, bitcast=True)[None, :]
 
-    out = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & r_ok[None, :])
+    mask = m_ok[:, None] & r_ok[None, :]
+    tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]  # [M, G, R] offsets
+    if n_splits > 1:
+        # split-K fixup in the kernel (no second launch): store the partial, count the arrival;
+        # the split that arrives last sums all partials in split order (deterministic) and resets
+        # the count for the next launch
+        tl.store(ws_ptr + split * stride_ws + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        counter = count_ptr + (g * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel") == n_splits - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(n_splits):  # through L2: other programs wrote them
+                acc += tl.load(ws_ptr + sp * stride_ws + tile, mask=mask, cache_modifier=".cg")
+            tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+    else:
+        tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 1 << 16  # output tiles a split launch may have (the counters are shared)
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Per-device arrival counts of the split-K fixup: zero between launches (the last split of
+    each tile resets its count), so launches on one stream and CUDA graph replays share them."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def _fp8_grouped(
@@ -129,22 +161,19 @@ def _fp8_grouped(
     programs = triton.cdiv(R, block_n) * tiles_m * G
     most, target = (8, 4 * sms) if tiles is None else (tiles[1], tiles[1] * programs)
     k_per_split, splits = split_reduction(K, FP8_BLOCK, programs, target, most)
-    if splits > 1:
-        y = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty((1, M, G, R), dtype=x.dtype, device=x.device)
+    y = torch.empty((M, G, R), dtype=x.dtype, device=x.device)
+    ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
+    assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
     _fp8_linear_kernel[grid](
-        x, weight, scale.view(torch.uint8), y, M, R, K, k_per_split,
+        x, weight, scale.view(torch.uint8), y, ws, _tile_counters(x.device), M, R, K, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), scale.stride(0),
-        y.stride(0), y.stride(1), y.stride(2),
+        y.stride(0), y.stride(1), ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
         PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
         num_warps=4, num_stages=4 if on_gpu else 1,
     )  # fmt: skip
-    if splits > 1:
-        return y.sum(0).to(x.dtype)
-    return y[0]
+    return y
 
 
 def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:

@@ -78,6 +78,33 @@ def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None
     assert calls == []
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_k_fixup(splits: int) -> None:
+    # the last split of each output tile sums the partials: every tile written, the same bits on
+    # every call, the arrival counts back at 0 (a stale count would let a later launch finish early)
+    wq, s = _fp8(96, 1024, seed=4)  # 3 output tiles of 32 rows, grouped: 2 groups of 48 rows
+    x = torch.randn(3, 2, 1024, generator=torch.Generator().manual_seed(5))
+    want = ref.grouped_linear(x, wq, "fp8", s)
+    first = linear._fp8_grouped(x, wq, s, (32, splits))
+    assert _rel(first, want) < TOL[torch.float32]
+    again = linear._fp8_grouped(x, wq, s, (32, splits))
+    assert torch.equal(first, again)
+    assert int(linear._tile_counters(x.device).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_split_k_fixup_on_gpu_repeated() -> None:
+    # many launches back to back (one stream, as in a decode step) with a split every time
+    wq, s = _fp8(1024, 4096, device="cuda", seed=6)
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    first = linear.linear(x, wq, "fp8", s)
+    outs = [linear.linear(x, wq, "fp8", s) for _ in range(200)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, first) for o in outs)
+    assert int(linear._tile_counters(x.device).abs().sum()) == 0
+    assert _rel(first, ref.linear(x.float(), wq, "fp8", s)) < 5e-3
+
+
 # ---- GPU, Flash shapes: wq_a, wq_b, wkv, wo_b and the grouped wo_a at decode batch sizes
 
 
