@@ -350,14 +350,70 @@ def num_row_blocks(pairs: int, n_experts: int, block_m: int) -> int:
     return (pairs + used * (block_m - 1)) // block_m
 
 
+ALIGN_MAX_PAIRS = 1024  # pairs up to which align_rows is one Triton program (decode, verify)
+
+
+@triton.jit
+def _align_rows_kernel(
+    idx_ptr,  # [P] int64 expert of each pair (pair p = t*k + j)
+    rows_ptr,  # [NB*BLOCK_M] int32 out: pair ids grouped by expert, -1 padding
+    experts_ptr,  # [NB] int32 out: expert of each row-block, -1 past the real ones
+    scratch_ptr,  # [2*E_PAD] int32: each expert's first block and first pair (gathered back)
+    P,
+    NB,
+    E_PAD: tl.constexpr,  # >= the expert count, power of 2
+    P_PAD: tl.constexpr,  # >= P, power of 2
+    R_PAD: tl.constexpr,  # >= NB*BLOCK_M, power of 2
+    BLOCK_M: tl.constexpr,
+):
+    # the torch form below in one program: counts by histogram, block / pair offsets by prefix
+    # sums, the pairs ordered by (expert, pair id) in one sort, then scattered to their rows
+    offs = tl.arange(0, P_PAD)
+    ok = offs < P
+    e = tl.load(idx_ptr + offs, mask=ok, other=0).to(tl.int32)
+    counts = tl.histogram(e, E_PAD, mask=ok)  # [E_PAD]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    offs_e = tl.arange(0, E_PAD)
+    tl.store(scratch_ptr + offs_e, tl.cumsum(blocks, 0) - blocks)  # first block of each expert
+    tl.store(scratch_ptr + E_PAD + offs_e, tl.cumsum(counts, 0) - counts)  # its first pair
+    offs_r = tl.arange(0, R_PAD)
+    tl.store(rows_ptr + offs_r, tl.full([R_PAD], -1, tl.int32), mask=offs_r < NB * BLOCK_M)
+    tl.store(experts_ptr + offs_r, tl.full([R_PAD], -1, tl.int32), mask=offs_r < NB)
+
+    # sorted by expert, then pair id (stable): key e * P_PAD + p, padding sorts last
+    key = tl.sort(tl.where(ok, e * P_PAD + offs, E_PAD * P_PAD), 0)
+    ok_s = key < E_PAD * P_PAD
+    e_s = key // P_PAD
+    tl.debug_barrier()  # scratch and the -1 fills are written before they are read / overwritten
+    first_block = tl.load(scratch_ptr + e_s, mask=ok_s, other=0)
+    first_pair = tl.load(scratch_ptr + E_PAD + e_s, mask=ok_s, other=0)
+    pos = first_block * BLOCK_M + (offs - first_pair)  # sorted position - first pair = rank
+    tl.store(rows_ptr + pos, key % P_PAD, mask=ok_s)
+    tl.store(experts_ptr + pos // BLOCK_M, e_s, mask=ok_s)  # a block's pairs write the same value
+
+
 def align_rows(
     idx: torch.Tensor, n_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, k] expert ids -> (rows int32 [NB*block_m] pair ids grouped by expert, each expert's run
     padded with -1 to a multiple of block_m ; experts int32 [NB], -1 past the real blocks).
-    NB = num_row_blocks(T*k, E, block_m); device ops only, no host sync."""
-    flat = idx.reshape(-1).long()
+    NB = num_row_blocks(T*k, E, block_m); device ops only, no host sync. Up to ALIGN_MAX_PAIRS
+    pairs one Triton launch, else ~15 torch launches."""
+    flat = idx.reshape(-1)
     P, dev = flat.numel(), flat.device
+    NB = num_row_blocks(P, n_experts, block_m)
+    if 0 < P <= ALIGN_MAX_PAIRS:
+        rows = torch.empty(NB * block_m, dtype=torch.int32, device=dev)
+        experts = torch.empty(NB, dtype=torch.int32, device=dev)
+        e_pad = triton.next_power_of_2(n_experts)
+        scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=dev)
+        _align_rows_kernel[(1,)](
+            flat.long().contiguous(), rows, experts, scratch, P, NB,
+            E_PAD=e_pad, P_PAD=triton.next_power_of_2(P),
+            R_PAD=triton.next_power_of_2(NB * block_m), BLOCK_M=block_m, num_warps=4,
+        )  # fmt: skip
+        return rows, experts
+    flat = flat.long()
     order = flat.argsort(stable=True)  # pair ids sorted by expert
     e_sorted = flat[order]
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
@@ -367,7 +423,6 @@ def align_rows(
     first_pair = counts.cumsum(0) - counts
     rank = torch.arange(P, device=dev) - first_pair[e_sorted]
     pos = first_block[e_sorted] * block_m + rank  # padded row of each sorted pair
-    NB = num_row_blocks(P, n_experts, block_m)
     rows = torch.full((NB * block_m,), -1, dtype=torch.int32, device=dev)
     rows[pos] = order.to(torch.int32)
     experts = torch.full((NB,), -1, dtype=torch.int32, device=dev)

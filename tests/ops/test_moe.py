@@ -104,10 +104,13 @@ def test_moe_experts_repeated_expert_in_a_row() -> None:
     _check(x, weights, idx, experts, torch.float32)
 
 
+@pytest.mark.parametrize("form", ["triton", "torch"])
 @pytest.mark.parametrize(
-    "T,k,E,block_m", [(1, 1, 4, 16), (5, 2, 4, 16), (17, 3, 9, 4), (40, 6, 9, 8)]
+    "T,k,E,block_m", [(1, 1, 4, 16), (5, 2, 4, 16), (17, 3, 9, 4), (40, 6, 9, 8), (256, 4, 33, 16)]
 )
-def test_align_rows(T: int, k: int, E: int, block_m: int) -> None:
+def test_align_rows(T: int, k: int, E: int, block_m: int, form: str, monkeypatch) -> None:  # noqa: ANN001
+    if form == "torch":
+        monkeypatch.setattr(moe, "ALIGN_MAX_PAIRS", 0)
     _, idx = _routing(T, k, E, skew=T > 20, seed=T)
     rows, blk = moe.align_rows(idx, E, block_m)
     NB = moe.num_row_blocks(T * k, E, block_m)
@@ -133,6 +136,15 @@ def test_align_rows(T: int, k: int, E: int, block_m: int) -> None:
         pairs = r[r >= 0]
         assert len(pairs) > 0 and (flat[pairs.long()] == blk[b]).all()
         assert (r[: len(pairs)] >= 0).all() and torch.equal(pairs, pairs.sort().values)
+
+
+def test_align_rows_forms_agree(monkeypatch) -> None:  # noqa: ANN001
+    # the one-program Triton form and the torch form give the same layout, bit for bit
+    _, idx = _routing(96, 6, 24, skew=True, seed=7)
+    one = moe.align_rows(idx, 24, 16)
+    monkeypatch.setattr(moe, "ALIGN_MAX_PAIRS", 0)
+    two = moe.align_rows(idx, 24, 16)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 def test_table_cached_and_rebuilt() -> None:
