@@ -189,14 +189,20 @@ def probe_combine() -> None:
                 )
 
 
-def probe_mhc() -> None:
-    # hc_pre / hc_head by token count; 1 vs 20 Sinkhorn iterations (the serial tail of the finish)
-    g = torch.Generator(device="cuda").manual_seed(0)
+def _hc_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Flash's hc_pre parameters: fn [24, 4*4096] fp32, scale [3], base [24]
     fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    sc, base = (
+    return (
+        fn,
         torch.rand(3, device="cuda", generator=g),
         torch.randn(24, device="cuda", generator=g),
     )
+
+
+def probe_mhc() -> None:
+    # hc_pre / hc_head by token count; 1 vs 20 Sinkhorn iterations (the serial tail of the finish)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn, sc, base = _hc_params(g)
     fh, bh = fn[:4].contiguous(), base[:4].contiguous()
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -216,11 +222,7 @@ def probe_mhc() -> None:
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
-    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    sc, base = (
-        torch.rand(3, device="cuda", generator=g),
-        torch.randn(24, device="cuda", generator=g),
-    )
+    fn, sc, base = _hc_params(g)
     x = torch.randn(1, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     for programs in (16, 32, 64, 128, 256):
         for block_d in (256, 1024, 4096):
@@ -393,11 +395,7 @@ def probe_pdl() -> None:
     # the dependent second (and third) kernels launched early and waiting in griddepcontrol.wait,
     # against plain stream order, same inputs, side by side
     g = torch.Generator(device="cuda").manual_seed(0)
-    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    sc, base = (
-        torch.rand(3, device="cuda", generator=g),
-        torch.randn(24, device="cuda", generator=g),
-    )
+    fn, sc, base = _hc_params(g)
     H, D = 64, 512
     pool = torch.randn(1 << 20, D, device="cuda", dtype=torch.bfloat16, generator=g)
     ring = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=g)
