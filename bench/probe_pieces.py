@@ -368,12 +368,12 @@ def probe_linear() -> None:
         w, s = _fp8_weight(N, K, "cuda", g)
         for T in (1, 16):
             x = torch.randn(T, 1, K, device="cuda", dtype=torch.bfloat16)
-            us(f"linear {name} T={T} default", lambda: linear._grouped(x, w, s))  # noqa: B023
+            us(f"linear {name} T={T} default", lambda: linear._fp8_grouped(x, w, s))  # noqa: B023
             for bn in (16, 32, 64, 128):
                 for sp in (1, 2, 4, 8):
                     us(
                         f"linear {name} T={T} block_n={bn} splits={sp}",
-                        lambda bn=bn, sp=sp: linear._grouped(x, w, s, (bn, sp)),  # noqa: B023
+                        lambda bn=bn, sp=sp: linear._fp8_grouped(x, w, s, (bn, sp)),  # noqa: B023
                     )
 
 

@@ -1,20 +1,19 @@
-"""Linear layers at decode sizes, the weights read as stored: FP8 (e4m3, 128x128 UE8M0 block
-scales) and, on a GPU, bf16.
+"""FP8 (e4m3, 128x128 UE8M0 block scales) linear layers at decode sizes, the weights read as stored.
 
-The reference (`dsv4.ops.ref.linear`) dequantizes the whole FP8 weight on every call and runs a
-bf16 GEMM: at decode that is five passes over ~130 MB of weights per layer instead of one over the
+The reference (`dsv4.ops.ref.linear`) dequantizes the whole weight on every call and runs a bf16
+GEMM: at decode that is five passes over ~130 MB of weights per layer instead of one over the
 packed bytes. Here each program streams a [BLOCK_N, 128] fp8 tile per step, converts it to the
 activation dtype (exact: an e4m3 value fits bf16's mantissa and exponent), takes the tile's dot
 with the activations in fp32 and scales the partial by its block scale 2^(s-127) (exact, a power
-of two). Same products as the reference, summed in fp32 in another order. bf16 weights (the
-compressors' wkv / wgate, the indexer's weights_proj) take the same kernel without the scale.
+of two). Same products as the reference, summed in fp32 in another order.
 
 `grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
 programs: each writes an fp32 partial and counts itself in (an atomic per output tile); the last
 split of a tile sums the partials in split order (deterministic) and writes the outputs, so there
-is no second launch. Larger batches (prefill chunks) keep the reference: dequantized once per call
-and amortised over many rows by cuBLAS; so do fp32 activations on a GPU (checking runs).
+is no second launch. Larger batches (prefill
+chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS; so do
+fp32 activations on a GPU (checking runs).
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the refere
 
 
 @triton.jit
-def _linear_kernel(
+def _fp8_linear_kernel(
     x_ptr,  # [M, G, K] activations (G = 1 for linear)
-    w_ptr,  # [G*R, K] float8_e4m3fn (SCALED) or x.dtype
-    s_ptr,  # [cdiv(G*R, 128), cdiv(K, 128)] float8_e8m0fnu, read as uint8 (SCALED)
+    w_ptr,  # [G*R, K] float8_e4m3fn
+    s_ptr,  # [cdiv(G*R, 128), cdiv(K, 128)] float8_e8m0fnu, read as uint8
     y_ptr,  # [M, G, R] x.dtype
     ws_ptr,  # [splits, M, G, R] fp32 partials (a dummy without splits)
     count_ptr,  # [>= output tiles] int32 arrivals per output tile, 0 between launches
@@ -54,7 +53,6 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,  # = 128: one scale column per step
     UPCAST: tl.constexpr,  # the CPU interpreter: fp32 operands (it mis-computes bf16 dots)
     PRECISION: tl.constexpr,  # "ieee" for fp32 activations
-    SCALED: tl.constexpr,  # fp8 weights with 128x128 block scales, else weights in x.dtype
 ):
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
     # write BLOCK_M * BLOCK_N outputs (with splits: fp32 partials, and the tile's last split
@@ -87,13 +85,10 @@ def _linear_kernel(
             w = w.to(tl.float32)
         else:
             w = w.to(x.dtype)
-        if SCALED:
-            part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-            # block scale 2^(s - 127) of (row block, k0 // 128): fp32 bits s << 23 (s in 1..254)
-            s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
-            acc += part * (s << 23).to(tl.float32, bitcast=True)[None, :]
-        else:
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        # block scale 2^(s - 127) of (row block, k0 // 128): fp32 bits s << 23 (s in 1..254)
+        s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
+        acc += part * (s << 23).to(tl.float32, bitcast=True)[None, :]
 
     mask = m_ok[:, None] & r_ok[None, :]
     tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]  # [M, G, R] offsets
@@ -126,35 +121,28 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
-def _grouped(
+def _fp8_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor | None,
+    scale: torch.Tensor,
     tiles: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, G, K] times weight [G*R, K] per group -> [M, G, R] x.dtype: fp8 with its block scale,
-    or (scale None) a weight in x.dtype.
+    """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
     tiles: force (BLOCK_N, K splits) instead of the heuristic (bench/probe_pieces.py linear)."""
     M, G, K = x.shape
     N = weight.shape[0]
-    if scale is None:
-        assert weight.dtype == x.dtype and weight.dim() == 2, (
-            f"weight must be {x.dtype} [out, in] (got {weight.dtype} {tuple(weight.shape)})"
-        )
-    else:
-        assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
-            f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
-        )
-        exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
-        assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
-            f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
-        )
-        assert scale.stride(1) == 1, "fp8 scale needs unit stride along the reduction"
+    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+        f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
+    )
     assert weight.shape[1] == K and N % G == 0, (
         f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} ({G} groups)"
     )
-    assert weight.stride(1) == 1 and x.stride(2) == 1, (
-        "weight and x need unit stride along the reduction"
+    exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
+        f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
+    )
+    assert weight.stride(1) == 1 and scale.stride(1) == 1 and x.stride(2) == 1, (
+        "fp8 weight, scale and x need unit stride along the reduction"
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
@@ -177,28 +165,22 @@ def _grouped(
     ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
     assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
-    _linear_kernel[grid](
-        x, weight, weight if scale is None else scale.view(torch.uint8), y, ws, _tile_counters(x.device), M, R, K, k_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), 0 if scale is None else scale.stride(0),
+    _fp8_linear_kernel[grid](
+        x, weight, scale.view(torch.uint8), y, ws, _tile_counters(x.device), M, R, K, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), scale.stride(0),
         y.stride(0), y.stride(1), ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
         PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
-        SCALED=scale is not None, num_warps=4, num_stages=4 if on_gpu else 1,
+        num_warps=4, num_stages=4 if on_gpu else 1,
     )  # fmt: skip
     return y
 
 
-def _kernel_serves(x: torch.Tensor, weight: torch.Tensor, fmt: str, rows: int) -> bool:
-    # fp8: bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32
-    # runs are for checking, the reference serves them). dense: bf16 weights and activations on a
-    # GPU (the compressors' and the indexer's bf16 projections: cuBLAS split-K + reduce otherwise);
-    # on the CPU the reference (the kernel is tested there directly)
-    if not 0 < rows <= MAX_ROWS:
-        return False
-    if fmt == "dense":
-        return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:
+    # bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32 runs
+    # are for checking, the reference serves them)
     dtypes = (torch.bfloat16,) if x.is_cuda else (torch.bfloat16, torch.float32)
-    return fmt == "fp8" and x.dtype in dtypes
+    return fmt == "fp8" and 0 < rows <= MAX_ROWS and x.dtype in dtypes
 
 
 def linear(
@@ -211,9 +193,9 @@ def linear(
     # x: [..., in] ; weight: [out, in] in `fmt` ; y: [..., out] in x.dtype
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
-    if not _kernel_serves(x, weight, fmt, rows):
+    if not _kernel_serves(x, fmt, rows):
         return ref.linear(x, weight, fmt, scale, scale2)
-    y = _grouped(x.reshape(rows, 1, K), weight, scale if fmt == "fp8" else None)
+    y = _fp8_grouped(x.reshape(rows, 1, K), weight, scale)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -225,6 +207,6 @@ def grouped_linear(
     scale2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
-    if not _kernel_serves(x, weight, fmt, x.shape[0]):
+    if not _kernel_serves(x, fmt, x.shape[0]):
         return ref.grouped_linear(x, weight, fmt, scale, scale2)
-    return _grouped(x, weight, scale if fmt == "fp8" else None)
+    return _fp8_grouped(x, weight, scale)

@@ -71,26 +71,11 @@ def test_a_wrong_scale_or_dtype_is_named() -> None:
 
 def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None:  # noqa: ANN001
     calls = []
-    monkeypatch.setattr(linear, "_grouped", lambda *a: calls.append(a))
+    monkeypatch.setattr(linear, "_fp8_grouped", lambda *a: calls.append(a))
     wq, s = _fp8(64, 128)
     linear.linear(torch.randn(linear.MAX_ROWS + 1, 128), wq, "fp8", s)
     linear.linear(torch.randn(2, 128), torch.randn(64, 128), "dense")
     assert calls == []
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,G,R,K,tiles", [(1, 1, 64, 512, None), (3, 2, 48, 300, (16, 3))])
-def test_dense_weights(T, G, R, K, tiles, dtype) -> None:  # noqa: ANN001
-    # weights in x.dtype, no scale: the same kernel (on the CPU only called directly, the model's
-    # dense projections keep the reference there)
-    g = torch.Generator().manual_seed(8)
-    w = torch.randn(G * R, K, generator=g).to(dtype)
-    x = torch.randn(T, G, K, generator=g).to(dtype)
-    y = linear._grouped(x, w, None, tiles)
-    want = ref.grouped_linear(x, w, "dense")
-    assert y.shape == (T, G, R) and y.dtype == dtype
-    assert _rel(y, want) < TOL[dtype]
-    assert linear.linear(x[:, 0], w[:R], "dense").dtype == dtype  # the reference on the CPU
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
@@ -100,25 +85,11 @@ def test_split_k_fixup(splits: int) -> None:
     wq, s = _fp8(96, 1024, seed=4)  # 3 output tiles of 32 rows, grouped: 2 groups of 48 rows
     x = torch.randn(3, 2, 1024, generator=torch.Generator().manual_seed(5))
     want = ref.grouped_linear(x, wq, "fp8", s)
-    first = linear._grouped(x, wq, s, (32, splits))
+    first = linear._fp8_grouped(x, wq, s, (32, splits))
     assert _rel(first, want) < TOL[torch.float32]
-    again = linear._grouped(x, wq, s, (32, splits))
+    again = linear._fp8_grouped(x, wq, s, (32, splits))
     assert torch.equal(first, again)
     assert int(linear._tile_counters(x.device).abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 64])
-@pytest.mark.parametrize(
-    "N,K", [(1024, 4096), (256, 4096), (64, 4096)]
-)  # compressors, weights_proj
-def test_dense_linear_on_gpu(T: int, N: int, K: int) -> None:
-    g = torch.Generator(device="cuda").manual_seed(9)
-    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
-    x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
-    y = linear.linear(x, w, "dense")
-    assert _rel(y, ref.linear(x, w, "dense")) < 1e-2
-    assert _rel(y, x.float() @ w.float().t()) < 5e-3
 
 
 @pytest.mark.gpu
