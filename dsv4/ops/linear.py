@@ -11,9 +11,8 @@ of two). Same products as the reference, summed in fp32 in another order.
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
 programs: each writes an fp32 partial and counts itself in (an atomic per output tile); the last
 split of a tile sums the partials in split order (deterministic) and writes the outputs, so there
-is no second launch. Larger batches (prefill
-chunks) keep the reference: dequantized once per call and amortised over many rows by cuBLAS; so do
-fp32 activations on a GPU (checking runs).
+is no second launch. Larger batches (prefill chunks) keep the reference: dequantized once per call
+and amortised over many rows by cuBLAS; so do fp32 activations on a GPU (checking runs).
 """
 
 from __future__ import annotations
