@@ -1,7 +1,7 @@
 """Per-kernel device time inside one op call (torch profiler): which launch of a multi-kernel op
 (sparse_attn main + combine, hc_pre partial + finish, index_topk scores + select levels) takes the
 time. L2 is warm (back-to-back calls), so this is the kernels' execution chain, not HBM.
-Usage: python3 bench/kernel_times.py [--json FILE]"""
+Usage: python3 bench/kernel_times.py [--json FILE] [--only NAME] [--plain]"""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--plain", action="store_true", help="only run each case (under ncu)")
+    p.add_argument("--only", default="", help="run the cases whose name contains this")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
@@ -63,12 +64,15 @@ def main() -> None:
         dim=1,
     )
     x64 = torch.randn(64, 4, 4096, device="cuda", dtype=bf, generator=g)
+    # under ncu (--plain) no autotuning (ncu would replay every trial): the sweep's best T=64 tile
+    t64 = {"BLOCK_N": 64, "DV_SPLIT": 1, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
+    t64_fixed = {"num_splits": 2, "config": t64} if ns.plain else {}
     cases = {
         "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(
             q, (ring, new, pool), sink, idx, 0.04
         ),
         "sparse_attn T=64 K=640": lambda: sparse_attn.sparse_attn(
-            q64, (ring, new64, pool), sink, idx64, 0.04
+            q64, (ring, new64, pool), sink, idx64, 0.04, **t64_fixed
         ),
         "hc_pre T=1": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
         "hc_pre T=64": lambda: mhc.hc_pre(x64, fn, sc, base, 1e-6, 1e-6, 20),
@@ -80,6 +84,8 @@ def main() -> None:
         )
     out = {}
     for name, f in cases.items():
+        if ns.only not in name:
+            continue
         if ns.plain:
             for _ in range(2):
                 f()

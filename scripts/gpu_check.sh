@@ -42,9 +42,12 @@ for part in $PARTS; do
     kernels)  # per-kernel device time inside the multi-kernel ops (torch profiler), then Nsight
       python3 bench/kernel_times.py --json "$OUT/kernel_times.json" 2>&1 | tee "$OUT/kernel_times.txt"
       if [ "${NCU:-1}" != 0 ] && command -v ncu >/dev/null; then
-        for k in "index_select|hc_pre_finish|hc_mixes:6" "sparse_attn:2"; do
-          timeout 100 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
-            -k regex:"${k%%:*}" -c "${k##*:}" python3 bench/kernel_times.py --plain 2>&1 \
+        # NCU_KERNELS: space-separated "kernel regex:launches:case name substring"
+        for k in ${NCU_KERNELS:-"index_select|hc_pre_finish|hc_mixes:6:" "_sparse_attn_kernel:1:T=64"}; do
+          IFS=: read -r rx n only <<< "$k"
+          timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+            --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+            -k regex:"$rx" -c "$n" python3 bench/kernel_times.py --plain --only "$only" 2>&1 \
             | grep -vE "^\s*$" >> "$OUT/ncu.txt"
         done
         grep -E "^  _|Duration|Warp Cycles Per Issued|Registers Per|Block Size|Grid Size|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.txt" | head -90
