@@ -114,7 +114,9 @@ MAX_SPLIT_TILES = 1 << 16  # output tiles a split launch may have (the counters 
 
 def _tile_counters(device: torch.device) -> torch.Tensor:
     """Per-device arrival counts of the split-K fixup: zero between launches (the last split of
-    each tile resets its count), so launches on one stream and CUDA graph replays share them."""
+    each tile resets its count), so launches on one stream and CUDA graph replays share them. Two
+    streams running split launches at the same time would each need their own (the engine runs
+    the model on one stream)."""
     if device not in _counters:
         _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return _counters[device]
