@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dsv4.bench.cases_indexer import _inputs as index_inputs
+from dsv4.bench.probe_inputs import AttnDecode, hc_pre_params
 from dsv4.ops import indexer, mhc, sparse_attn
 
 
@@ -39,41 +40,17 @@ def main() -> None:
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
-    H, D = 64, 512
-    pool = torch.randn(1 << 20, D, device="cuda", dtype=bf, generator=g)
-    ring = torch.randn(128, D, device="cuda", dtype=bf, generator=g)
-    q = torch.randn(1, H, D, device="cuda", dtype=bf, generator=g)
-    new = torch.randn(1, D, device="cuda", dtype=bf, generator=g)
-    sink = torch.randn(H, device="cuda", generator=g)
-    idx = torch.cat(
-        [torch.arange(128, device="cuda"), 129 + torch.randint(0, 1 << 20, (512,), device="cuda")]
-    )[None]
-    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    sc, base = (
-        torch.rand(3, device="cuda", generator=g),
-        torch.randn(24, device="cuda", generator=g),
-    )
+    attn = AttnDecode(g)
+    fn, sc, base = hc_pre_params(g)
     x = torch.randn(1, 4, 4096, device="cuda", dtype=bf, generator=g)
-    q64 = torch.randn(64, H, D, device="cuda", dtype=bf, generator=g)
-    new64 = torch.randn(64, D, device="cuda", dtype=bf, generator=g)
-    idx64 = torch.cat(
-        [
-            torch.arange(128, device="cuda").expand(64, 128),
-            192 + torch.randint(0, 1 << 20, (64, 512), device="cuda"),
-        ],
-        dim=1,
-    )
     x64 = torch.randn(64, 4, 4096, device="cuda", dtype=bf, generator=g)
     # under ncu (--plain) no autotuning (ncu would replay every trial): the sweep's best T=64 tile
     t64 = {"BLOCK_N": 64, "DV_SPLIT": 1, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
     t64_fixed = {"num_splits": 2, "config": t64} if ns.plain else {}
+    attn1, attn64 = attn.tokens(1), attn.tokens(64)
     cases = {
-        "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(
-            q, (ring, new, pool), sink, idx, 0.04
-        ),
-        "sparse_attn T=64 K=640": lambda: sparse_attn.sparse_attn(
-            q64, (ring, new64, pool), sink, idx64, 0.04, **t64_fixed
-        ),
+        "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(*attn1, 0.04),
+        "sparse_attn T=64 K=640": lambda: sparse_attn.sparse_attn(*attn64, 0.04, **t64_fixed),
         "hc_pre T=1": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
         "hc_pre T=64": lambda: mhc.hc_pre(x64, fn, sc, base, 1e-6, 1e-6, 20),
     }

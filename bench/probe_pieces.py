@@ -19,6 +19,7 @@ import triton.language as tl
 
 from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
+from dsv4.bench.probe_inputs import AttnDecode, hc_pre_params
 from dsv4.ops import indexer, mhc, sparse_attn
 
 ROWS: list[dict] = []
@@ -189,20 +190,10 @@ def probe_combine() -> None:
                 )
 
 
-def _hc_params(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Flash's hc_pre parameters: fn [24, 4*4096] fp32, scale [3], base [24]
-    fn = torch.randn(24, 16384, device="cuda", generator=g) * 0.01
-    return (
-        fn,
-        torch.rand(3, device="cuda", generator=g),
-        torch.randn(24, device="cuda", generator=g),
-    )
-
-
 def probe_mhc() -> None:
     # hc_pre / hc_head by token count; 1 vs 20 Sinkhorn iterations (the serial tail of the finish)
     g = torch.Generator(device="cuda").manual_seed(0)
-    fn, sc, base = _hc_params(g)
+    fn, sc, base = hc_pre_params(g)
     fh, bh = fn[:4].contiguous(), base[:4].contiguous()
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -222,7 +213,7 @@ def probe_mhc() -> None:
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
-    fn, sc, base = _hc_params(g)
+    fn, sc, base = hc_pre_params(g)
     x = torch.randn(1, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     for programs in (16, 32, 64, 128, 256):
         for block_d in (256, 1024, 4096):
@@ -234,16 +225,7 @@ def probe_mhc_splits() -> None:
 
 
 def probe_attn() -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    H, D = 64, 512
-    pool = torch.randn(1 << 20, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    ring = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    q = torch.randn(1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    new = torch.randn(1, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    sink = torch.randn(H, device="cuda", generator=g)
-    sel = 129 + torch.randint(0, 1 << 20, (512,), device="cuda", generator=g)
-    idx = torch.cat([torch.arange(128, device="cuda"), sel])[None]
-    kv = (ring, new, pool)
+    q, kv, sink, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(1)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
     us(
         "sparse_attn T=1 K=640 default, L2 warm",
@@ -395,25 +377,15 @@ def probe_pdl() -> None:
     # the dependent second (and third) kernels launched early and waiting in griddepcontrol.wait,
     # against plain stream order, same inputs, side by side
     g = torch.Generator(device="cuda").manual_seed(0)
-    fn, sc, base = _hc_params(g)
-    H, D = 64, 512
-    pool = torch.randn(1 << 20, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    ring = torch.randn(128, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    sink = torch.randn(H, device="cuda", generator=g)
+    fn, sc, base = hc_pre_params(g)
+    attn = AttnDecode(g)
     cases = []
     for T in (1, 16, 64):
         x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         cases.append((f"hc_pre T={T}", lambda x=x: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)))
     for T in (1, 64):
-        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        new = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        sel = 128 + T + torch.randint(0, 1 << 20, (T, 512), device="cuda", generator=g)
-        idx = torch.cat([torch.arange(128, device="cuda").expand(T, 128), sel], 1)
-        kv = (ring, new, pool)
-        cases.append(
-            (f"sparse_attn T={T} K=640", lambda q=q, kv=kv, idx=idx: sparse_attn.sparse_attn(
-                q, kv, sink, idx, 0.04))
-        )  # fmt: skip
+        args = attn.tokens(T)
+        cases.append((f"sparse_attn T={T} K=640", lambda a=args: sparse_attn.sparse_attn(*a, 0.04)))
     for T in (1, 16):
         args = index_inputs(T, 64, 128, 32768, False, "cuda", True)
         cases.append((f"index_topk T={T} 128K paged", lambda a=args: indexer.index_topk(*a, 512)))

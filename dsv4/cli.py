@@ -101,7 +101,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="replay decode steps as CUDA graphs (needs --device cuda --ops triton)",
+        help="replay decode steps as CUDA graphs (needs --device cuda --ops triton --quantized)",
     )
 
 

@@ -567,7 +567,7 @@ class EngineConfig:
     quantized: bool = False  # keep FP8/FP4 weights packed in memory (dequantize inside ops)
     max_seqs: int = 8
     max_seq_len: int = 4096
-    cuda_graphs: bool = False  # replay decode steps as CUDA graphs (needs cuda + ops="triton")
+    cuda_graphs: bool = False  # replay decode steps as CUDA graphs (cuda, ops="triton", quantized)
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
 
     def __post_init__(self) -> None:

@@ -355,6 +355,7 @@ def index_topk(
     block_k = max(16, triton.next_power_of_2(K))
     max_l = max(segment, 4 * block_k)
     x, L = skey, C
+    griddep = pdl(q.device)
     while True:
         final = L <= max_l
         block_l = max(16, triton.next_power_of_2(L)) if final else max_l
@@ -362,7 +363,7 @@ def index_topk(
         dst = out if final else torch.empty(T, n_seg * K, dtype=torch.int64, device=q.device)
         # launched early (programmatic dependent launch) only as a small grid: on an H200, T=1
         # 27.1 vs 28.5 us, but T=16 (128 first-level programs) 72.0 vs 70.1
-        early = pdl(q.device) and n_seg * T <= PDL_MAX_PROGRAMS
+        early = griddep and n_seg * T <= PDL_MAX_PROGRAMS
         _index_select_kernel[(n_seg, T)](
             x, dst, L, C, K, x.stride(0), dst.stride(0),
             PACKED=x.dtype == torch.int64,
@@ -370,7 +371,7 @@ def index_topk(
             SORT=sort,
             BLOCK_L=block_l,
             BLOCK_K=block_k,
-            PDL=pdl(q.device),
+            PDL=griddep,
             launch_pdl=early,
             num_warps=select_warps or min(8, max(4, block_l // 512)),
         )  # fmt: skip

@@ -357,19 +357,20 @@ def _hc_collapse(
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
     # the finish launched early (programmatic dependent launch) where it measured faster on an
     # H200: T=1 8.15 vs 8.5 us, T=16 8.8 vs 9.1; not at T=64 (12.8 vs 12.0: 1088 waiting programs)
-    early = pdl(x.device) and T <= PDL_MAX_T
+    griddep = pdl(x.device)
+    early = griddep and T <= PDL_MAX_T
     grid1 = (splits, triton.cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k, PDL=pdl(x.device), num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, PDL=griddep, num_warps=cfg.num_warps,
     )  # fmt: skip
     grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
         M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=pdl(x.device), launch_pdl=early,
+        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=griddep, launch_pdl=early,
         num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb

@@ -231,6 +231,8 @@ def _launch_rows(
     R = math.prod(x.shape[1:-1])  # rows per token: heads (1 for [T, d])
     x3 = x.view(T, R, d)  # fails loudly on a layout that cannot be flattened
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if store is None:
+        dst, dst_rows = out, cos  # dummies: HAS_STORE is off
     n_rows = T * R
     if n_rows == 0:
         return out
@@ -243,9 +245,9 @@ def _launch_rows(
         cos,
         sin,
         out,
-        out if store is None else store[0],
-        cos if store is None else store[1],
-        0 if store is None else store[0].stride(0),
+        dst,
+        dst_rows,
+        dst.stride(0),
         n_rows,
         R,
         d,
