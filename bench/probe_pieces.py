@@ -210,6 +210,21 @@ def probe_mhc() -> None:
         )
 
 
+def probe_sinkhorn() -> None:
+    # div.approx against div.full in the Sinkhorn iterations, interleaved twice
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn, sc, base = hc_pre_params(g)
+    for T in (1, 16, 64):
+        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        for fast in (False, True, False, True):
+            mhc.FAST_SINKHORN = fast
+            us(
+                f"hc_pre T={T} sinkhorn div.{'approx' if fast else 'full'}",
+                lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),  # noqa: B023
+            )
+    mhc.FAST_SINKHORN = True
+
+
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -403,7 +418,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits}  # fmt: skip
+             "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -45,7 +45,7 @@ for part in $PARTS; do
         # NCU_KERNELS: space-separated "kernel regex:launches:case name substring"
         for k in ${NCU_KERNELS:-"index_select|hc_pre_finish|hc_mixes:6:" "_sparse_attn_kernel:1:T=64"}; do
           IFS=: read -r rx n only <<< "$k"
-          timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats \
+          timeout 200 ncu --section SpeedOfLight --section WarpStateStats --section LaunchStats --section ComputeWorkloadAnalysis --section InstructionStats \
             --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
             -k regex:"$rx" -c "$n" python3 bench/kernel_times.py --plain --only "$only" 2>&1 \
             | grep -vE "^\s*$" >> "$OUT/ncu.txt"

@@ -20,10 +20,12 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import pdl
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
+FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench switch)
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
 
@@ -163,7 +165,7 @@ def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, 
 
 @triton.jit
 def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps, sinkhorn_iters,
-               N: tl.constexpr, N_PAD: tl.constexpr):  # fmt: skip
+               N: tl.constexpr, N_PAD: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
     # post[t] = 2 sigmoid(m[n:2n] * r * s1 + base[n:2n]) ; comb[t] = Sinkhorn of the n x n logits
     # m[2n + j*n + k] * r * s2 + base[2n + j*n + k]
     offs_n = tl.arange(0, N_PAD)
@@ -200,8 +202,12 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
     c = tl.where(mask_jk, c, 0.0)
     c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     for _ in range(sinkhorn_iters - 1):
-        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        if FAST_DIV:  # div.approx (MUFU reciprocal + multiply) on the serial chain: <= 2 ulp
+            c = fast_dividef(c, tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = fast_dividef(c, tl.sum(c, axis=0)[None, :] + hc_eps)
+        else:
+            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
     tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
@@ -232,6 +238,7 @@ def _hc_pre_finish_kernel(
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
     PDL: tl.constexpr,  # griddepcontrol (sm_90+): when launched early, wait for the partials here
+    FAST_DIV: tl.constexpr,  # Sinkhorn iterations with div.approx (GPU; the interpreter lacks it)
 ):
     # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y ; with HAS_COMB one more program per
     # token (pid_d = cdiv(D, BLOCK_D)) writes post and the Sinkhorn comb beside the collapse
@@ -249,7 +256,7 @@ def _hc_pre_finish_kernel(
     if HAS_COMB:
         if pid_d * BLOCK_D >= D:  # the extra program: its Sinkhorn runs beside the collapse
             _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
-                       sinkhorn_iters, N, N_PAD)  # fmt: skip
+                       sinkhorn_iters, N, N_PAD, FAST_DIV)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,7 +378,7 @@ def _hc_collapse(
         int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
         M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
         BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=griddep, launch_pdl=early,
-        num_warps=finish_warps,
+        FAST_DIV=FAST_SINKHORN and x.is_cuda, num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb
 
