@@ -210,6 +210,45 @@ def probe_mhc() -> None:
         )
 
 
+def probe_attn_tiles() -> None:
+    # sparse attention at T=64 / 16 / 1: the autotuned default against fixed tiles x splits, with
+    # the gathered key bytes as a fraction of this run's copy bandwidth (printed by 'floors')
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    tiles = {  # name: (BLOCK_N, DV_SPLIT, BLOCK_H, warps, stages, PREFETCH)
+        "bn64 dv1 st3": (64, 1, 64, 8, 3, False),
+        "bn32 dv1 st4 pf": (32, 1, 64, 8, 4, True),
+        "bn32 dv1 st3 pf": (32, 1, 64, 8, 3, True),
+        "bn16 dv1 st6 pf": (16, 1, 64, 8, 6, True),
+        "bn32 dv2 st4 pf": (32, 2, 64, 4, 4, True),
+        "bn32 dv2 st3": (32, 2, 64, 4, 3, False),
+    }
+    for T, split_list in ((64, (1, 2, 3)), (16, (4, 8)), (1, (10, 20))):
+        q, kv, sink, idx = attn.tokens(T)
+        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
+        t = us(f"attn T={T} default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))  # noqa: B023
+        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for name, (bn, dv, bh, w, st, pf) in tiles.items():
+            cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False}
+            cfg |= {"PREFETCH": pf, "num_warps": w, "num_stages": st}
+            for sp in split_list:
+                try:
+                    t = us(
+                        f"attn T={T} {name} splits={sp}",
+                        lambda c=cfg, sp=sp: sparse_attn.sparse_attn(  # noqa: B023
+                            q,
+                            kv,
+                            sink,
+                            idx,
+                            0.04,
+                            num_splits=sp,
+                            config=c,  # noqa: B023
+                        ),
+                    )
+                    print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+                except Exception as e:  # noqa: BLE001  (a tile that does not fit)
+                    print(f"attn T={T} {name} splits={sp}: {str(e)[:60]}", flush=True)
+
+
 def probe_sinkhorn() -> None:
     # div.approx against div.full in the Sinkhorn iterations, interleaved twice
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -418,7 +457,8 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn}  # fmt: skip
+             "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
+             "attn_tiles": probe_attn_tiles}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -38,34 +38,43 @@ def _configs() -> list[triton.Config]:
     # Shared memory at H=64, D=512 bf16: Q 64 KB + (num_stages - 1) * BLOCK_N KB of gathered
     # rows, so (16, 2, 4, 2) fits two programs per SM. Spills on sm_90 (Triton 3.6, ptxas 13.0):
     # none except (64, 1|2, 64): 8 / 16 B, (32, 1, 32): 96 B, (64, 1, 16): 208 B.
-    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages, KEYS_ON_M)
-        (16, 1, 64, 8, 3, False),
-        (32, 1, 64, 8, 3, False),
-        (64, 1, 64, 8, 3, False),
-        (16, 2, 64, 4, 2, False),
-        (32, 2, 64, 4, 3, False),
-        (64, 2, 64, 4, 3, False),
-        (32, 1, 16, 4, 2, False),
-        (32, 1, 32, 4, 2, False),
-        (64, 1, 16, 4, 2, False),
-        (32, 2, 16, 4, 2, False),
+    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages, KEYS_ON_M, PREFETCH)
+        (16, 1, 64, 8, 3, False, False),
+        (32, 1, 64, 8, 3, False, False),
+        (64, 1, 64, 8, 3, False, False),
+        (16, 2, 64, 4, 2, False, False),
+        (32, 2, 64, 4, 3, False, False),
+        (64, 2, 64, 4, 3, False, False),
+        (32, 1, 16, 4, 2, False, False),
+        (32, 1, 32, 4, 2, False, False),
+        (64, 1, 16, 4, 2, False, False),
+        (32, 2, 16, 4, 2, False, False),
         # keys on the MMA rows: the [512, 64] accumulator O^T splits over the warpgroups along
         # the channels and S^T [BN, 64] is an operand B (shared memory), not a register operand
         # A, so Triton need not give every warpgroup all of S (not yet timed on a GPU).
         # sm_90 with Triton 3.6 + ptxas 13.0: 205 / 103 / 206 / 50 KB of shared memory; 56, 0,
         # 48, 0 bytes spilled ((128, 1, 64, 8, 1) spilled 312 B and was dropped)
-        (64, 1, 64, 8, 2, True),
-        (32, 1, 64, 8, 3, True),
-        (64, 2, 64, 4, 3, True),
-        (32, 1, 16, 4, 2, True),
+        (64, 1, 64, 8, 2, True, False),
+        (32, 1, 64, 8, 3, True, False),
+        (64, 2, 64, 4, 3, True, False),
+        (32, 1, 16, 4, 2, True, False),
+        # PREFETCH: the indices of tile i+1 come from a plain load in iteration i (loop-carried),
+        # so the pipeliner sees the row gather as an ordinary load and keeps num_stages - 1 tiles
+        # in flight (without it, Triton 3.6 waits for every copy at the top of each iteration)
+        (32, 1, 64, 8, 4, False, True),
+        (32, 1, 64, 8, 3, False, True),
+        (16, 1, 64, 8, 6, False, True),
+        (32, 2, 64, 4, 4, False, True),
+        (32, 1, 16, 4, 4, False, True),
+        (64, 1, 16, 4, 3, False, True),
     ]
     return [
         triton.Config(
-            {"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": km},
+            {"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": km, "PREFETCH": pf},
             num_warps=w,
             num_stages=st,
         )
-        for n, dv, bh, w, st, km in shapes
+        for n, dv, bh, w, st, km, pf in shapes
     ]
 
 
@@ -128,6 +137,7 @@ def _sparse_attn_kernel(
     DV_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     KEYS_ON_M: tl.constexpr,  # keys on the MMA rows (S^T, O^T): no S recomputed per warpgroup
+    PREFETCH: tl.constexpr,  # indices one tile ahead (a loop-carried plain load)
     PDL: tl.constexpr,  # let the combine launch now (it waits for these partials itself)
 ):
     # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
@@ -171,10 +181,18 @@ def _sparse_attn_kernel(
         acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    idx_row = idx_ptr + t * stride_it
+    if PREFETCH:  # the next tile's indices, loaded one iteration ahead (see _configs)
+        offs_n = k_begin + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_row + offs_n, mask=offs_n < k_end, other=-1)
     for start in range(k_begin, k_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < k_end, other=-1)
-        idx = idx.to(tl.int64)
+        if PREFETCH:
+            idx = idx_next.to(tl.int64)
+            offs_next = offs_n + BLOCK_N
+            idx_next = tl.load(idx_row + offs_next, mask=offs_next < k_end, other=-1)
+        else:
+            idx = tl.load(idx_row + offs_n, mask=offs_n < k_end, other=-1).to(tl.int64)
         valid = idx >= 0
         idx = tl.where(valid, idx, 0)
         # element offset of each key row from kv0_ptr, the source chosen by index range  [BN]
@@ -448,6 +466,7 @@ def sparse_attn(
         _sparse_attn_tuned[grid](*args, **consts)
     else:
         cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "KEYS_ON_M": False}
+        cfg |= {"PREFETCH": False}
         cfg |= {"num_warps": 4}
         cfg = {"num_stages": 1} | cfg | (config or {})
         assert cfg["DV_SPLIT"] in (1, 2) and BLOCK_D // cfg["DV_SPLIT"] >= 16, f"bad config {cfg}"

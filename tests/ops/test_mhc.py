@@ -197,4 +197,3 @@ def test_mhc_gpu_flash(T: int) -> None:
     out_ref = ref.hc_post(y.float(), x.float(), post, comb)
     assert out.dtype == torch.bfloat16
     assert _rel(out, out_ref) < TOL[torch.bfloat16], f"{_rel(out, out_ref):.2e}"
-

@@ -69,7 +69,14 @@ def test_matches_ref(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "config",
-    [None, {"BLOCK_N": 32, "DV_SPLIT": 2}, {"KEYS_ON_M": True}, {"KEYS_ON_M": True, "DV_SPLIT": 2}],
+    [
+        None,
+        {"BLOCK_N": 32, "DV_SPLIT": 2},
+        {"KEYS_ON_M": True},
+        {"KEYS_ON_M": True, "DV_SPLIT": 2},
+        {"PREFETCH": True},
+        {"PREFETCH": True, "DV_SPLIT": 2, "num_stages": 3},
+    ],
 )
 def test_split_matches_unsplit(config: dict | None, dtype: torch.dtype) -> None:
     # flash-decoding (partials + combine) against one program per token, and both against ref
