@@ -221,12 +221,25 @@ def probe_attn_tiles() -> None:
         "bn16 dv1 st6 pf": (16, 1, 64, 8, 6, True),
         "bn32 dv2 st4 pf": (32, 2, 64, 4, 4, True),
         "bn32 dv2 st3": (32, 2, 64, 4, 3, False),
+        "bn16 dv2 st2": (16, 2, 64, 4, 2, False),
+        "bn16 dv2 st2 pf": (16, 2, 64, 4, 2, True),
+        "bh32 bn32 dv2 w2 st2 pf": (32, 2, 32, 2, 2, True),
+        "bh32 bn32 dv2 w2 st3 pf": (32, 2, 32, 2, 3, True),
+        "bh32 bn16 dv2 w2 st4 pf": (16, 2, 32, 2, 4, True),
     }
-    for T, split_list in ((64, (1, 2, 3)), (16, (4, 8)), (1, (10, 20))):
+    for T, split_list in ((64, (1, 2, 4)), (16, (4, 8)), (1, (10, 20))):
         q, kv, sink, idx = attn.tokens(T)
         nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
-        t = us(f"attn T={T} default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))  # noqa: B023
-        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for fill in (1, 2, 1, 2):  # the split heuristic counting 1 or 2 programs per split
+            sparse_attn.PROGRAMS_PER_SPLIT = fill
+            t = us(
+                f"attn T={T} default, {fill} program(s) per split",
+                lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04),  # noqa: B023
+            )
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        sparse_attn.PROGRAMS_PER_SPLIT = 1
+        if T == 1:
+            split_list = ()  # noqa: PLW2901  (T=1: the default only)
         for name, (bn, dv, bh, w, st, pf) in tiles.items():
             cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False}
             cfg |= {"PREFETCH": pf, "num_warps": w, "num_stages": st}
@@ -341,6 +354,33 @@ def probe_indexer() -> None:
                 f"indexer T={T} paged: scores+select sort={sort}",
                 lambda: indexer.index_topk(q, w, keys, cand, 512, sort=sort),  # noqa: B023
             )
+
+
+def probe_index_scores() -> None:
+    # the score kernel's tiles with and without candidates one tile ahead (PREFETCH), then
+    # index_topk with the best forms, T=16 and T=1 at 128K (32768 candidates, the engine's paging)
+    for T in (16, 1, 64):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        nbytes = T * 32768 * 128 * 2
+        cfgs = {"default": indexer.ScoreConfig()}
+        if T == 16:
+            for bn, warps, st, pps in ((64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 5, 2), (64, 4, 4, 1),
+                                       (128, 4, 3, 1), (128, 4, 4, 1), (128, 8, 4, 1),
+                                       (128, 8, 4, 2)):  # fmt: skip
+                cfgs[f"bn{bn} w{warps} st{st} pps{pps} pf"] = indexer.ScoreConfig(
+                    bn, warps, st, pps, True, True
+                )
+        else:
+            cfgs["bn64 w4 st4 pps2 pf"] = indexer.ScoreConfig(64, 4, 4, 2, True, True)
+        for name, cfg in cfgs.items():
+            t = us(f"index scores T={T} {name}", lambda c=cfg: indexer._scores(q, w, keys, cand, c))  # noqa: B023
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for name in ("default", "bn64 w4 st4 pps2 pf", "bn128 w8 st4 pps1 pf"):
+            if name in cfgs:
+                us(
+                    f"index_topk T={T} {name}",
+                    lambda c=cfgs[name]: indexer.index_topk(q, w, keys, cand, 512, score_config=c),  # noqa: B023
+                )
 
 
 def probe_select() -> None:
@@ -458,7 +498,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "index_scores": probe_index_scores}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
