@@ -356,33 +356,6 @@ def probe_indexer() -> None:
             )
 
 
-def probe_index_scores() -> None:
-    # the score kernel's tiles with and without candidates one tile ahead (PREFETCH), then
-    # index_topk with the best forms, T=16 and T=1 at 128K (32768 candidates, the engine's paging)
-    for T in (16, 1, 64):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        nbytes = T * 32768 * 128 * 2
-        cfgs = {"default": indexer.ScoreConfig()}
-        if T == 16:
-            for bn, warps, st, pps in ((64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 5, 2), (64, 4, 4, 1),
-                                       (128, 4, 3, 1), (128, 4, 4, 1), (128, 8, 4, 1),
-                                       (128, 8, 4, 2)):  # fmt: skip
-                cfgs[f"bn{bn} w{warps} st{st} pps{pps} pf"] = indexer.ScoreConfig(
-                    bn, warps, st, pps, True, True
-                )
-        else:
-            cfgs["bn64 w4 st4 pps2 pf"] = indexer.ScoreConfig(64, 4, 4, 2, True, True)
-        for name, cfg in cfgs.items():
-            t = us(f"index scores T={T} {name}", lambda c=cfg: indexer._scores(q, w, keys, cand, c))  # noqa: B023
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
-        for name in ("default", "bn64 w4 st4 pps2 pf", "bn128 w8 st4 pps1 pf"):
-            if name in cfgs:
-                us(
-                    f"index_topk T={T} {name}",
-                    lambda c=cfgs[name]: indexer.index_topk(q, w, keys, cand, 512, score_config=c),  # noqa: B023
-                )
-
-
 def probe_select() -> None:
     # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -498,7 +471,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "index_scores": probe_index_scores}  # fmt: skip
+             "attn_tiles": probe_attn_tiles}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

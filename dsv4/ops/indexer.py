@@ -68,7 +68,6 @@ def _index_score_kernel(
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
     PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
-    PREFETCH: tl.constexpr,  # candidates one tile ahead (loop-carried): the gather pipelines deeper
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
     if PDL:
@@ -99,19 +98,11 @@ def _index_score_kernel(
         q = q.to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
 
-    if PREFETCH:  # the next tile's candidates, loaded one iteration ahead
-        offs_n = c0 + tl.arange(0, BLOCK_N)
-        idx_next = tl.load(idx_row + offs_n, mask=offs_n < C, other=-1)
     for i in range(0, n_live):
         # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         in_c = offs_n < C
-        if PREFETCH:
-            idx = idx_next
-            offs_next = offs_n + BLOCK_N
-            idx_next = tl.load(idx_row + offs_next, mask=offs_next < C, other=-1)
-        else:
-            idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
+        idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
         vis = idx >= 0
         kt = tl.load(
             k_ptr + idx[:, None] * stride_kn + offs_d[None, :],
@@ -284,7 +275,6 @@ class ScoreConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2
     keys_on_m: bool = True  # keys on the MMA rows: the head sum stays inside a warp
-    prefetch: bool = False  # candidates one tile ahead: num_stages - 1 gathers in flight
 
 
 def _scores(
@@ -314,7 +304,6 @@ def _scores(
         BLOCK_N=block_n,
         TILES=tiles,
         PDL=pdl(q.device),
-        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
