@@ -356,6 +356,28 @@ def probe_indexer() -> None:
             )
 
 
+def probe_score_programs() -> None:
+    # index scores at T=16 / 64, 128K: score programs per SM (how many run at once and how long
+    # each is), then index_topk with the best
+    for T in (16, 64):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        nbytes = T * 32768 * 128 * 2
+        for pps in (1, 2, 3, 4, 6, 8):
+            for bn in (64, 128):
+                cfg = indexer.ScoreConfig(block_n=bn, programs_per_sm=pps)
+                t = us(
+                    f"index scores T={T} block_n={bn} programs/SM={pps}",
+                    lambda c=cfg: indexer._scores(q, w, keys, cand, c),  # noqa: B023
+                )
+                print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for pps in (2, 4, 8):
+            cfg = indexer.ScoreConfig(programs_per_sm=pps)
+            us(
+                f"index_topk T={T} programs/SM={pps}",
+                lambda c=cfg: indexer.index_topk(q, w, keys, cand, 512, score_config=c),  # noqa: B023
+            )
+
+
 def probe_select() -> None:
     # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -471,7 +493,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "score_programs": probe_score_programs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
