@@ -1,0 +1,493 @@
+"""Sparse attention over index lists: shared K=V rows gathered through `topk_idxs`, sink, scale.
+
+  sparse_attn(q, kv, attn_sink, topk_idxs, scale) -> o      (signature of `dsv4.ops.ref.sparse_attn`)
+
+All H heads of a query token run on the tensor cores together: S = Q[H, D] . K[BLOCK_N, D]^T with
+M = H, then O += P . K (the gathered row is both key and value). Key rows are gathered from up to
+three sources (window ring | new tokens | paged compressed entries) addressed as one concatenation,
+picking the source by index range, so the paged pool is never copied. When T is small the key list
+of a token is split across programs for occupancy (flash-decoding): each split writes its running
+(max, sum, unnormalised output) in fp32 and a combine kernel merges them with the sink. When T is
+large (prefill) one program per token walks all its keys and writes o directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from dsv4.ops.device import num_sms, pdl
+
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = (
+    32  # measured on an H200: T=1, K=640 is fastest at 20 splits (13.3 vs 14.4 us at 10)
+)
+PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
+# finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
+NEG = tl.constexpr(-1.0e30)
+
+
+def _configs() -> list[triton.Config]:
+    # BLOCK_N keys per step ; DV_SPLIT programs share the output channels of one (token, split) ;
+    # BLOCK_H heads per program (64 = all heads of a token; 16 / 32 = more, shorter programs, the
+    # gathered rows re-read from L2 by each head block: what a single token wants).
+    # DV_SPLIT=1: the [64, 512] fp32 accumulator takes 8 warps (128 regs/thread); Triton gives S
+    # (a dot feeding a dot) warps along M only, so both warpgroups compute all of S.
+    # DV_SPLIT=2: 4 warps hold half the accumulator each and both programs recompute S.
+    # Shared memory at H=64, D=512 bf16: Q 64 KB + (num_stages - 1) * BLOCK_N KB of gathered
+    # rows, so (16, 2, 4, 2) fits two programs per SM. Spills on sm_90 (Triton 3.6, ptxas 13.0):
+    # none except (64, 1|2, 64): 8 / 16 B, (32, 1, 32): 96 B, (64, 1, 16): 208 B.
+    shapes = [  # (BLOCK_N, DV_SPLIT, BLOCK_H, num_warps, num_stages, KEYS_ON_M, PREFETCH)
+        (16, 1, 64, 8, 3, False, False),
+        (32, 1, 64, 8, 3, False, False),
+        (64, 1, 64, 8, 3, False, False),
+        (16, 2, 64, 4, 2, False, False),
+        (32, 2, 64, 4, 3, False, False),
+        (64, 2, 64, 4, 3, False, False),
+        (32, 1, 16, 4, 2, False, False),
+        (32, 1, 32, 4, 2, False, False),
+        (64, 1, 16, 4, 2, False, False),
+        (32, 2, 16, 4, 2, False, False),
+        # keys on the MMA rows: the [512, 64] accumulator O^T splits over the warpgroups along
+        # the channels and S^T [BN, 64] is an operand B (shared memory), not a register operand
+        # A, so Triton need not give every warpgroup all of S (not yet timed on a GPU).
+        # sm_90 with Triton 3.6 + ptxas 13.0: 205 / 103 / 206 / 50 KB of shared memory; 56, 0,
+        # 48, 0 bytes spilled ((128, 1, 64, 8, 1) spilled 312 B and was dropped)
+        (64, 1, 64, 8, 2, True, False),
+        (32, 1, 64, 8, 3, True, False),
+        (64, 2, 64, 4, 3, True, False),
+        (32, 1, 16, 4, 2, True, False),
+        # PREFETCH: the indices of tile i+1 come from a plain load in iteration i (loop-carried),
+        # so the pipeliner sees the row gather as an ordinary load and keeps num_stages - 1 tiles
+        # in flight (without it, Triton 3.6 waits for every copy at the top of each iteration)
+        (32, 1, 64, 8, 4, False, True),
+        (32, 1, 64, 8, 3, False, True),
+        (16, 1, 64, 8, 6, False, True),
+        (32, 2, 64, 4, 4, False, True),
+        (32, 1, 16, 4, 4, False, True),
+        (64, 1, 16, 4, 3, False, True),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_N": n, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": km, "PREFETCH": pf},
+            num_warps=w,
+            num_stages=st,
+        )
+        for n, dv, bh, w, st, km, pf in shapes
+    ]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    # tl.dot needs K >= 16: a DV_SPLIT program dots over D / DV_SPLIT channels ; head blocks
+    # above the padded head count are only waste
+    d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    h = kwargs.get("H_PAD", named_args.get("H_PAD"))
+    ok = [
+        c for c in configs if d // c.kwargs["DV_SPLIT"] >= 16 and c.kwargs["BLOCK_H"] <= max(16, h)
+    ]
+    return ok or configs[:1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Main kernel: one program per (token, key split, head block x channel part)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n0", "n1", "K", "keys_per_split", "stride_it", "tune_key"])
+def _sparse_attn_kernel(
+    q_ptr,  # [T, H, D] bf16/fp32 (last dim contiguous)
+    kv0_ptr,  # [n0, D] rows 0..n0-1 of the concatenation (row stride stride_k0n)
+    kv1_ptr,  # [n1, D] rows n0..n0+n1-1 (a dummy when NUM_SRC < 2)
+    kv2_ptr,  # [n2, D] rows n0+n1.. (a dummy when NUM_SRC < 3)
+    sink_ptr,  # [H] fp32
+    idx_ptr,  # [T, K] int32/int64 rows of the concatenation, -1 = none
+    o_ptr,  # [T, H, D] q.dtype (written when not SPLIT)
+    part_ptr,  # [T, S, H, D] fp32 unnormalised split outputs (written when SPLIT)
+    ml_ptr,  # [T, S, 2, H] fp32 split running max (log2 units) and sum (written when SPLIT)
+    n0,
+    n1,
+    H,
+    K,
+    keys_per_split,
+    qk_scale,  # scale * log2(e)
+    tune_key,  # autotuning bucket only
+    stride_qt,
+    stride_qh,
+    stride_k0n,
+    stride_k1n,
+    stride_k2n,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ps,
+    stride_ph,
+    stride_mt,
+    stride_ms,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # D padded to a power of 2 >= 16 (channels >= D masked)
+    H_PAD: tl.constexpr,  # H padded to a power of 2 (autotuning key, prune)
+    NUM_SRC: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries
+    UPCAST: tl.constexpr,  # interpreter: compute on fp32 copies of bf16 loads
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for bf16)
+    BLOCK_N: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    KEYS_ON_M: tl.constexpr,  # keys on the MMA rows (S^T, O^T): no S recomputed per warpgroup
+    PREFETCH: tl.constexpr,  # indices one tile ahead (a loop-carried plain load)
+    PDL: tl.constexpr,  # let the combine launch now (it waits for these partials itself)
+):
+    # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
+    # (+ 2*BLOCK_H when SPLIT)
+    if PDL:
+        gdc_launch_dependents()
+    BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    hb = tl.program_id(2) // DV_SPLIT
+    dv = tl.program_id(2) % DV_SPLIT
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] heads (padded up to >= 16)
+    mask_h = offs_h < H
+    offs_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)  # [BDV] this program's output channels
+    mask_v = offs_v < D
+
+    # ---- queries of token t, all heads: [BH, BDV] own channels (+ [BH, BDV] the other half)
+    q_rows = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    q = tl.load(q_rows + offs_v[None, :], mask=mask_h[:, None] & mask_v[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    if DV_SPLIT == 2:
+        offs_w = (1 - dv) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        mask_w = offs_w < D
+        q_w = tl.load(q_rows + offs_w[None, :], mask=mask_h[:, None] & mask_w[None, :], other=0.0)
+        if UPCAST:
+            q_w = q_w.to(tl.float32)
+
+    # ---- sources 1 and 2 as element offsets from kv0_ptr
+    ELT: tl.constexpr = kv0_ptr.dtype.element_ty.primitive_bitwidth // 8
+    base1 = (kv1_ptr.to(tl.int64) - kv0_ptr.to(tl.int64)) // ELT
+    base2 = (kv2_ptr.to(tl.int64) - kv0_ptr.to(tl.int64)) // ELT
+
+    # ---- online softmax over this split's keys (log2 domain)
+    k_begin = split * keys_per_split
+    k_end = tl.minimum(k_begin + keys_per_split, K)
+    m_i = tl.full([BLOCK_H], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    if KEYS_ON_M:
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    idx_row = idx_ptr + t * stride_it
+    if PREFETCH:  # the next tile's indices, loaded one iteration ahead (see _configs)
+        offs_n = k_begin + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_row + offs_n, mask=offs_n < k_end, other=-1)
+    for start in range(k_begin, k_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if PREFETCH:
+            idx = idx_next.to(tl.int64)
+            offs_next = offs_n + BLOCK_N
+            idx_next = tl.load(idx_row + offs_next, mask=offs_next < k_end, other=-1)
+        else:
+            idx = tl.load(idx_row + offs_n, mask=offs_n < k_end, other=-1).to(tl.int64)
+        valid = idx >= 0
+        idx = tl.where(valid, idx, 0)
+        # element offset of each key row from kv0_ptr, the source chosen by index range  [BN]
+        if NUM_SRC == 1:
+            off = idx * stride_k0n
+        elif NUM_SRC == 2:
+            off = tl.where(idx < n0, idx * stride_k0n, base1 + (idx - n0) * stride_k1n)
+        else:
+            off = tl.where(
+                idx < n0,
+                idx * stride_k0n,
+                tl.where(
+                    idx < n0 + n1,
+                    base1 + (idx - n0) * stride_k1n,
+                    base2 + (idx - n0 - n1) * stride_k2n,
+                ),
+            )
+        if ALIGNED:  # every row starts on 16 bytes: restore what the select hides from the
+            off = tl.multiple_of(off, 16 // ELT)  # compiler (else the gather is not vectorised)
+        rows = kv0_ptr + off
+        # gathered K = V rows: [BN, BDV] (+ [BN, BDV] the other half for S)
+        kv = tl.load(
+            rows[:, None] + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0
+        )
+        if UPCAST:
+            kv = kv.to(tl.float32)
+        if DV_SPLIT == 2:
+            kv_w = tl.load(
+                rows[:, None] + offs_w[None, :], mask=valid[:, None] & mask_w[None, :], other=0.0
+            )
+            if UPCAST:
+                kv_w = kv_w.to(tl.float32)
+        if KEYS_ON_M:  # S^T [BN, BH]: keys on the MMA rows, O^T = K^T P^T [BDV, BH]
+            s = tl.dot(kv, tl.trans(q), input_precision=PRECISION)
+            if DV_SPLIT == 2:
+                s = tl.dot(kv_w, tl.trans(q_w), s, input_precision=PRECISION)
+            s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(kv), p.to(kv.dtype), acc, input_precision=PRECISION)
+        else:  # S [BH, BN]: heads on the MMA rows, O = P K [BH, BDV]
+            s = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
+            if DV_SPLIT == 2:
+                s = tl.dot(q_w, tl.trans(kv_w), s, input_precision=PRECISION)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    # ---- epilogue: partials for the combine, or the sink-normalised output ([h, v] tiles, or
+    # [v, h] with KEYS_ON_M: the pointers follow the accumulator, nothing is transposed)
+    if KEYS_ON_M:
+        hv = offs_h[None, :] * stride_ph + offs_v[:, None]
+        mask_hv = mask_h[None, :] & mask_v[:, None]
+    else:
+        hv = offs_h[:, None] * stride_ph + offs_v[None, :]
+        mask_hv = mask_h[:, None] & mask_v[None, :]
+    if SPLIT:
+        tl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc, mask=mask_hv)
+        ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
+        mask_ml = offs_h < tl.where(dv == 0, H, 0)  # one channel part writes (max, sum)
+        tl.store(ml, m_i, mask=mask_ml)
+        tl.store(ml + H, l_i, mask=mask_ml)
+    else:
+        sink = tl.load(sink_ptr + offs_h, mask=mask_h, other=0.0) * 1.4426950408889634  # log2 e
+        m_all = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_all)
+        inv = alpha / (l_i * alpha + tl.exp2(sink - m_all))  # the sink only joins the denominator
+        if KEYS_ON_M:
+            out = acc * inv[None, :]
+            o_hv = offs_h[None, :] * stride_oh + offs_v[:, None]
+        else:
+            out = acc * inv[:, None]
+            o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
+        tl.store(o_ptr + t * stride_ot + o_hv, out.to(o_ptr.dtype.element_ty), mask=mask_hv)
+
+
+_sparse_attn_tuned = triton.autotune(
+    configs=_configs(),
+    key=["tune_key", "D", "H_PAD", "SPLIT"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_sparse_attn_kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Combine kernel: merge the splits of one (token, head) with the sink
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _sparse_attn_combine_kernel(
+    part_ptr,  # [T, S, H, D] fp32
+    ml_ptr,  # [T, S, 2, H] fp32
+    sink_ptr,  # [H] fp32
+    o_ptr,  # [T, H, D] q.dtype
+    H,
+    D,
+    num_splits,
+    stride_pt,
+    stride_ps,
+    stride_ph,
+    stride_mt,
+    stride_ms,
+    stride_ot,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # griddepcontrol (sm_90+): launched early, wait for the partials here
+):
+    # read num_splits * (BLOCK_D + 2) fp32 ; write BLOCK_D elements
+    # One pass, the splits merged online like the keys of a split: the (max, sum) and the partial
+    # rows of a block of splits are loaded together, so a block costs one round trip to L2 (the
+    # two-pass form, maxima first, took 4.5 us at T=1 with 20 splits on an H200: as long as the
+    # attention kernel itself). The sink starts the running max and the denominator.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    ml = ml_ptr + t * stride_mt + h
+    parts = part_ptr + t * stride_pt + h * stride_ph + offs_d[None, :]
+
+    # o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M the running max
+    m_run = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
+    if PDL:
+        gdc_wait()
+    denom = tl.full([], 1.0, tl.float32)  # 2^(sink - m_run)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < num_splits
+        m_s = tl.load(ml + offs_s * stride_ms, mask=mask_s, other=NEG)
+        l_s = tl.load(ml + offs_s * stride_ms + H, mask=mask_s, other=0.0)
+        a = tl.load(
+            parts + offs_s[:, None] * stride_ps, mask=mask_s[:, None] & mask_d[None, :], other=0.0
+        )
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.exp2(m_s - m_new)  # [BS]
+        denom = denom * rescale + tl.sum(w * l_s, 0)
+        acc = acc * rescale + tl.sum(a * w[:, None], 0)
+        m_run = m_new
+    tl.store(
+        o_ptr + t * stride_ot + h * stride_oh + offs_d,
+        (acc / denom).to(o_ptr.dtype.element_ty),
+        mask=mask_d,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _default_splits(programs: int, K: int, device: torch.device) -> int:
+    # split each token's keys until the grid fills the SMs once, keeping >= MIN_KEYS_PER_SPLIT keys
+    # (each (token, head block, split) counted as PROGRAMS_PER_SPLIT programs: DV_SPLIT tiles)
+    sms = num_sms(device) // PROGRAMS_PER_SPLIT
+    if programs >= sms:
+        return 1
+    return max(1, min(sms // programs, triton.cdiv(K, MIN_KEYS_PER_SPLIT)))
+
+
+def sparse_attn(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, ...],
+    attn_sink: torch.Tensor,
+    topk_idxs: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """o[t, h] = sum_j softmax_j([scale q_h.kv_j ; sink_h]) kv_j over the rows j = topk_idxs[t] >= 0
+    of the concatenation of `kv` (never materialised), the sink's probability mass dropped.
+
+    num_splits: key splits per token (default: fill the SMs once; 1 = no combine pass).
+    config: force the tile config {"BLOCK_N", "DV_SPLIT", "BLOCK_H", "KEYS_ON_M", "num_warps",
+    "num_stages"} instead of
+    autotuning (the interpreter uses a fixed default unless given one).
+    """
+    # ---- checks
+    assert q.dim() == 3, f"q must be [T, H, D] (got shape {tuple(q.shape)})"
+    assert q.dtype in (torch.bfloat16, torch.float32), f"q must be bf16 or fp32 (got {q.dtype})"
+    assert q.stride(2) == 1, f"q's last dim must be contiguous (strides {q.stride()})"
+    T, H, D = q.shape
+    BLOCK_D = max(16, triton.next_power_of_2(D))  # tiles padded; channels >= D masked
+    kv = tuple(kv)
+    assert 1 <= len(kv) <= 3, f"kv must hold 1..3 row tensors (got {len(kv)})"
+    for i, src in enumerate(kv):
+        assert src.dim() == 2 and src.shape[1] == D, (
+            f"kv[{i}] must be [N, {D}] (got shape {tuple(src.shape)})"
+        )
+        assert src.dtype == q.dtype, f"kv[{i}] dtype {src.dtype} != q dtype {q.dtype}"
+        assert src.stride(1) == 1 or src.shape[0] == 0, (
+            f"kv[{i}] rows must be contiguous (strides {src.stride()})"
+        )
+        assert src.device == q.device, f"kv[{i}] is on {src.device}, q on {q.device}"
+    assert attn_sink.shape == (H,) and attn_sink.dtype == torch.float32, (
+        f"attn_sink must be fp32 [{H}] (got {attn_sink.dtype} {tuple(attn_sink.shape)})"
+    )
+    assert attn_sink.is_contiguous(), "attn_sink must be contiguous"
+    assert topk_idxs.dim() == 2 and topk_idxs.shape[0] == T, (
+        f"topk_idxs must be [T={T}, K] (got shape {tuple(topk_idxs.shape)})"
+    )
+    assert topk_idxs.dtype in (torch.int32, torch.int64), (
+        f"topk_idxs must be int32 or int64 (got {topk_idxs.dtype})"
+    )
+    K = topk_idxs.shape[1]
+    assert topk_idxs.stride(1) == 1 or K <= 1, (
+        f"topk_idxs rows must be contiguous (strides {topk_idxs.stride()})"
+    )
+
+    # ---- allocate
+    o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0 or K == 0:
+        return o.zero_()  # only the sink remains: its mass is dropped
+    H_PAD = max(16, triton.next_power_of_2(H))
+    head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
+    if num_splits is None:
+        num_splits = _default_splits(T * head_blocks, K, q.device)
+    assert num_splits >= 1, f"num_splits must be >= 1 (got {num_splits})"
+    keys_per_split = triton.cdiv(K, num_splits)
+    if keys_per_split > 16:
+        keys_per_split = triton.cdiv(keys_per_split, 16) * 16
+    num_splits = triton.cdiv(K, keys_per_split)  # no empty splits
+    split = num_splits > 1
+    if split:
+        part = torch.empty((T, num_splits, H, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, num_splits, 2, H), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = o  # unused
+
+    # ---- launch: gather + attention, then (split) the combine
+    srcs = kv + (kv[0],) * (3 - len(kv))
+    n0 = srcs[0].shape[0]
+    n1 = srcs[1].shape[0] if len(kv) > 1 else 0
+    tune_key = 32 * min(T * head_blocks * num_splits, 1 << 14).bit_length()
+    tune_key += min(keys_per_split, 1 << 14).bit_length()
+    args = (
+        q, *srcs, attn_sink, topk_idxs, o, part, ml,
+        n0, n1, H, K, keys_per_split, scale * LOG2E, tune_key,
+        q.stride(0), q.stride(1), *(s.stride(0) for s in srcs), topk_idxs.stride(0),
+        o.stride(0), o.stride(1),
+        part.stride(0), part.stride(1), part.stride(2) if split else 0,
+        ml.stride(0), ml.stride(1),
+    )  # fmt: skip
+    consts = dict(
+        D=D,
+        BLOCK_D=BLOCK_D,
+        H_PAD=H_PAD,
+        NUM_SRC=len(kv),
+        SPLIT=split,
+        ALIGNED=all(
+            s.data_ptr() % 16 == 0 and s.stride(0) * s.element_size() % 16 == 0 for s in kv
+        ),
+        UPCAST=q.device.type != "cuda",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=split and pdl(q.device),
+    )
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (T, num_splits, triton.cdiv(H, meta["BLOCK_H"]) * meta["DV_SPLIT"])
+
+    if config is None and q.device.type == "cuda":
+        _sparse_attn_tuned[grid](*args, **consts)
+    else:
+        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "KEYS_ON_M": False}
+        cfg |= {"PREFETCH": False}
+        cfg |= {"num_warps": 4}
+        cfg = {"num_stages": 1} | cfg | (config or {})
+        assert cfg["DV_SPLIT"] in (1, 2) and BLOCK_D // cfg["DV_SPLIT"] >= 16, f"bad config {cfg}"
+        assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"
+        _sparse_attn_kernel[grid](*args, **consts, **cfg)
+
+    if split:
+        # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
+        # inside the warp (H200, T=1, 20 splits: 3.45 us vs 5.55 with 128 channels on 4 warps);
+        # many rows: whole rows on 4 warps (T=64: 11.6 us, 12.2-48 us for the narrow forms)
+        few = T * H < 512
+        block_d = min(BLOCK_D, 32) if few else BLOCK_D
+        # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
+        block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
+        _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
+            part, ml, attn_sink, o, H, D, num_splits,
+            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
+            o.stride(0), o.stride(1),
+            BLOCK_S=block_s, BLOCK_D=block_d, PDL=consts["PDL"], launch_pdl=consts["PDL"],
+            num_warps=1 if few else 4,
+        )  # fmt: skip
+    return o
