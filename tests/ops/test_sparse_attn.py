@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv4.ops import ref
+from dsv4.ops import sparse_attn as sa_mod
 from dsv4.ops.sparse_attn import _configs, sparse_attn
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative-norm error against an fp32 reference
@@ -208,3 +209,20 @@ def test_head_dim_not_a_power_of_two(D):  # noqa: ANN001
     for splits in (1, 3):
         got = sparse_attn(q, kv, sink, idx, D**-0.5, num_splits=splits)
         assert float((got - want).norm() / want.norm()) < 1e-5, splits
+
+
+def test_adjacent_sources_merge() -> None:
+    # views that continue one another in one allocation become one source (same result as the
+    # separate tensors); others stay apart, empty ones add nothing
+    T, H, D, K = 3, 4, 32, 40
+    q, kv, sink, idx = _inputs(T, H, D, K, (30, 3, 70), torch.float32, seed=6)
+    buf = torch.cat([kv[0], kv[2]])
+    ring, ent = buf[:30], buf[30:]
+    assert len(sa_mod._merge_adjacent((ring, ent))) == 1
+    assert len(sa_mod._merge_adjacent((ring, kv[1], ent))) == 3
+    assert len(sa_mod._merge_adjacent((ring, ent[:0], ent))) == 1
+    idx2 = torch.where(idx >= 33, idx - 3, torch.where(idx >= 30, -1, idx))  # drop kv[1]'s rows
+    got = sparse_attn(q, (ring, ent), sink, idx2, 0.3)
+    want = sparse_attn(q, (kv[0].clone(), kv[2].clone()), sink, idx2, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _rel(got, _want(q, (ring, ent), sink, idx2, 0.3)) < TOL[torch.float32]
