@@ -1,9 +1,11 @@
 """Benchmark cases: sparse attention over gathered K=V rows (decode, verify chunks, prefill).
 
-Keys come from three sources as in the model: a window ring (B*window rows), the new tokens' K=V
-(T rows) and a paged pool of compressed entries (B * pool_per_seq rows). Decode picks per token
-its window (ring slots + the new rows of its own chunk) and either `sel` distinct random entries
-of its sequence's pool region (CSA top-k) or the first `sel` entries (HCA: all visible entries).
+Keys come from three sources as in a prefill step: a window ring (B*window rows), the new tokens'
+K=V (T rows) and a paged pool of compressed entries (B * pool_per_seq rows). Decode picks per
+token its window (ring slots + the new rows of its own chunk) and either `sel` distinct random
+entries of its sequence's pool region (CSA top-k) or the first `sel` entries (HCA: all visible
+entries). The "one source" cases are the engine's decode form: the new K=V already in the ring,
+ring and pool one allocation.
 bytes = gathered key bytes (T * K_valid * D * elt) + q read + o written.
 """
 
@@ -59,6 +61,14 @@ def _decode_idx(
     return torch.cat([win, base + _selected(T, seq, dims, sel, hca)], dim=1)
 
 
+def _decode_idx_one_source(dims: _Dims, B: int, sel: int, device: str) -> torch.Tensor:
+    # the engine's decode form: one new token per sequence, already stored in its ring slot, and
+    # ring | pool one allocation: window = the sequence's W ring rows, then its selected entries
+    seq = torch.arange(B, device=device)
+    win = seq[:, None] * dims.window + torch.arange(dims.window, device=device)[None, :]
+    return torch.cat([win, dims.seqs * dims.window + _selected(B, seq, dims, sel, False)], dim=1)
+
+
 def _prefill_idx(dims: _Dims, T: int, sel: int, hca: bool, device: str) -> torch.Tensor:
     # one sequence (seq 0) prefilling T tokens after a long context: token t's window is the
     # positions t-W+1..t, new rows where >= 0 and the ring (the context's last W tokens) before
@@ -80,12 +90,16 @@ def _case(
     num_splits: int | None = None,
     target_us: float | None = None,
     target_bw: float | None = None,
+    one_source: bool = False,
 ) -> Case:
     T, K = idx.shape
     q = torch.randn(T, dims.H, dims.D, device=device).to(torch.bfloat16)
     new = torch.randn(T, dims.D, device=device).to(torch.bfloat16)
     sink = torch.randn(dims.H, device=device)
     kv, scale = (ring, new, pool), dims.D**-0.5
+    if one_source:  # ring | pool as one allocation (the launcher merges the two views)
+        both = torch.cat([ring, pool])
+        kv = (both[: ring.shape[0]], both[ring.shape[0] :])
     elt = q.element_size()
     nbytes = int((idx >= 0).sum()) * dims.D * elt + 2 * q.numel() * elt  # keys + q + o
     return Case(
@@ -110,6 +124,8 @@ def cases(device: str, quick: bool) -> list[Case]:
                   device, num_splits=3),
             _case("T=2x2 K=16+24", dims, ring, pool, _decode_idx(dims, 2, 2, 24, False, device), device),
             _case("T=3 K=16+32 HCA", dims, ring, pool, _decode_idx(dims, 3, 1, 32, True, device), device),
+            _case("T=3 K=16+24 one source", dims, ring, pool, _decode_idx_one_source(dims, 3, 24, device),
+                  device, one_source=True),
             _case("prefill T=20 K=16+24", dims, ring, pool, _prefill_idx(dims, 20, 24, False, device), device),
         ]  # fmt: skip
     # Flash: H=64, D=512, window 128; 64 sequences x 32768 compressed entries (CSA at 128K)
@@ -124,6 +140,9 @@ def cases(device: str, quick: bool) -> list[Case]:
         _case("decode T=16 K=128+512", dims, ring, pool, dec(16), device),
         _case("decode T=64 K=128+512", dims, ring, pool, dec(64), device, target_bw=0.6),
         _case("decode T=64 K=128+512 splits=1", dims, ring, pool, dec(64), device, num_splits=1),
+        _case("decode T=64 K=128+512 one source", dims, ring, pool,
+              _decode_idx_one_source(dims, 64, 512, device), device, target_bw=0.6,
+              one_source=True),
         _case("decode T=1 K=128+1024 HCA", dims, ring, pool, dec(1, sel=1024, hca=True), device),
         _case("verify T=4x16 K=128+512", dims, ring, pool, dec(16, per_seq=4), device),
         _case("prefill T=4096 K=128+512", dims, ring, pool,
