@@ -196,6 +196,20 @@ def test_gpu_flash(T: int, num_splits: int | None, cfg: int | None) -> None:
     assert _rel(o, want) < TOL[torch.bfloat16], f"{_rel(o, want):.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 16, 64])
+def test_gpu_flash_one_source(T: int) -> None:
+    # the engine's decode form: ring | pool one allocation (merged into one source), the window
+    # rows in the ring; the few-token fixed tile (T <= 2) and the autotuned ones
+    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    both = torch.cat([ring, pool])
+    kv = (both[: ring.shape[0]], both[ring.shape[0] :])
+    n_ring = ring.shape[0]
+    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, 0, idx))
+    o = sparse_attn(q, kv, sink, idx, 512**-0.5)
+    assert _rel(o, _want(q, (ring, pool), sink, idx, 512**-0.5)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("D", [8, 40])
 def test_head_dim_not_a_power_of_two(D):  # noqa: ANN001
     # padded tiles, channels >= D masked; split and unsplit paths
