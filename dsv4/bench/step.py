@@ -220,7 +220,7 @@ def bench_args(preset: str, layers: tuple[tuple[str, str], ...]) -> tuple[ModelA
 def _prepare(batch: Batch, args: ModelArgs) -> None:
     """Build the index lists the layers share (memoized on the Batch) once per step, so their cost
     lands in 'rest' rather than in whichever layer asks first."""
-    batch.window_idxs(args.window_size)
+    batch.window_idxs(args.window_size, ring_only=batch.decode)
     batch.ring_writes(args.window_size)
     for kind, m, overlap in ((CSA, args.csa_ratio, True), (HCA, args.hca_ratio, False)):
         if kind in args.layer_types:
