@@ -234,13 +234,13 @@ class Attention(nn.Module):
         if self.kind != SLIDING:
             st = ls.compressor
             self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
+            base = sum(s.shape[0] for s in sources)
             if self.kind == CSA:
                 ent = self.indexer(x, qr, batch, ls, rope, inv_freq)
                 rows = batch.entry_rows(batch.token_seq[:, None].expand_as(ent), ent, st.ratio)
-            else:
-                rows, _ = batch.visible_entries(st.ratio)
-            base = sum(s.shape[0] for s in sources)
-            idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
+                idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
+            else:  # all visible entries: one list for every HCA layer of the step
+                idxs = batch.attention_idxs(self.window, st.ratio, base)
             sources.append(st.kv_cache)
         o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5)
         if not batch.decode:  # a chunk's ring slots still hold its earlier tokens' windows

@@ -364,6 +364,18 @@ class Batch:
 
         return self._memo(("close", ratio, overlap), build)
 
+    def attention_idxs(self, window: int, ratio: int, base: int) -> torch.Tensor:
+        """[T, W + C] key rows of an HCA layer: each token's window rows (ring-only at decode), then
+        its visible compressed entries offset by `base` (the rows before the entries). Every HCA
+        layer of a step shares the list (the same window, ratio and page layout): built once."""
+
+        def build() -> torch.Tensor:
+            rows, _ = self.visible_entries(ratio)
+            win = self.window_idxs(window, ring_only=self.decode)
+            return torch.cat([win, torch.where(rows >= 0, rows + base, -1)], dim=1)
+
+        return self._memo(("attn", window, ratio, base), build)
+
     def entry_rows(self, seq: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
         """Rows of compressed entries w (of sequences `seq`, same shape) in the paged pool; w<0 -> -1."""
         epb = self.block_size // ratio

@@ -103,3 +103,18 @@ def test_decode_window_in_the_ring_alone():
     assert torch.equal(ring[~new], both[~new])
     with pytest.raises(AssertionError, match="decode"):
         Batch.build([1], [3], [2], st).window_idxs(W, ring_only=True)
+
+
+def test_hca_attention_rows_built_once_per_step():
+    # the HCA layers of a step share one [T, W + C] list: the window rows, then the visible
+    # entries offset by the rows before them (-1 stays -1)
+    st = DecodeState(tiny_args(vocab_size=300), 4, 64, torch.float32, "cpu", num_blocks=8)
+    st.block_table[:, 0] = torch.arange(4)
+    for b in (Batch.build([2, 0], [5, 17], [1, 1], st), Batch.build([1], [3], [4], st)):
+        W, m, base = 8, 4, 100
+        got = b.attention_idxs(W, m, base)
+        rows, _ = b.visible_entries(m)
+        win = b.window_idxs(W, ring_only=b.decode)
+        assert torch.equal(got[:, :W], win)
+        assert torch.equal(got[:, W:], torch.where(rows >= 0, rows + base, -1))
+        assert b.attention_idxs(W, m, base) is got

@@ -227,6 +227,9 @@ def _prepare(batch: Batch, args: ModelArgs) -> None:
             batch.closing_windows(m, overlap)
             batch.ring_writes(2 * m if overlap else m)
             batch.visible_entries(m)
+    if HCA in args.layer_types:  # rows before the entries: the rings (+ the new tokens' K=V)
+        base = batch.max_seqs * args.window_size + (0 if batch.decode else batch.num_tokens)
+        batch.attention_idxs(args.window_size, args.hca_ratio, base)
 
 
 class NonFinite(RuntimeError):
