@@ -235,10 +235,9 @@ class Attention(nn.Module):
             st = ls.compressor
             self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
             base = sum(s.shape[0] for s in sources)
-            if self.kind == CSA:
+            if self.kind == CSA:  # the entries the indexer picked
                 ent = self.indexer(x, qr, batch, ls, rope, inv_freq)
-                rows = batch.entry_rows(batch.token_seq[:, None].expand_as(ent), ent, st.ratio)
-                idxs = torch.cat([idxs, torch.where(rows >= 0, rows + base, -1)], dim=1)
+                idxs = batch.selected_idxs(self.window, st.ratio, base, ent)
             else:  # all visible entries: one list for every HCA layer of the step
                 idxs = batch.attention_idxs(self.window, st.ratio, base)
             sources.append(st.kv_cache)

@@ -376,6 +376,21 @@ class Batch:
 
         return self._memo(("attn", window, ratio, base), build)
 
+    def selected_idxs(self, window: int, ratio: int, base: int, ent: torch.Tensor) -> torch.Tensor:
+        """[T, W + k] key rows of a CSA layer: the window rows, then the rows of the entries its
+        indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) offset by `base`.
+        The visible rows + base, with a -1 column appended, are built once per step; -1 picks
+        that column (ent mod C+1), so a layer costs one remainder, one gather and one cat."""
+
+        def table() -> torch.Tensor:
+            rows, _ = self.visible_entries(ratio)
+            none = torch.full_like(rows[:, :1], -1)
+            return torch.cat([torch.where(rows >= 0, rows + base, -1), none], dim=1)
+
+        t = self._memo(("sel", ratio, base), table)
+        picked = t.gather(1, ent.remainder(t.shape[1]))
+        return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
+
     def entry_rows(self, seq: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
         """Rows of compressed entries w (of sequences `seq`, same shape) in the paged pool; w<0 -> -1."""
         epb = self.block_size // ratio

@@ -118,3 +118,24 @@ def test_hca_attention_rows_built_once_per_step():
         assert torch.equal(got[:, :W], win)
         assert torch.equal(got[:, W:], torch.where(rows >= 0, rows + base, -1))
         assert b.attention_idxs(W, m, base) is got
+
+
+def test_csa_selected_rows_equal_the_page_formula():
+    # the rows of the picked entries come from the step's visible-rows table (one gather); they
+    # equal the page translation of each picked entry (entry_rows), offset by base, -1 kept
+    st = DecodeState(tiny_args(vocab_size=300), 4, 512, torch.float32, "cpu", num_blocks=8)
+    st.block_table[:] = torch.randperm(8).view(4, -1)[:, : st.block_table.shape[1]]
+    g = torch.Generator().manual_seed(1)
+    for b in (
+        Batch.build([2, 0, 3], [70, 200, 9], [1, 1, 1], st),
+        Batch.build([1], [40], [30], st),
+    ):
+        W, m, base = 8, 4, 1000
+        cand, count = b.visible_entries(m)
+        ent = torch.randint(-1, cand.shape[1], (b.num_tokens, 6), generator=g)
+        ent = torch.where(ent < count[:, None], ent, -1)  # only visible entries are picked
+        got = b.selected_idxs(W, m, base, ent)
+        rows = b.entry_rows(b.token_seq[:, None].expand_as(ent), ent, m)
+        assert torch.equal(got[:, :W], b.window_idxs(W, ring_only=b.decode))
+        assert torch.equal(got[:, W:], torch.where(rows >= 0, rows + base, -1))
+        assert bool((got[:, W:] == -1).any()) and bool((got[:, W:] >= base).any())

@@ -227,9 +227,15 @@ def _prepare(batch: Batch, args: ModelArgs) -> None:
             batch.closing_windows(m, overlap)
             batch.ring_writes(2 * m if overlap else m)
             batch.visible_entries(m)
-    if HCA in args.layer_types:  # rows before the entries: the rings (+ the new tokens' K=V)
-        base = batch.max_seqs * args.window_size + (0 if batch.decode else batch.num_tokens)
+    # rows before the entries: the rings (+ the new tokens' K=V)
+    base = batch.max_seqs * args.window_size + (0 if batch.decode else batch.num_tokens)
+    if HCA in args.layer_types:
         batch.attention_idxs(args.window_size, args.hca_ratio, base)
+    if CSA in args.layer_types:  # the table the CSA layers pick their entries' rows from
+        none = torch.full(
+            (batch.num_tokens, 1), -1, dtype=torch.long, device=batch.positions.device
+        )
+        batch.selected_idxs(args.window_size, args.csa_ratio, base, none)
 
 
 class NonFinite(RuntimeError):
