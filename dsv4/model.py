@@ -144,19 +144,36 @@ class Compressor(nn.Module):
         a = self.wkv(x).float()  # [T, c*d]
         z = self.wgate(x).float() + self.ape[batch.positions % m]  # [T, c*d]
         tok, w, dest, rows = batch.closing_windows(m, self.overlap)
+        if batch.decode:  # store first: a closing window's slots are then all in the ring
+            self._keep(a, z, batch, st)
         if tok.numel():
-            # ---- pool every window closed by a token of this step (spec 5.3.1)
-            empty = (rows < 0)[..., None]
-            ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
-            gz = _ring_or_chunk(st.score_state, z, rows).masked_fill(empty, float("-inf"))
-            if self.overlap:  # window w-1 gives its A-half, window w its B-half
-                ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
-                gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
+            # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
+            # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1)
+            if batch.decode:  # one gather each from the ring (slot rows, half per slot)
+                rows, empty = batch.closing_ring_rows(m, self.overlap)
+                half = torch.arange(rows.shape[1], device=rows.device) // m if self.overlap else 0
+                c = st.kv_state.shape[1] // d
+                ga = st.kv_state.view(-1, c, d)[rows, half]
+                gz = st.score_state.view(-1, c, d)[rows, half]
+            else:
+                empty = (rows < 0)[..., None]
+                ga = _ring_or_chunk(st.kv_state, a, rows)
+                gz = _ring_or_chunk(st.score_state, z, rows)
+                if self.overlap:
+                    ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
+                    gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
+            ga = ga.masked_fill(empty, 0.0)
+            gz = gz.masked_fill(empty, float("-inf"))
             # pool -> RMSNorm -> RoPE at the window's first token -> store, one op
-            cos, sin = rope_at(inv_freq, w * m)
+            key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
+            cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
             n = self.norm
             self.ops.compress_store(ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest)
-        # ---- keep the raw projections of the last R tokens of each sequence
+        if not batch.decode:
+            self._keep(a, z, batch, st)
+
+    def _keep(self, a: torch.Tensor, z: torch.Tensor, batch: Batch, st: CompressorState) -> None:
+        # the raw projections of the last R tokens of each sequence, into the ring
         tok, rows = batch.ring_writes(st.ring)
         st.kv_state[rows] = a[tok]
         st.score_state[rows] = z[tok]

@@ -282,6 +282,10 @@ class Batch:
             self._cache[key] = fn()
         return self._cache[key]
 
+    def memo(self, key: tuple, fn):  # noqa: ANN001, ANN202
+        """fn() once per step under `key` (per-step values every layer shares, e.g. RoPE tables)."""
+        return self._memo(("user",) + key, fn)
+
     def history_rows(self, pos: torch.Tensor, tok: torch.Tensor, ring: int) -> torch.Tensor:
         """Rows of positions `pos` [..] of the sequences of tokens `tok` [..] in ring | chunk coordinates.
 
@@ -390,6 +394,21 @@ class Batch:
         t = self._memo(("sel", ratio, base), table)
         picked = t.gather(1, ent.remainder(t.shape[1]))
         return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
+
+    def closing_ring_rows(self, ratio: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode: the slots of `closing_windows` as rows of the compressor ring, where all of them
+        are once this step's token is stored (a window closing at p spans p-R+1 .. p, R the ring):
+        (rows [n, slots] clamped to >= 0, empty [n, slots, 1]: positions before the sequence)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            tok, w, _, _ = self.closing_windows(ratio, overlap)
+            n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
+            pos = first[:, None] + torch.arange(n_slots, device=tok.device)
+            rows = self._tok("slot")[tok][:, None] * n_slots + pos.remainder(n_slots)
+            return torch.where(pos >= 0, rows, 0), (pos < 0)[..., None]
+
+        assert self.decode, "ring rows of closing windows need a decode step"
+        return self._memo(("close_ring", ratio, overlap), build)
 
     def entry_rows(self, seq: torch.Tensor, w: torch.Tensor, ratio: int) -> torch.Tensor:
         """Rows of compressed entries w (of sequences `seq`, same shape) in the paged pool; w<0 -> -1."""
