@@ -142,19 +142,18 @@ class Compressor(nn.Module):
     ) -> None:
         m, d = self.ratio, self.head_dim
         a = self.wkv(x).float()  # [T, c*d]
-        z = self.wgate(x).float() + self.ape[batch.positions % m]  # [T, c*d]
+        phase = batch.memo(("phase", m), lambda: batch.positions % m)  # slot in the window
+        z = self.wgate(x).float() + self.ape[phase]  # [T, c*d]
         tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             self._keep(a, z, batch, st)
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
             # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1)
-            if batch.decode:  # one gather each from the ring (slot rows, half per slot)
+            if batch.decode:  # one gather each from the ring, viewed as [rows * c, d]
                 rows, empty = batch.closing_ring_rows(m, self.overlap)
-                half = torch.arange(rows.shape[1], device=rows.device) // m if self.overlap else 0
-                c = st.kv_state.shape[1] // d
-                ga = st.kv_state.view(-1, c, d)[rows, half]
-                gz = st.score_state.view(-1, c, d)[rows, half]
+                ga = st.kv_state.view(-1, d)[rows]
+                gz = st.score_state.view(-1, d)[rows]
             else:
                 empty = (rows < 0)[..., None]
                 ga = _ring_or_chunk(st.kv_state, a, rows)
@@ -175,8 +174,10 @@ class Compressor(nn.Module):
     def _keep(self, a: torch.Tensor, z: torch.Tensor, batch: Batch, st: CompressorState) -> None:
         # the raw projections of the last R tokens of each sequence, into the ring
         tok, rows = batch.ring_writes(st.ring)
-        st.kv_state[rows] = a[tok]
-        st.score_state[rows] = z[tok]
+        if not batch.decode:  # at decode every token is written, in order
+            a, z = a[tok], z[tok]
+        st.kv_state[rows] = a
+        st.score_state[rows] = z
 
 
 class Indexer(nn.Module):

@@ -396,15 +396,20 @@ class Batch:
         return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
 
     def closing_ring_rows(self, ratio: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode: the slots of `closing_windows` as rows of the compressor ring, where all of them
-        are once this step's token is stored (a window closing at p spans p-R+1 .. p, R the ring):
-        (rows [n, slots] clamped to >= 0, empty [n, slots, 1]: positions before the sequence)."""
+        """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once
+        this step's token is stored (a window closing at p spans p-R+1 .. p, R the ring). The ring
+        [S*R, c*d] is read as [S*R*c, d]: with overlap (c = 2) slots 0..m-1 take the A-half of
+        their row, slots m..2m-1 the B-half. -> (rows [n, slots] >= 0, empty [n, slots, 1]:
+        positions before the sequence)."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
             tok, w, _, _ = self.closing_windows(ratio, overlap)
             n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
-            pos = first[:, None] + torch.arange(n_slots, device=tok.device)
+            j = torch.arange(n_slots, device=tok.device)
+            pos = first[:, None] + j
             rows = self._tok("slot")[tok][:, None] * n_slots + pos.remainder(n_slots)
+            if overlap:
+                rows = 2 * rows + j // ratio
             return torch.where(pos >= 0, rows, 0), (pos < 0)[..., None]
 
         assert self.decode, "ring rows of closing windows need a decode step"
