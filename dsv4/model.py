@@ -150,18 +150,19 @@ class Compressor(nn.Module):
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
             # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1)
-            if batch.decode:  # one gather each from the ring, viewed as [rows * c, d]
+            if batch.decode:  # one gather each from the ring, viewed as [rows * c, d]; an empty
+                # slot reads some ring row (finite: zeros or an earlier projection) that its
+                # -inf score weighs 0
                 rows, empty = batch.closing_ring_rows(m, self.overlap)
                 ga = st.kv_state.view(-1, d)[rows]
                 gz = st.score_state.view(-1, d)[rows]
             else:
                 empty = (rows < 0)[..., None]
-                ga = _ring_or_chunk(st.kv_state, a, rows)
+                ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
                 gz = _ring_or_chunk(st.score_state, z, rows)
                 if self.overlap:
                     ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
                     gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
-            ga = ga.masked_fill(empty, 0.0)
             gz = gz.masked_fill(empty, float("-inf"))
             # pool -> RMSNorm -> RoPE at the window's first token -> store, one op
             key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
