@@ -305,18 +305,15 @@ class Expert(nn.Module):
 
     def __init__(self, b: Build, inter_dim: int, fmt: str) -> None:
         super().__init__()
-        dim, self.limit = b.args.dim, b.args.swiglu_limit
+        dim, self.limit, self.ops = b.args.dim, b.args.swiglu_limit, b.ops
         self.w1 = b.linear(dim, inter_dim, fmt)
         self.w2 = b.linear(inter_dim, dim, fmt)
         self.w3 = b.linear(dim, inter_dim, fmt)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        g = self.w1(x).float().clamp(max=self.limit)
-        u = self.w3(x).float().clamp(-self.limit, self.limit)
-        h = F.silu(g) * u
-        if weights is not None:  # routing weight before w2, as the reference does
-            h = h * weights[:, None]
-        return self.w2(h.to(x.dtype))
+        # silu(min(w1 x, limit)) * clamp(w3 x, +-limit), the routing weight before w2 as the
+        # reference does, in x.dtype
+        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x), self.limit, weights))
 
 
 class MoE(nn.Module):

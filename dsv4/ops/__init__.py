@@ -2,7 +2,7 @@
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
 rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, index_topk,
-stable_topk, moe_gate, moe_experts. "triton" binds the Triton kernels (one module per op, each beside its reference) and
+stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module per op, each beside its reference) and
 keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
 """
 
@@ -27,6 +27,7 @@ OPS = (
     "stable_topk",
     "moe_gate",
     "moe_experts",
+    "swiglu",
 )
 
 
@@ -48,6 +49,7 @@ def _triton() -> SimpleNamespace:
         compress_store=rope.compress_store,
         moe_gate=gate.moe_gate,
         moe_experts=moe.moe_experts,
+        swiglu=moe.swiglu,
     )
     return SimpleNamespace(name="triton", **fns)
 

@@ -111,6 +111,53 @@ def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
+# SwiGLU of given w1 / w3 outputs (the shared expert): one launch for the reference's ~7
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_kernel(
+    g_ptr, u_ptr, w_ptr, h_ptr, n_cols, limit, stride_g, stride_u, stride_h,
+    HAS_WEIGHT: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # read 2 * BLOCK elements (+ 1 weight) ; write BLOCK
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    if HAS_WEIGHT:
+        h = h * tl.load(w_ptr + row).to(tl.float32)
+    h = _round(h, h_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+
+
+def swiglu(
+    g: torch.Tensor, u: torch.Tensor, limit: float, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    # g, u: [T, I] -> silu(min(g, limit)) * clamp(u, -limit, limit) (* weights[:, None]) in
+    # g.dtype (signature and semantics of dsv4.ops.ref.swiglu)
+    assert g.dim() == 2 and u.shape == g.shape, f"g, u must be [T, I] alike ({g.shape}, {u.shape})"
+    assert g.stride(1) == 1 and u.stride(1) == 1, "g, u must be contiguous in I"
+    assert weights is None or weights.shape == (g.shape[0],), f"weights must be [{g.shape[0]}]"
+    T, n = g.shape
+    h = torch.empty_like(g)
+    if T == 0 or n == 0:
+        return h
+    block = min(1024, triton.next_power_of_2(n))
+    w = weights.contiguous() if weights is not None else g
+    _swiglu_kernel[(T, triton.cdiv(n, block))](
+        g, u, w, h, n, float(limit), g.stride(0), u.stride(0), h.stride(0),
+        HAS_WEIGHT=weights is not None, RNE_BF16=not g.is_cuda and g.dtype == torch.bfloat16,
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return h
+
+
+# ---------------------------------------------------------------------------------------------
 # Gate/up: h = silu(min(x W1^T, l)) * clamp(x W3^T, -l, l) * weight
 # ---------------------------------------------------------------------------------------------
 

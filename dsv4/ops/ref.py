@@ -229,6 +229,17 @@ def index_topk(
     return torch.where(valid.gather(1, top), top, -1)
 
 
+def swiglu(
+    g: torch.Tensor, u: torch.Tensor, limit: float, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    # g, u: [T, I] the w1 / w3 outputs -> silu(min(g, limit)) * clamp(u, -limit, limit), times
+    # weights[:, None] (the routing weight) if given; fp32 math, returned in g.dtype
+    h = F.silu(g.float().clamp(max=limit)) * u.float().clamp(-limit, limit)
+    if weights is not None:
+        h = h * weights[:, None]
+    return h.to(g.dtype)
+
+
 def moe_experts(
     x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, experts: torch.nn.ModuleList
 ) -> torch.Tensor:

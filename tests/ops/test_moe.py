@@ -239,3 +239,33 @@ def test_autotune_configs_divide_the_reduction(K):  # noqa: ANN001
 
     kept = _prune(_configs(), {"K": K})
     assert kept and all(K % c.kwargs["BLOCK_K"] == 0 for c in kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu(dtype: torch.dtype, weighted: bool) -> None:
+    # the fused activation against the reference: values past the limit on both sides, a ragged
+    # last column block, with and without the routing weight
+    g_ = torch.Generator().manual_seed(3)
+    T, n, limit = 5, 1500, 7.0
+    g = (torch.randn(T, n, generator=g_) * 6).to(dtype)
+    u = (torch.randn(T, n, generator=g_) * 6).to(dtype)
+    w = torch.rand(T, generator=g_) if weighted else None
+    got, want = moe.swiglu(g, u, limit, w), ref.swiglu(g, u, limit, w)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # at most one bf16 rounding step apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)
+    assert bool((g.float() > limit).any()) and bool((u.float().abs() > limit).any())
+
+
+@pytest.mark.gpu
+def test_swiglu_gpu() -> None:
+    g_ = torch.Generator(device="cuda").manual_seed(4)
+    g = (torch.randn(64, 2048, device="cuda", generator=g_) * 6).bfloat16()
+    u = (torch.randn(64, 2048, device="cuda", generator=g_) * 6).bfloat16()
+    w = torch.rand(64, device="cuda", generator=g_)
+    for weights in (None, w):
+        got, want = moe.swiglu(g, u, 7.0, weights), ref.swiglu(g, u, 7.0, weights)
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)
