@@ -149,26 +149,25 @@ class Compressor(nn.Module):
             self._keep(a, z, batch, st)
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
-            # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1)
-            if batch.decode:  # one gather each from the ring, viewed as [rows * c, d]; an empty
-                # slot reads some ring row (finite: zeros or an earlier projection) that its
-                # -inf score weighs 0
-                rows, empty = batch.closing_ring_rows(m, self.overlap)
-                ga = st.kv_state.view(-1, d)[rows]
-                gz = st.score_state.view(-1, d)[rows]
-            else:
-                empty = (rows < 0)[..., None]
-                ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
-                gz = _ring_or_chunk(st.score_state, z, rows)
-                if self.overlap:
-                    ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
-                    gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
-            gz = gz.masked_fill(empty, float("-inf"))
+            # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1).
             # pool -> RMSNorm -> RoPE at the window's first token -> store, one op
             key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
             cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
             n = self.norm
-            self.ops.compress_store(ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest)
+            if batch.decode:  # the slots are rows of the ring, read as [rows * c, d]
+                ring_rows = batch.closing_ring_rows(m, self.overlap)
+                kv, score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
+                self.ops.compress_store(
+                    kv, score, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows=ring_rows
+                )
+            else:
+                empty = (rows < 0)[..., None]
+                ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
+                gz = _ring_or_chunk(st.score_state, z, rows).masked_fill(empty, float("-inf"))
+                if self.overlap:
+                    ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
+                    gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
+                self.ops.compress_store(ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest)
         if not batch.decode:
             self._keep(a, z, batch, st)
 

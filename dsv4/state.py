@@ -395,14 +395,14 @@ class Batch:
         picked = t.gather(1, ent.remainder(t.shape[1]))
         return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
 
-    def closing_ring_rows(self, ratio: int, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def closing_ring_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
         """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once
         this step's token is stored (a window closing at p spans p-R+1 .. p, R the ring). The ring
         [S*R, c*d] is read as [S*R*c, d]: with overlap (c = 2) slots 0..m-1 take the A-half of
-        their row, slots m..2m-1 the B-half. -> (rows [n, slots] >= 0, empty [n, slots, 1]:
-        positions before the sequence)."""
+        their row, slots m..2m-1 the B-half. -> rows [n, slots] (positions before the sequence:
+        -1)."""
 
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
+        def build() -> torch.Tensor:
             tok, w, _, _ = self.closing_windows(ratio, overlap)
             n_slots, first = (2 * ratio, ratio * w - ratio) if overlap else (ratio, ratio * w)
             j = torch.arange(n_slots, device=tok.device)
@@ -410,7 +410,7 @@ class Batch:
             rows = self._tok("slot")[tok][:, None] * n_slots + pos.remainder(n_slots)
             if overlap:
                 rows = 2 * rows + j // ratio
-            return torch.where(pos >= 0, rows, 0), (pos < 0)[..., None]
+            return torch.where(pos >= 0, rows, -1)
 
         assert self.decode, "ring rows of closing windows need a decode step"
         return self._memo(("close_ring", ratio, overlap), build)

@@ -202,10 +202,17 @@ def compress_store(
     sin: torch.Tensor,
     out: torch.Tensor,
     dest: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
     # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows,
     # -1 = no store (a window that does not close: the static shapes of a CUDA-graph step)
+    # rows: [n, slots] (-1 = empty slot): kv / score are then [N, d] rows, slot s of window i row
+    # rows[i, s]
     # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)): per-channel softmax pooling
+    if rows is not None:
+        empty = (rows < 0)[..., None]
+        kv = kv[rows.clamp(min=0)].masked_fill(empty, 0.0)
+        score = score[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
     pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(out.dtype)
     keep = dest >= 0
     out[dest[keep]] = norm_rope(pooled, weight, eps, cos, sin)[keep]

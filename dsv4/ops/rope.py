@@ -6,7 +6,7 @@ Three launchers with the signatures of `dsv4.ops.ref`:
                                             RMSNorm over d (fp32 stats), cast, then rotary ;
                                             store = (dst, rows) also writes dst[rows[t]] (decode's
                                             window ring, in the same launch)
-  compress_store(kv, score, weight, eps, cos, sin, out, dest)
+  compress_store(kv, score, weight, eps, cos, sin, out, dest, rows=None)
                                             out[dest] = norm_rope(softmax_slots(score) . kv),
                                             dest -1 = no store
 Every op is one launch that reads its inputs once and writes its output once; the statistics, the
@@ -295,8 +295,9 @@ def norm_rope(
 
 @triton.jit
 def _compress_store_kernel(
-    kv_ptr,  # [n, slots, d] fp32
-    score_ptr,  # [n, slots, d] fp32, -inf = empty slot
+    kv_ptr,  # [n, slots, d] fp32, or (GATHER) [N, d] rows
+    score_ptr,  # [n, slots, d] fp32, -inf = empty slot, or (GATHER) [N, d] rows
+    rows_ptr,  # (GATHER) [n, slots] int rows of kv / score, -1 = empty slot
     w_ptr,  # [d] norm weight
     cos_ptr,  # [n, rd/2] fp32
     sin_ptr,  # [n, rd/2] fp32
@@ -313,7 +314,9 @@ def _compress_store_kernel(
     stride_ct,
     stride_st,
     stride_o0,
+    stride_rn,
     HAS_WEIGHT: tl.constexpr,
+    GATHER: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -321,6 +324,9 @@ def _compress_store_kernel(
     i = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < d
+    if GATHER:  # a window that is not stored is not pooled either
+        if tl.load(dest_ptr + i) < 0:
+            return
 
     # ---- per-channel softmax pooling over the slots, online over chunks of BLOCK_S slots
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
@@ -328,15 +334,17 @@ def _compress_store_kernel(
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, slots, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
-        mask = (s < slots)[:, None] & col_ok[None, :]
-        z = tl.load(
-            score_ptr + i * stride_sn + s[:, None] * stride_ss + cols[None, :],
-            mask=mask,
-            other=float("-inf"),
-        )
-        a = tl.load(
-            kv_ptr + i * stride_kvn + s[:, None] * stride_kvs + cols[None, :], mask=mask, other=0.0
-        )
+        if GATHER:  # slot s of window i is row rows[i, s] of kv / score (-1: empty)
+            r = tl.load(rows_ptr + i * stride_rn + s, mask=s < slots, other=-1).to(tl.int64)
+            mask = (r >= 0)[:, None] & col_ok[None, :]
+            z_at = score_ptr + r[:, None] * stride_ss + cols[None, :]
+            a_at = kv_ptr + r[:, None] * stride_kvs + cols[None, :]
+        else:
+            mask = (s < slots)[:, None] & col_ok[None, :]
+            z_at = score_ptr + i * stride_sn + s[:, None] * stride_ss + cols[None, :]
+            a_at = kv_ptr + i * stride_kvn + s[:, None] * stride_kvs + cols[None, :]
+        z = tl.load(z_at, mask=mask, other=float("-inf"))
+        a = tl.load(a_at, mask=mask, other=0.0)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: keep sums at 0
         alpha = tl.exp(m - m_safe)
@@ -386,17 +394,33 @@ def compress_store(
     sin: torch.Tensor,
     out: torch.Tensor,
     dest: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
-    # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows
+    # kv, score: [n, slots, d] fp32 (score -inf = empty slot), or with rows [n, slots] (-1 = empty
+    # slot): [N, d] fp32 row sources, slot s of window i being row rows[i, s] (windows whose dest
+    # is -1 are then skipped) ; cos/sin: [n, rd/2] ; dest: [n] rows of out, -1 = no store
     # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)), in place
-    assert kv.dim() == 3 and score.shape == kv.shape, (
-        f"kv/score must be [n, slots, d] alike (got {tuple(kv.shape)}, {tuple(score.shape)})"
-    )
+    gather = rows is not None
+    if gather:
+        assert kv.dim() == 2 and score.shape == kv.shape, (
+            f"with rows, kv/score must be [N, d] alike (got {tuple(kv.shape)}, {tuple(score.shape)})"
+        )
+        assert rows.dim() == 2 and rows.dtype in (torch.int64, torch.int32), (
+            f"rows must be [n, slots] int (got {tuple(rows.shape)} {rows.dtype})"
+        )
+        assert rows.stride(1) == 1 or rows.shape[1] <= 1, "rows must be contiguous in slots"
+        (n, slots), d = rows.shape, kv.shape[1]
+        strides = (0, kv.stride(0), 0, score.stride(0))  # a slot's row, not (window, slot)
+    else:
+        assert kv.dim() == 3 and score.shape == kv.shape, (
+            f"kv/score must be [n, slots, d] alike (got {tuple(kv.shape)}, {tuple(score.shape)})"
+        )
+        n, slots, d = kv.shape
+        strides = (kv.stride(0), kv.stride(1), score.stride(0), score.stride(1))
     assert kv.dtype == torch.float32 and score.dtype == torch.float32, (
         f"kv/score must be fp32 (got {kv.dtype}, {score.dtype})"
     )
     assert kv.stride(-1) == 1 and score.stride(-1) == 1, "kv/score must be contiguous in d"
-    n, slots, d = kv.shape
     assert out.dim() == 2 and out.shape[1] == d and out.stride(-1) == 1, (
         f"out must be [rows, {d}] contiguous in d (got {tuple(out.shape)}, strides {out.stride()})"
     )
@@ -417,26 +441,9 @@ def compress_store(
     block_d = triton.next_power_of_2(d)
     block_s, num_warps = _compress_config(slots, block_d)
     _compress_store_kernel[(n,)](
-        kv,
-        score,
-        kv if weight is None else weight,
-        cos,
-        sin,
-        out,
-        dest,
-        slots,
-        d,
-        d - rd,
-        eps,
-        kv.stride(0),
-        kv.stride(1),
-        score.stride(0),
-        score.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        out.stride(0),
-        HAS_WEIGHT=weight is not None,
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
+        kv, score, rows if gather else dest, kv if weight is None else weight, cos, sin, out, dest,
+        slots, d, d - rd, eps, *strides, cos.stride(0), sin.stride(0), out.stride(0),
+        rows.stride(0) if gather else 0,
+        HAS_WEIGHT=weight is not None, GATHER=gather, BLOCK_S=block_s, BLOCK_D=block_d,
         num_warps=num_warps,
-    )
+    )  # fmt: skip

@@ -207,6 +207,34 @@ def test_compress_store(n: int, slots: int, d: int, rd: int, dtype: torch.dtype)
         assert torch.equal(o[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_store_gathers_rows(dtype: torch.dtype) -> None:
+    # the row form (what decode uses): slot s of window i is row rows[i, s] of [N, d] sources,
+    # -1 an empty slot whatever the source row holds; equal to the dense form of the same slots,
+    # and a window with dest -1 is neither pooled nor stored
+    torch.manual_seed(6)
+    n, slots, d, rd, N = 4, 8, 40, 16, 50
+    src_kv, src_score = torch.randn(N, d) * 2.0, torch.randn(N, d) * 3.0
+    src_kv[0], src_score[0] = float("nan"), float("inf")  # what a -1 slot would read if it read
+    rows = torch.randint(1, N, (n, slots))
+    rows[0, :3] = -1
+    rows[2, 5] = -1
+    empty = (rows < 0)[..., None]
+    kv = src_kv[rows.clamp(min=0)].masked_fill(empty, 0.0)
+    score = src_score[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
+    w = torch.rand(d) + 0.5
+    cos, sin = _angles(n, rd)
+    dest = torch.tensor([3, -1, 9, 0])
+    before = torch.randn(12, d).to(dtype)
+    dense, gathered, want = before.clone(), before.clone(), before.clone()
+    rope.compress_store(kv, score, w, 1e-6, cos, sin, dense, dest)
+    rope.compress_store(src_kv, src_score, w, 1e-6, cos, sin, gathered, dest, rows=rows)
+    ref.compress_store(src_kv, src_score, w, 1e-6, cos, sin, want, dest, rows=rows)
+    assert torch.equal(gathered, dense)
+    assert _rel(gathered, want) < TOL[dtype]
+    assert torch.equal(gathered[[1, 2, 4]], before[[1, 2, 4]])
+
+
 def test_compress_store_many_slot_chunks() -> None:
     # slots > one chunk (BLOCK_S = 256 at d = 64): the online softmax crosses chunks, and some
     # channels are empty for a whole chunk; unweighted norm and int32 dest
@@ -292,3 +320,10 @@ def test_gpu_flash_compress_store(slots: int, d: int, dtype: torch.dtype) -> Non
     keep = torch.ones(rows, dtype=torch.bool, device=dev)
     keep[dest] = False
     assert torch.equal(out[keep], before[keep])
+    # the row form over the same slots (flattened), empty slots as -1: the same bits
+    flat = torch.arange(n * slots, device=dev).view(n, slots)
+    flat[0, : slots // 2] = -1
+    gathered = before.clone()
+    kv2, score2 = kv.reshape(-1, d), score.reshape(-1, d)
+    rope.compress_store(kv2, score2, w, 1e-6, cos, sin, gathered, dest, rows=flat)
+    assert torch.equal(gathered, out)
