@@ -368,30 +368,33 @@ class Batch:
 
         return self._memo(("close", ratio, overlap), build)
 
-    def attention_idxs(self, window: int, ratio: int, base: int) -> torch.Tensor:
-        """[T, W + C] key rows of an HCA layer: each token's window rows (ring-only at decode), then
-        its visible compressed entries offset by `base` (the rows before the entries). Every HCA
-        layer of a step shares the list (the same window, ratio and page layout): built once."""
+    def entry_idxs(self, ratio: int, base: int) -> torch.Tensor:
+        """[T, C + 1] key rows of the compressed entries each token may see: their pool rows offset
+        by `base` (the key rows before the entries), -1 = not visible, then a column of -1. Every
+        compressed layer of a ratio shares it (the same page layout): built once per step."""
 
         def build() -> torch.Tensor:
             rows, _ = self.visible_entries(ratio)
+            none = torch.full_like(rows[:, :1], -1)
+            return torch.cat([torch.where(rows >= 0, rows + base, -1), none], dim=1)
+
+        return self._memo(("entries", ratio, base), build)
+
+    def attention_idxs(self, window: int, ratio: int, base: int) -> torch.Tensor:
+        """[T, W + C] key rows of an HCA layer: each token's window rows (ring-only at decode), then
+        all its visible compressed entries (`entry_idxs`). Shared by every HCA layer of a step."""
+
+        def build() -> torch.Tensor:
             win = self.window_idxs(window, ring_only=self.decode)
-            return torch.cat([win, torch.where(rows >= 0, rows + base, -1)], dim=1)
+            return torch.cat([win, self.entry_idxs(ratio, base)[:, :-1]], dim=1)
 
         return self._memo(("attn", window, ratio, base), build)
 
     def selected_idxs(self, window: int, ratio: int, base: int, ent: torch.Tensor) -> torch.Tensor:
         """[T, W + k] key rows of a CSA layer: the window rows, then the rows of the entries its
-        indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) offset by `base`.
-        The visible rows + base, with a -1 column appended, are built once per step; -1 picks
-        that column (ent mod C+1), so a layer costs one remainder, one gather and one cat."""
-
-        def table() -> torch.Tensor:
-            rows, _ = self.visible_entries(ratio)
-            none = torch.full_like(rows[:, :1], -1)
-            return torch.cat([torch.where(rows >= 0, rows + base, -1), none], dim=1)
-
-        t = self._memo(("sel", ratio, base), table)
+        indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) taken from
+        `entry_idxs`; -1 picks its last column (ent mod C+1): one remainder, gather and cat."""
+        t = self.entry_idxs(ratio, base)
         picked = t.gather(1, ent.remainder(t.shape[1]))
         return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
 

@@ -231,11 +231,8 @@ def _prepare(batch: Batch, args: ModelArgs) -> None:
     base = batch.max_seqs * args.window_size + (0 if batch.decode else batch.num_tokens)
     if HCA in args.layer_types:
         batch.attention_idxs(args.window_size, args.hca_ratio, base)
-    if CSA in args.layer_types:  # the table the CSA layers pick their entries' rows from
-        none = torch.full(
-            (batch.num_tokens, 1), -1, dtype=torch.long, device=batch.positions.device
-        )
-        batch.selected_idxs(args.window_size, args.csa_ratio, base, none)
+    if CSA in args.layer_types:  # the rows the CSA layers pick their entries from
+        batch.entry_idxs(args.csa_ratio, base)
 
 
 class NonFinite(RuntimeError):

@@ -116,6 +116,13 @@ def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _swiglu(g, u, limit):
+    # fp32: silu(min(g, limit)) * clamp(u, -limit, limit)
+    g = tl.minimum(g, limit)
+    return g * tl.sigmoid(g) * tl.minimum(tl.maximum(u, -limit), limit)
+
+
+@triton.jit
 def _swiglu_kernel(
     g_ptr, u_ptr, w_ptr, h_ptr, n_cols, limit, stride_g, stride_u, stride_h,
     HAS_WEIGHT: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
@@ -126,9 +133,7 @@ def _swiglu_kernel(
     ok = cols < n_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = _swiglu(g, u, limit)
     if HAS_WEIGHT:
         h = h * tl.load(w_ptr + row).to(tl.float32)
     h = _round(h, h_ptr.dtype.element_ty, RNE_BF16)
@@ -230,11 +235,10 @@ def _moe_gate_up_kernel(
 
     # ---- epilogue: the linears' x.dtype outputs, clamp, silu * u, routing weight -> x.dtype
     out_ty = h_ptr.dtype.element_ty
-    g = tl.minimum(_round(acc_g, out_ty, RNE_BF16).to(tl.float32), limit)
+    g = _round(acc_g, out_ty, RNE_BF16).to(tl.float32)
     u = _round(acc_u, out_ty, RNE_BF16).to(tl.float32)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
     rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
-    h = (g * tl.sigmoid(g) * u) * rw[:, None]
+    h = _swiglu(g, u, limit) * rw[:, None]
     h_ptrs = h_ptr + pair[:, None] * stride_ht + offs_n[None, :]
     tl.store(h_ptrs, _round(h, out_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :])
 

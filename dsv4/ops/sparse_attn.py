@@ -366,13 +366,13 @@ def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     view: the same concatenation, fewer index ranges to resolve per gathered row (the engine's
     ring and compressed entries share an allocation; one source cut the loop by 20% of its SASS
     instructions on sm_90). Empty sources add no rows and are dropped."""
-    out = [kv[0]]
-    for src in kv[1:]:
-        prev = out[-1]
+    out: list[torch.Tensor] = []
+    for src in kv:
         if src.shape[0] == 0:
             continue
+        prev = out[-1] if out else None
         follows = (
-            prev.shape[0] > 0
+            prev is not None
             and src.stride() == prev.stride()
             and src.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
             and src.data_ptr()
@@ -380,10 +380,9 @@ def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         )
         if follows:
             out[-1] = prev.as_strided((prev.shape[0] + src.shape[0], prev.shape[1]), prev.stride())
-        elif prev.shape[0] == 0:
-            out[-1] = src
         else:
             out.append(src)
+    out = out or [kv[0]]
     return tuple(out)
 
 
@@ -505,14 +504,12 @@ def sparse_attn(
     if config is None and q.device.type == "cuda" and T * head_blocks <= FIXED_TILE_MAX_PROGRAMS:
         # a few tokens: the autotuner's host-timed trials pick badly here (H200, T=1: it chose
         # BN 32 / DV 2 / 64 heads at 9.99 us of device time; this tile measures 8.34)
-        _sparse_attn_kernel[grid](*args, **consts, **FEW_TOKENS_TILE)
-    elif config is None and q.device.type == "cuda":
+        config = FEW_TOKENS_TILE
+    if config is None and q.device.type == "cuda":
         _sparse_attn_tuned[grid](*args, **consts)
     else:
-        cfg = {"BLOCK_N": 16, "DV_SPLIT": 1, "BLOCK_H": min(64, H_PAD), "KEYS_ON_M": False}
-        cfg |= {"PREFETCH": False}
-        cfg |= {"num_warps": 4}
-        cfg = {"num_stages": 1} | cfg | (config or {})
+        cfg = dict(BLOCK_N=16, DV_SPLIT=1, BLOCK_H=min(64, H_PAD), KEYS_ON_M=False, PREFETCH=False)
+        cfg = cfg | dict(num_warps=4, num_stages=1) | (config or {})
         assert cfg["DV_SPLIT"] in (1, 2) and BLOCK_D // cfg["DV_SPLIT"] >= 16, f"bad config {cfg}"
         assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
