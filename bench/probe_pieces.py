@@ -291,6 +291,86 @@ def probe_mhc_splits() -> None:
             )
 
 
+def probe_attn_sm90() -> None:
+    # the Gluon Hopper kernel against the Triton one on one kv source (the engine's decode form)
+    from dsv4.ops import sparse_attn_sm90 as sm90
+
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    for T in (64, 32, 16):
+        q, kv, sink, idx = attn.tokens(T)
+        one = (torch.cat(kv),)
+        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
+        want = sparse_attn.sparse_attn(q, one, sink, idx, 0.04)
+        sp_t = sparse_attn._default_splits(T, idx.shape[1], q.device)  # given splits: Triton
+        for _ in range(2):
+            t = us(
+                f"attn T={T} triton, {sp_t} splits",
+                lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04, num_splits=sp_t),  # noqa: B023
+            )
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+            t = us(
+                f"attn T={T} default (sm90 from SM90_MIN_TOKENS)",
+                lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04),
+            )  # noqa: B023
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for bn, nb in ((64, 2), (32, 4)):
+            for sp in {64: (2,), 32: (None, 2), 16: (None,), 1: (None,)}[T]:
+                name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}"
+                kw = dict(num_splits=sp, block_n=bn, num_buf=nb)
+                out = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
+                err = float((out.float() - want.float()).abs().max())
+                t = us(name, lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw))  # noqa: B023
+                print(f"    {nbytes / t / 1e3:.0f} GB/s  max|diff| {err:.1e}", flush=True)
+                for mode in (1, 2) if T == 64 else ():  # the gathers alone, the math alone
+                    us(
+                        f"{name} {('', 'loads', 'math')[mode]} only",
+                        lambda kw=kw, mode=mode: sm90.sparse_attn_sm90(  # noqa: B023
+                            q,
+                            one,
+                            sink,
+                            idx,
+                            0.04,
+                            **kw,
+                            mode=mode,  # noqa: B023
+                        ),
+                    )
+
+
+def probe_attn_tlb() -> None:
+    # T=64 gathers: picks uniform over a 1 GB pool vs each token's own region (the engine's
+    # layout: a sequence's entries together), the Triton kernel and the sm90 one (full, loads only)
+    from dsv4.ops import sparse_attn_sm90 as sm90
+
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    T = 64
+    q, kv, sink, idx = attn.tokens(T)
+    one = (torch.cat(kv),)
+    nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pool0 = 128 + T
+    for region in (1 << 20, 1 << 14, 1 << 12, 1 << 10):
+        if region == 1 << 20:
+            ix = idx
+        else:
+            base = pool0 + torch.arange(T, device="cuda")[:, None] * region
+            pick = torch.rand(T, region, device="cuda", generator=g).topk(512, dim=1).indices
+            ix = torch.cat([idx[:, :128], base + pick], 1).contiguous()
+        for name, fn in (
+            ("triton", lambda ix=ix: sparse_attn.sparse_attn(q, one, sink, ix, 0.04)),
+            ("sm90", lambda ix=ix: sm90.sparse_attn_sm90(q, one, sink, ix, 0.04, num_splits=2)),
+            (
+                "sm90 loads only",
+                lambda ix=ix: sm90.sparse_attn_sm90(q, one, sink, ix, 0.04, num_splits=2, mode=1),
+            ),
+            (
+                "sm90 splits=1 loads only",
+                lambda ix=ix: sm90.sparse_attn_sm90(q, one, sink, ix, 0.04, num_splits=1, mode=1),
+            ),
+        ):
+            t = us(f"attn T=64 picks in {region}-row regions: {name}", fn)
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+
+
 def probe_attn() -> None:
     q, kv, sink, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(1)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
@@ -493,7 +573,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "score_programs": probe_score_programs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -27,6 +27,9 @@ MIN_KEYS_PER_SPLIT = (
 FIXED_TILE_MAX_PROGRAMS = 2  # up to this many 64-head (token, head block)s: FEW_TOKENS_TILE
 FEW_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=16, KEYS_ON_M=False, PREFETCH=False,
                        num_warps=4, num_stages=2)  # fmt: skip
+# from this many tokens on an sm_90 GPU, one kv source of 64 x 512 bf16 heads: the Gluon kernel
+# (dsv4/ops/sparse_attn_sm90.py; H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5)
+SM90_MIN_TOKENS = 32
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
 # finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
 NEG = tl.constexpr(-1.0e30)
@@ -446,6 +449,11 @@ def sparse_attn(
     )
 
     kv = _merge_adjacent(kv)
+    if config is None and num_splits is None and T >= SM90_MIN_TOKENS and len(kv) == 1:
+        from dsv4.ops import sparse_attn_sm90  # Gluon (no interpreter): Hopper GPUs only
+
+        if sparse_attn_sm90.supported(q, kv):
+            return sparse_attn_sm90.sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale)
 
     # ---- allocate
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

@@ -197,10 +197,11 @@ def test_gpu_flash(T: int, num_splits: int | None, cfg: int | None) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 2, 16, 64])
+@pytest.mark.parametrize("T", [1, 2, 16, 32, 64])
 def test_gpu_flash_one_source(T: int) -> None:
     # the engine's decode form: ring | pool one allocation (merged into one source), the window
-    # rows in the ring; the few-token fixed tile (T <= 2) and the autotuned ones
+    # rows in the ring; the few-token fixed tile (T <= 2), the autotuned ones and (sm_90,
+    # T >= SM90_MIN_TOKENS) the Gluon kernel
     q, (ring, new, pool), sink, idx = _flash_inputs(T)
     both = torch.cat([ring, pool])
     kv = (both[: ring.shape[0]], both[ring.shape[0] :])
@@ -240,3 +241,34 @@ def test_adjacent_sources_merge() -> None:
     want = sparse_attn(q, (kv[0].clone(), kv[2].clone()), sink, idx2, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert _rel(got, _want(q, (ring, ent), sink, idx2, 0.3)) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 16, 64])
+@pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4), (16, 6)])
+def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
+    # the Gluon Hopper kernel on the engine's one-source decode form against the fp32 reference,
+    # split (default) and unsplit, with -1 entries and a key count that is no multiple of a tile
+    from dsv4.ops import sparse_attn_sm90 as sm90
+
+    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    if not sm90.supported(q, (ring,)):
+        pytest.skip("not an sm_90 GPU")
+    both = torch.cat([ring, pool])
+    n_ring = ring.shape[0]
+    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
+    idx = idx[:, : idx.shape[1] - 5].contiguous()  # 635 keys
+    idx[:, 7::13] = -1
+    want = _want(q, (both,), sink, idx, 512**-0.5)
+    for splits in (None, 1):
+        o = sm90.sparse_attn_sm90(
+            q,
+            (both,),
+            sink,
+            idx,
+            512**-0.5,
+            num_splits=splits,
+            block_n=block_n,
+            num_buf=num_buf,
+        )
+        assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))

@@ -1,0 +1,266 @@
+"""Sparse decode attention for Hopper (sm_90) in Gluon: the layout Triton cannot express.
+
+  sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale) -> o   (as `dsv4.ops.sparse_attn`, for
+  64 heads, 512 channels, bf16, one kv source; `supported` says when)
+
+Why a second kernel: in the Triton kernel S = Q K^T feeds a second dot, so Triton puts all warps
+of S along M (the 64 heads) and both warpgroups compute all of S; the loop is latency bound at
+~30% of HBM bandwidth (docs/PERF.md). Here the two warpgroups split each tile of keys (S [64, BN]
+has warps [4, 2]: warpgroup g computes the scores of keys g*BN/2 ..), the row max and sum cross
+the warpgroups through shared memory, P goes to shared memory once, and each warpgroup
+accumulates its half of the 512 output channels over every key of the tile (O [64, 512] has
+warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
+NUM_BUF - 1 tiles ahead. The split outputs use the Triton kernel's combine.
+
+H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
+gathers alone (MODE=1, partials and combine included) take 25 us and the math alone (MODE=2)
+27.6, so neither hides the other: the fp32 partials of 2 splits double the bytes of the gathered
+rows, and one 64-key tile of math takes ~2.4 us where its tensor and shared-memory work is ~1.
+
+No CPU path: Gluon has no interpreter. The Triton kernel in `sparse_attn` is the reference
+this one is tested against on the GPU (tests/ops/test_sparse_attn.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+)
+
+from dsv4.ops import sparse_attn as _triton
+from dsv4.ops.device import num_sms
+
+HEADS = 64  # one warpgroup's M: all heads of a token
+DIM = 512  # the K = V row (the rope part is rotated into it)
+NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
+
+
+@gluon.jit
+def _tile_idx(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
+    # the kv rows of keys k0 + offs (-1 past k_end)
+    k = k0 + offs
+    return gl.load(idx_row + k, mask=k < k_end, other=-1)
+
+
+@gluon.jit
+def _gather(buf, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
+    # rows idx of kv into buf by cp.async (-1: zeros), one commit group
+    rows = kv_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn
+    cp.async_copy_global_to_shared(buf, rows[:, None] + offs_gd[None, :], mask=(idx >= 0)[:, None])
+    cp.commit_group()
+
+
+@gluon.jit
+def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
+    # online softmax of one tile (log2 domain): P, the rescale of what came before, new (m, l)
+    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _decode_kernel(
+    q_ptr,  # [T, 64, 512] bf16
+    kv_ptr,  # [N, 512] bf16 rows (row stride stride_kn)
+    idx_ptr,  # [T, K] int32/int64 rows of kv, -1 = none
+    sink_ptr,  # [64] fp32
+    o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT)
+    part_ptr,  # [T, S, 64, 512] fp32 unnormalised split outputs (SPLIT)
+    ml_ptr,  # [T, S, 2, 64] fp32 (SPLIT)
+    K,
+    keys_per_split,
+    qk_scale,  # scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_it,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ps,
+    stride_ph,
+    stride_mt,
+    stride_ms,
+    BLOCK_N: gl.constexpr,  # keys per tile (BLOCK_N / 2 per warpgroup for S)
+    NUM_BUF: gl.constexpr,  # gathered tiles in shared memory (NUM_BUF - 1 in flight)
+    SPLIT: gl.constexpr,
+    MODE: gl.constexpr = 0,  # probes only: 1 = the gathers alone, 2 = the math alone (tile 0)
+):
+    H: gl.constexpr = 64
+    D: gl.constexpr = 512
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+
+    # ---- layouts: S [64, BN] and O [64, 512] on 2 warpgroups side by side (warps [4, 2])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]
+    )
+    # gathers: 8 bf16 (16 B) per thread, a warp on 256 contiguous channels of one row
+    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.bfloat16)
+    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
+
+    offs_gd = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
+    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    # ---- q of token t (group 0, with the first tile)
+    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, g_layout))
+    q_ptrs = q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + offs_gd[None, :]
+    cp.async_copy_global_to_shared(q_smem, q_ptrs)
+
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, K)
+    n_tiles = gl.cdiv(k_end - k_begin, BLOCK_N)
+    idx_row = idx_ptr + t * stride_it
+
+    # ---- prologue: tiles 0 .. NUM_BUF - 2 in flight (a group each, empty past the end). The
+    # indices of a tile are loaded one iteration before its gather is issued (loop-carried), so
+    # no index load sits between a wait and the next gather (H200, T=64: 32.0 -> 30.5 us)
+    for b in gl.static_range(NUM_BUF - 1):
+        idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
+        _gather(kv_smem.index(b), kv_ptr, stride_kn, idx, offs_gd)
+    idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
+    valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
+
+    m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([H, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
+
+    for i in range(n_tiles):
+        # tile i landed (this thread's copies), visible to the async proxy and every thread
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
+        nxt = i + NUM_BUF - 1
+        if MODE != 2:
+            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+        else:
+            cp.commit_group()
+        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+        valid = valid_next
+        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+        if MODE != 1:
+            kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+            p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_smem, kv, acc)
+            gl.thread_barrier()  # p_smem is rewritten by the next tile
+
+    cp.wait_group(0)
+
+    # ---- epilogue: partials for the combine, or the sink-normalised output
+    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
+    offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    if SPLIT:
+        hv = offs_h[:, None] * stride_ph + offs_v[None, :]
+        gl.store(
+            part_ptr + t * stride_pt + split * stride_ps + hv, acc.to(part_ptr.dtype.element_ty)
+        )
+        ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
+        gl.store(ml, m_o)
+        gl.store(ml + H, l_o)
+    else:
+        sink = gl.load(sink_ptr + offs_h) * 1.4426950408889634
+        m_all = gl.maximum(m_o, sink)
+        alpha_o = gl.exp2(m_o - m_all)
+        inv = alpha_o / (l_o * alpha_o + gl.exp2(sink - m_all))
+        o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
+        gl.store(o_ptr + t * stride_ot + o_hv, (acc * inv[:, None]).to(gl.bfloat16))
+
+
+def supported(q: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> bool:
+    """This kernel applies: an sm_90 GPU, bf16, 64 heads of 512 channels, one kv source whose
+    rows start on 16 bytes."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, DIM) or q.stride(2) != 1:
+        return False
+    if len(kv) != 1:
+        return False
+    (src,) = kv
+    return (
+        src.dtype == torch.bfloat16
+        and src.stride(1) == 1
+        and src.data_ptr() % 16 == 0
+        and src.stride(0) * 2 % 16 == 0
+        and q.data_ptr() % 16 == 0
+        and q.stride(1) * 2 % 16 == 0
+        and q.stride(0) * 2 % 16 == 0
+    )
+
+
+def sparse_attn_sm90(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, ...],
+    attn_sink: torch.Tensor,
+    topk_idxs: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_buf: int = 2,
+    mode: int = 0,
+) -> torch.Tensor:
+    """`dsv4.ops.sparse_attn` on the Gluon kernel (`supported(q, kv)` must hold). num_splits:
+    key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
+    kv = _triton._merge_adjacent(tuple(kv))
+    assert supported(q, kv), "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source"
+    (src,) = kv
+    T = q.shape[0]
+    K = topk_idxs.shape[1]
+    assert topk_idxs.dim() == 2 and topk_idxs.shape[0] == T and topk_idxs.stride(1) == 1
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if T == 0 or K == 0:
+        return o.zero_()
+    if num_splits is None:  # fill the SMs once (one program per SM: 200 KB of shared memory)
+        num_splits = max(1, min(num_sms(q.device) // T, triton.cdiv(K, 2 * block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(K, keys_per_split)
+    split = num_splits > 1
+    if split:
+        part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = o
+    _decode_kernel[(T, num_splits)](
+        q, src, topk_idxs, attn_sink, o, part, ml,
+        K, keys_per_split, scale * _triton.LOG2E,
+        q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
+        part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
+        BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, num_warps=8,
+    )  # fmt: skip
+    if split:
+        _triton._sparse_attn_combine_kernel[(T, HEADS, 1)](
+            part, ml, attn_sink, o, HEADS, DIM, num_splits,
+            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
+            o.stride(0), o.stride(1),
+            BLOCK_S=min(triton.next_power_of_2(num_splits), 16), BLOCK_D=DIM, PDL=False,
+            num_warps=4,
+        )  # fmt: skip
+    return o
