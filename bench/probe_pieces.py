@@ -371,6 +371,70 @@ def probe_attn_tlb() -> None:
             print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
 
 
+@triton.jit
+def _gather_sum_kernel(kv_ptr, idx_ptr, out_ptr, K, keys_per_split, stride_kn, stride_it,
+                       BN: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # the gathers of sparse attention with no math: rows idx[t, split's keys] summed
+    t = tl.program_id(0)
+    sp = tl.program_id(1)
+    k0 = sp * keys_per_split
+    k1 = tl.minimum(k0 + keys_per_split, K)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([BN, D], tl.float32)
+    for s in tl.range(k0, k1, BN, num_stages=STAGES):
+        offs = s + tl.arange(0, BN)
+        idx = tl.load(idx_ptr + t * stride_it + offs, mask=offs < k1, other=0)
+        rows = kv_ptr + idx.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
+        acc += tl.load(rows, mask=(offs < k1)[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + (t * tl.num_programs(1) + sp) * D + offs_d, tl.sum(acc, 0))
+
+
+def probe_gather() -> None:
+    # how fast can 64 tokens x 640 random 1 KB rows be gathered at all? Plain loads (stages 1:
+    # ld.global into registers, many programs per SM) and cp.async pipelines (stages > 1)
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    T = 64
+    q, kv, sink, idx = attn.tokens(T)
+    one = torch.cat(kv)
+    K = idx.shape[1]
+    ix = idx.to(torch.int32).contiguous()
+    nbytes = T * K * 512 * 2
+    for bn, stages, warps in (
+        (16, 1, 4),
+        (32, 1, 4),
+        (16, 1, 8),
+        (32, 1, 8),
+        (16, 3, 4),
+        (32, 3, 8),
+    ):
+        for splits in (1, 2, 10):
+            kps = triton.cdiv(K, splits)
+            out = torch.empty(T * splits, 512, device="cuda")
+            t = us(
+                f"gather T=64 x 640 rows: BN {bn}, stages {stages}, {warps} warps, {splits} splits",
+                lambda bn=bn, stages=stages, warps=warps, splits=splits, kps=kps, out=out: (
+                    _gather_sum_kernel[(T, splits)](
+                        one,
+                        ix,
+                        out,
+                        K,
+                        kps,
+                        one.stride(0),
+                        ix.stride(0),
+                        BN=bn,
+                        D=512,
+                        STAGES=stages,
+                        num_warps=warps,
+                    )  # fmt: skip
+                ),
+            )
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    t = us("copy of the same bytes (torch copy_)", lambda: y.copy_(x))
+    print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+
+
 def probe_attn() -> None:
     q, kv, sink, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(1)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
@@ -573,7 +637,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
