@@ -9,6 +9,10 @@ picking the source by index range, so the paged pool is never copied. When T is 
 of a token is split across programs for occupancy (flash-decoding): each split writes its running
 (max, sum, unnormalised output) in fp32 and a combine kernel merges them with the sink. When T is
 large (prefill) one program per token walks all its keys and writes o directly.
+
+On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads over one kv source (the
+engine's decode form), the launcher hands over to the Gluon kernel in `sparse_attn_sm90`,
+which splits each key tile between the two warpgroups (Triton cannot express that layout).
 """
 
 from __future__ import annotations
