@@ -4,8 +4,11 @@ cleared), against the fixed cost of any launch measured the same way:
   - hc_pre / hc_head by token count, 1 vs 20 Sinkhorn iterations;
   - sparse attention at T=1, K=640: splits, unsplit, only 64 keys;
   - the indexer: scores alone (paged and scattered rows), select segment sizes and warps,
-    torch.topk for comparison.
-Usage: python3 bench/probe_pieces.py [--json FILE]"""
+    torch.topk for comparison;
+  - attn_sm90: the Gluon sm_90 attention against the Triton one at T=64 / 32 / 16, with its
+    gathers alone and its math alone; attn_tlb: the same with each token's picks in its own
+    region; gather: the floor of the access pattern (rows gathered and summed, no math).
+Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
 #   scripts/gpu_check.sh [tests] [ops] [step] [trace] [probe] [kernels] [sweep]   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
-#   bench, PROBE=floors,select the probe, SWEEP=indexer the sweep, NCU=0 skips Nsight in kernels
+#   bench, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
+#   the sweep, NCU=0 skips Nsight in kernels
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
