@@ -299,6 +299,9 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
             f"parameters not written: {missing[:8]}; "
             f"tensors not consumed: {sorted(set(expected) - consumed)[:8]}"
         )
+    join = getattr(model, "join_projections", None)  # dsv4.model.Transformer: weights are final
+    if join is not None:
+        join()
 
 
 def _dequant(

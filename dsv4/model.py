@@ -68,6 +68,51 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.fmt, *self.scales())
 
 
+JOINABLE = ("dense", "fp8")  # formats whose pairs can run as one GEMM (no per-tensor scales)
+
+
+def _stored(lin: Linear) -> tuple[torch.Tensor, ...]:
+    return (lin.weight, lin.scale) if lin.fmt == "fp8" else (lin.weight,)
+
+
+def join_linears(a: Linear, b: Linear) -> None:
+    """Put b's stored tensors right after a's in one allocation, so `pair(x, a, b)` runs both
+    as one GEMM; values and state_dict keys are unchanged. Call once the weights are final and
+    on their device: moving the module later splits them again (then `pair` makes two calls)."""
+    if a.fmt != b.fmt or a.fmt not in JOINABLE or a.weight.shape[1:] != b.weight.shape[1:]:
+        return
+    if a.fmt == "fp8" and a.weight.shape[0] % 128:  # a's last block-scale row would be shared
+        return
+    with torch.no_grad():
+        for ta, tb in zip(_stored(a), _stored(b)):
+            j = torch.cat([ta.data, tb.data])
+            ta.data, tb.data = j[: ta.shape[0]], j[ta.shape[0] :]
+
+
+def _follows(ta: torch.Tensor, tb: torch.Tensor) -> bool:
+    return (
+        ta.is_contiguous()
+        and tb.is_contiguous()
+        and ta.untyped_storage().data_ptr() == tb.untyped_storage().data_ptr()
+        and ta.data_ptr() + ta.numel() * ta.element_size() == tb.data_ptr()
+    )
+
+
+def pair(x: torch.Tensor, a: Linear, b: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a(x), b(x)) for two projections of one input: one GEMM over the joined weights when
+    `join_linears(a, b)` holds (the outputs are then column slices of one [.., na + nb])."""
+    if a.fmt != b.fmt or a.fmt not in JOINABLE or not all(map(_follows, _stored(a), _stored(b))):
+        return a(x), b(x)
+    joined = [
+        ta.detach().as_strided((ta.shape[0] + tb.shape[0], *ta.shape[1:]), ta.stride())
+        for ta, tb in zip(_stored(a), _stored(b))
+    ]
+    w, scale = joined[0], joined[1] if a.fmt == "fp8" else None
+    y = a.ops.linear(x, w, a.fmt, scale, None)
+    na = a.weight.shape[0]
+    return y[..., :na], y[..., na:]
+
+
 @dataclass(frozen=True)
 class Build:
     """How modules are built: config, compute dtype, weight formats kept in memory, op backend."""
@@ -141,9 +186,10 @@ class Compressor(nn.Module):
         self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor
     ) -> None:
         m, d = self.ratio, self.head_dim
-        a = self.wkv(x).float()  # [T, c*d]
+        kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
+        a = kv.float()  # [T, c*d]
         phase = batch.memo(("phase", m), lambda: batch.positions % m)  # slot in the window
-        z = self.wgate(x).float() + self.ape[phase]  # [T, c*d]
+        z = gate.float() + self.ape[phase]  # [T, c*d]
         tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             self._keep(a, z, batch, st)
@@ -312,7 +358,8 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         # silu(min(w1 x, limit)) * clamp(w3 x, +-limit), the routing weight before w2 as the
         # reference does, in x.dtype
-        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x), self.limit, weights))
+        g, u = pair(x, self.w1, self.w3)  # one GEMM once joined (the shared expert)
+        return self.w2(self.ops.swiglu(g, u, self.limit, weights))
 
 
 class MoE(nn.Module):
@@ -441,6 +488,17 @@ class Transformer(nn.Module):
             yarn_inv_freq(rd, args.compress_rope_theta, args.yarn),
             persistent=False,
         )
+
+    def join_projections(self) -> None:
+        """One GEMM for each pair of projections that read the same input: a compressor's wkv /
+        wgate (bf16), the shared expert's w1 / w3. Called once the weights are loaded, on their
+        device (`load_checkpoint`, `init_random_`); the routed experts keep their own tensors
+        (`ops.moe` addresses them by weight offsets)."""
+        for m in self.modules():
+            if isinstance(m, Compressor):
+                join_linears(m.wkv, m.wgate)
+            elif isinstance(m, MoE) and m.shared_experts is not None:
+                join_linears(m.shared_experts.w1, m.shared_experts.w3)
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
         """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""

@@ -175,3 +175,48 @@ def test_triton_ops_match_reference(name, tmp_path):  # noqa: ANN001
     assert [o.token_ids for o in tri.generate(prompts, sp)] == [
         o.token_ids for o in llm.generate(prompts, sp)
     ]
+
+
+def test_joined_projections_run_as_one_gemm() -> None:
+    # once the weights are final, each compressor's wkv / wgate and the shared expert's w1 / w3
+    # lie in one allocation and `pair` runs them as one GEMM (its outputs are slices of one
+    # result) giving what the two projections give apart; a pair split again (a module moved,
+    # a tensor replaced) falls back to two calls
+    from dsv4.bench.step import _layer_list, bench_args
+    from dsv4.bench.weights import init_random_
+    from dsv4.model import Compressor, MoE, Transformer, pair
+    from dsv4.ops import select
+
+    args, _ = bench_args("tiny", _layer_list("csa,hca"))
+    args = args.replace(moe_inter_dim=128)  # FP8 pairs join on whole 128-row scale blocks
+    model = Transformer(args, torch.float32, quantized=True, ops=select("ref")).eval()
+    init_random_(model, 0)
+    pairs = [(m.wkv, m.wgate) for m in model.modules() if isinstance(m, Compressor)]
+    pairs += [
+        (m.shared_experts.w1, m.shared_experts.w3) for m in model.modules() if isinstance(m, MoE)
+    ]
+    assert len(pairs) == 3 + 2  # CSA: main + indexer compressors, HCA: main; two shared experts
+    x = torch.randn(5, args.dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for a, b in pairs:
+            ya, yb = pair(x, a, b)
+            assert ya.untyped_storage().data_ptr() == yb.untyped_storage().data_ptr(), a.fmt
+            torch.testing.assert_close(ya, a(x), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(yb, b(x), rtol=1e-6, atol=1e-6)
+            b.weight.data = b.weight.data.clone()  # split again
+            ya2, yb2 = pair(x, a, b)
+            assert ya2.untyped_storage().data_ptr() != yb2.untyped_storage().data_ptr()
+            torch.testing.assert_close(yb2, yb, rtol=1e-6, atol=1e-6)
+    fmts = {a.fmt for a, _ in pairs}
+    assert fmts == {"dense", "fp8"}, fmts  # both joinable formats were exercised
+    # an FP8 pair whose first part ends inside a scale block stays apart (and still runs)
+    from dsv4.model import Linear, join_linears
+
+    a, b = (Linear(args.dim, 96, "fp8", torch.float32, select("ref")) for _ in range(2))
+    for lin in (a, b):
+        lin.weight.data = torch.randn(96, args.dim).to(torch.float8_e4m3fn)
+        lin.scale.data = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    join_linears(a, b)
+    ya, yb = pair(x, a, b)
+    assert ya.untyped_storage().data_ptr() != yb.untyped_storage().data_ptr()
+    torch.testing.assert_close(yb, b(x))

@@ -89,6 +89,7 @@ def init_random_(model: Transformer, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         if id(p) not in done:
             _fill_param_(name, p, model.args.n_routed_experts, g)
+    model.join_projections()
 
 
 @torch.no_grad()
