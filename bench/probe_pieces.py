@@ -316,10 +316,10 @@ def probe_attn_sm90() -> None:
                 lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04),
             )  # noqa: B023
             print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
-        for bn, nb in ((64, 2), (32, 4)):
+        for bn, nb, merge in ((64, 2, False), (64, 2, True), (32, 4, False)):
             for sp in {64: (2,), 32: (None, 2), 16: (None,), 1: (None,)}[T]:
-                name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}"
-                kw = dict(num_splits=sp, block_n=bn, num_buf=nb)
+                name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}{' merged' if merge else ''}"
+                kw = dict(num_splits=sp, block_n=bn, num_buf=nb, merge=merge)
                 out = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
                 err = float((out.float() - want.float()).abs().max())
                 t = us(name, lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw))  # noqa: B023
