@@ -30,6 +30,16 @@ def split_reduction(
 
 
 @functools.cache
+def arrival_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
+    """int32 arrival counts for kernels whose last-arriving program finishes a reduction (split-K
+    fixups): zero between launches, since the last program of each group resets its count, so
+    launches on one stream and CUDA-graph replays share them. One array per owner (kernels of
+    different ops may overlap under PDL); two streams running the same op at once would each
+    need their own (the engine runs the model on one stream)."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+@functools.cache
 def pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (sm_90+): a kernel launched with it may start while its
     predecessor runs (once every predecessor program has called gdc_launch_dependents) and waits in

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import num_sms, split_reduction
+from dsv4.ops.device import arrival_counts, num_sms, split_reduction
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
@@ -108,18 +108,12 @@ def _fp8_linear_kernel(
         tl.store(y_ptr + tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
 MAX_SPLIT_TILES = 1 << 16  # output tiles a split launch may have (the counters are shared)
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Per-device arrival counts of the split-K fixup: zero between launches (the last split of
-    each tile resets its count), so launches on one stream and CUDA graph replays share them. Two
-    streams running split launches at the same time would each need their own (the engine runs
-    the model on one stream)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-    return _counters[device]
+    """Arrival counts of the split-K fixup, one per output tile (`device.arrival_counts`)."""
+    return arrival_counts("linear", device, MAX_SPLIT_TILES)
 
 
 def _fp8_grouped(

@@ -402,6 +402,34 @@ def _default_splits(programs: int, K: int, device: torch.device) -> int:
     return max(1, min(sms // programs, triton.cdiv(K, MIN_KEYS_PER_SPLIT)))
 
 
+def _combine(
+    part: torch.Tensor,
+    ml: torch.Tensor,
+    attn_sink: torch.Tensor,
+    o: torch.Tensor,
+    num_splits: int,
+    early: bool,
+) -> None:
+    """o from the split partials (part [T, S, H, D], ml [T, S, 2, H]) and the sink; early: launched
+    with PDL, waiting for the partials in the kernel."""
+    T, H, D = o.shape
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
+    # inside the warp (H200, T=1, 20 splits: 3.45 us vs 5.55 with 128 channels on 4 warps);
+    # many rows: whole rows on 4 warps (T=64: 11.6 us, 12.2-48 us for the narrow forms)
+    few = T * H < 512
+    block_d = min(BLOCK_D, 32) if few else BLOCK_D
+    # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
+    block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
+    _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
+        part, ml, attn_sink, o, H, D, num_splits,
+        part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
+        o.stride(0), o.stride(1),
+        BLOCK_S=block_s, BLOCK_D=block_d, PDL=early, launch_pdl=early,
+        num_warps=1 if few else 4,
+    )  # fmt: skip
+
+
 def sparse_attn(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, ...],
@@ -527,18 +555,5 @@ def sparse_attn(
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
 
     if split:
-        # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
-        # inside the warp (H200, T=1, 20 splits: 3.45 us vs 5.55 with 128 channels on 4 warps);
-        # many rows: whole rows on 4 warps (T=64: 11.6 us, 12.2-48 us for the narrow forms)
-        few = T * H < 512
-        block_d = min(BLOCK_D, 32) if few else BLOCK_D
-        # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
-        block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
-        _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
-            part, ml, attn_sink, o, H, D, num_splits,
-            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-            o.stride(0), o.stride(1),
-            BLOCK_S=block_s, BLOCK_D=block_d, PDL=consts["PDL"], launch_pdl=consts["PDL"],
-            num_warps=1 if few else 4,
-        )  # fmt: skip
+        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"])
     return o

@@ -34,13 +34,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import arrival_counts, num_sms
 
 HEADS = 64  # one warpgroup's M: all heads of a token
 DIM = 512  # the K = V row (the rope part is rotated into it)
 # two splits merged in the kernel by the second to finish (no combine launch): built and compiled
 # for sm_90, not yet run on a GPU (docs/PERF.md); the combine launch stays the default
 MERGE_TWO_SPLITS = False
+MAX_MERGE_TOKENS = 1 << 16  # tokens a merged launch may have (one arrival count each)
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
 
 
@@ -228,18 +229,6 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
-_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counts(device: torch.device, T: int) -> torch.Tensor:
-    """Per-device arrival counts of the two-split merge: zero between launches (the second
-    split of each token resets its count), so launches on one stream and CUDA-graph replays
-    share them. The engine runs the model on one stream."""
-    if device not in _counts or _counts[device].numel() < T:
-        _counts[device] = torch.zeros(max(T, 1024), dtype=torch.int32, device=device)
-    return _counts[device]
-
-
 def supported(q: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> bool:
     """This kernel applies: an sm_90 GPU, bf16, 64 heads of 512 channels, one kv source whose
     rows start on 16 bytes."""
@@ -274,12 +263,12 @@ def sparse_attn_sm90(
     mode: int = 0,
     merge: bool | None = None,
 ) -> torch.Tensor:
-    """`dsv4.ops.sparse_attn` on the Gluon kernel (`supported(q, kv)` must hold). num_splits:
+    """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
+    `sparse_attn` merges adjacent sources before it hands over). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone);
     merge: with 2 splits, the second to finish writes o instead of a combine launch (default
     MERGE_TWO_SPLITS)."""
-    kv = _triton._merge_adjacent(tuple(kv))
     assert supported(q, kv), "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source"
     (src,) = kv
     T = q.shape[0]
@@ -299,7 +288,8 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
-    counts = _arrival_counts(q.device, T) if merge else ml
+    assert not merge or T <= MAX_MERGE_TOKENS, f"{T} tokens: at most {MAX_MERGE_TOKENS} merged"
+    counts = arrival_counts("sparse_attn_sm90", q.device, MAX_MERGE_TOKENS) if merge else ml
     _decode_kernel[(T, num_splits)](
         q, src, topk_idxs, attn_sink, o, part, ml, counts,
         K, keys_per_split, scale * _triton.LOG2E,
@@ -307,12 +297,6 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MERGE=merge, MODE=mode, num_warps=8,
     )  # fmt: skip
-    if split and not merge:
-        _triton._sparse_attn_combine_kernel[(T, HEADS, 1)](
-            part, ml, attn_sink, o, HEADS, DIM, num_splits,
-            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-            o.stride(0), o.stride(1),
-            BLOCK_S=min(triton.next_power_of_2(num_splits), 16), BLOCK_D=DIM, PDL=False,
-            num_warps=4,
-        )  # fmt: skip
+    if split and not merge:  # the Triton kernel's combine (this kernel does not signal PDL)
+        _triton._combine(part, ml, attn_sink, o, num_splits, early=False)
     return o
