@@ -316,10 +316,10 @@ def probe_attn_sm90() -> None:
                 lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04),
             )  # noqa: B023
             print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
-        for bn, nb, merge in ((64, 2, False), (64, 2, True), (32, 4, False)):
+        for bn, nb in ((64, 2), (32, 4)):
             for sp in {64: (2,), 32: (None, 2), 16: (None,), 1: (None,)}[T]:
-                name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}{' merged' if merge else ''}"
-                kw = dict(num_splits=sp, block_n=bn, num_buf=nb, merge=merge)
+                name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}"
+                kw = dict(num_splits=sp, block_n=bn, num_buf=nb)
                 out = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
                 err = float((out.float() - want.float()).abs().max())
                 t = us(name, lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw))  # noqa: B023
@@ -556,6 +556,69 @@ def probe_select() -> None:
                 )
 
 
+@triton.jit
+def _stream_rows_kernel(k_ptr, idx_ptr, out_ptr, C, stride_it, TILES: tl.constexpr,
+                        BLOCK_N: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
+                        STAGES: tl.constexpr):  # fmt: skip
+    # read TILES * BLOCK_N key rows of token t (PAGED: through its candidate list, as the score
+    # kernel does; else rows t*C.. contiguous) and sum them: the reads of the scores, no math
+    pid_c = tl.program_id(0)
+    t = tl.program_id(1)
+    c0 = pid_c * TILES * BLOCK_N
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for i in tl.range(0, TILES, num_stages=STAGES):
+        offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PAGED:
+            rows = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs_n)
+        else:
+            rows = t.to(tl.int64) * C + offs_n
+        acc += tl.load(k_ptr + rows[:, None] * D + tl.arange(0, D)[None, :]).to(tl.float32)
+    tl.store(out_ptr + t * tl.num_programs(0) + pid_c, tl.sum(tl.sum(acc, 1), 0))
+
+
+def probe_index_floor() -> None:
+    # the floor of the indexer's reads at 128K (32768 candidates a token): the key rows streamed
+    # and summed with no math, contiguous or through the paged candidate list, in several tilings;
+    # against copy_ and torch sum of the same bytes, and the score kernel itself
+    for T in (16, 64):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        C = 32768
+        nbytes = T * C * 128 * 2
+        t = us(f"index T={T}: score kernel", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
+        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 64, 4, 4),
+                                         (64, 16, 8, 3), (128, 8, 8, 3), (128, 16, 8, 3),
+                                         (128, 32, 8, 2), (64, 4, 4, 2), (32, 32, 4, 4)):  # fmt: skip
+            out = torch.empty(T * C // (bn * tiles), device="cuda")
+            for paged in (False, True):
+                t = us(
+                    f"index T={T} {'paged' if paged else 'contiguous'} rows summed: BN {bn}, "
+                    f"{tiles} tiles, {warps} warps, {stages} stages",
+                    lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, paged=paged: (
+                        _stream_rows_kernel[(C // (bn * tiles), T)](
+                            keys,
+                            cand,
+                            out,
+                            C,
+                            cand.stride(0),
+                            TILES=tiles,
+                            BLOCK_N=bn,
+                            D=128,
+                            PAGED=paged,
+                            STAGES=stages,
+                            num_warps=warps,
+                        )  # fmt: skip
+                    ),
+                )
+                print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        flat = keys[: T * C].clone()
+        t = us(f"index T={T}: torch sum of the {nbytes >> 20} MiB of keys", lambda: flat.sum())  # noqa: B023
+        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        other = torch.empty_like(flat)
+        t = us(f"index T={T}: torch copy_ of them", lambda: other.copy_(flat))  # noqa: B023
+        print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+
+
 def probe_topk() -> None:
     # the whole op at the shapes, select segment sizes and warps
     for T in (1, 16):
@@ -640,7 +703,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

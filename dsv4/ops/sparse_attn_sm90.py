@@ -34,14 +34,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import arrival_counts, num_sms
+from dsv4.ops.device import num_sms
 
 HEADS = 64  # one warpgroup's M: all heads of a token
 DIM = 512  # the K = V row (the rope part is rotated into it)
-# two splits merged in the kernel by the second to finish (no combine launch): built and compiled
-# for sm_90, not yet run on a GPU (docs/PERF.md); the combine launch stays the default
-MERGE_TWO_SPLITS = False
-MAX_MERGE_TOKENS = 1 << 16  # tokens a merged launch may have (one arrival count each)
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
 
 
@@ -89,7 +85,6 @@ def _decode_kernel(
     o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT)
     part_ptr,  # [T, S, 64, 512] fp32 unnormalised split outputs (SPLIT)
     ml_ptr,  # [T, S, 2, 64] fp32 (SPLIT)
-    count_ptr,  # [>= T] int32 arrivals per token, 0 between launches (MERGE)
     K,
     keys_per_split,
     qk_scale,  # scale * log2(e)
@@ -107,7 +102,6 @@ def _decode_kernel(
     BLOCK_N: gl.constexpr,  # keys per tile (BLOCK_N / 2 per warpgroup for S)
     NUM_BUF: gl.constexpr,  # gathered tiles in shared memory (NUM_BUF - 1 in flight)
     SPLIT: gl.constexpr,
-    MERGE: gl.constexpr,  # SPLIT into 2: the second split to finish writes o (no combine launch)
     MODE: gl.constexpr = 0,  # probes only: 1 = the gathers alone, 2 = the math alone (tile 0)
 ):
     H: gl.constexpr = 64
@@ -198,31 +192,6 @@ def _decode_kernel(
         ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
         gl.store(ml, m_o)
         gl.store(ml + H, l_o)
-        if MERGE:
-            # two splits, no combine launch: the split that arrives second merges the other's
-            # partial (through L2) with its own registers, and resets the count
-            gl.thread_barrier()  # every thread's partial is stored before the release below
-            if gl.atomic_add(count_ptr + t, 1, sem="acq_rel") == 1:
-                other = 1 - split
-                acc_x = gl.load(
-                    part_ptr + t * stride_pt + other * stride_ps + hv, cache_modifier=".cg"
-                )
-                ml_x = ml_ptr + t * stride_mt + other * stride_ms + offs_h
-                m_x = gl.load(ml_x, cache_modifier=".cg")
-                l_x = gl.load(ml_x + H, cache_modifier=".cg")
-                m_all = gl.maximum(m_o, m_x)
-                w_self = gl.exp2(m_o - m_all)
-                w_x = gl.exp2(m_x - m_all)
-                out = _normalise(
-                    acc * w_self[:, None] + acc_x * w_x[:, None],
-                    m_all,
-                    l_o * w_self + l_x * w_x,
-                    sink_ptr,
-                    offs_h,
-                )
-                o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
-                gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-                gl.atomic_xchg(count_ptr + t, 0, sem="relaxed")
     else:
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
         o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
@@ -261,14 +230,11 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    merge: bool | None = None,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone);
-    merge: with 2 splits, the second to finish writes o instead of a combine launch (default
-    MERGE_TWO_SPLITS)."""
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv), "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source"
     (src,) = kv
     T = q.shape[0]
@@ -282,21 +248,18 @@ def sparse_attn_sm90(
     keys_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_n) * block_n
     num_splits = triton.cdiv(K, keys_per_split)
     split = num_splits > 1
-    merge = split and num_splits == 2 and (MERGE_TWO_SPLITS if merge is None else merge)
     if split:
         part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
-    assert not merge or T <= MAX_MERGE_TOKENS, f"{T} tokens: at most {MAX_MERGE_TOKENS} merged"
-    counts = arrival_counts("sparse_attn_sm90", q.device, MAX_MERGE_TOKENS) if merge else ml
     _decode_kernel[(T, num_splits)](
-        q, src, topk_idxs, attn_sink, o, part, ml, counts,
+        q, src, topk_idxs, attn_sink, o, part, ml,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
-        BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MERGE=merge, MODE=mode, num_warps=8,
+        BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, num_warps=8,
     )  # fmt: skip
-    if split and not merge:  # the Triton kernel's combine (this kernel does not signal PDL)
+    if split:  # the Triton kernel's combine (this kernel does not signal PDL)
         _triton._combine(part, ml, attn_sink, o, num_splits, early=False)
     return o
