@@ -19,6 +19,9 @@ import json
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
@@ -438,6 +441,89 @@ def probe_gather() -> None:
     print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
 
 
+@gluon.jit
+def _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN: gl.constexpr, NUM_BUF: gl.constexpr):
+    # tile j of the split: one TMA copy per key row (1 KB as a [2, 256] box of the [2N, 256] view)
+    bar = bars.index(j % NUM_BUF)
+    mbarrier.expect(bar, BN * 1024)
+    for r in gl.static_range(BN):
+        row = gl.maximum(gl.load(idx_row + gl.minimum(k0 + j * BN + r, k1 - 1)), 0)
+        tma.async_copy_global_to_shared(
+            kv_desc, [row * 2, 0], bar, smem.index((j % NUM_BUF) * BN + r)
+        )
+
+
+@gluon.jit
+def _tma_gather_kernel(kv_desc, idx_ptr, out_ptr, K, keys_per_split, stride_it,
+                       BN: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    # the gathers of sparse attention by TMA (one bulk copy per 1 KB row, NUM_BUF - 1 tiles in
+    # flight), no math: how fast can Hopper's copy engine gather the rows cp.async could not
+    t = gl.program_id(0)
+    sp = gl.program_id(1)
+    k0 = sp * keys_per_split
+    k1 = gl.minimum(k0 + keys_per_split, K)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    n_tiles = gl.cdiv(k1 - k0, BN)
+    smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * BN, 2, 256], kv_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(bars.index(i), count=1)
+    # the split's indices into L1 with one vector load: the scalar loads of the issue then hit
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = k0 + gl.arange(0, 1024, layout=lay)
+    warm = gl.sum(gl.load(idx_row + offs, mask=offs < k1, other=0), 0)
+    for j in gl.static_range(NUM_BUF - 1):
+        if j < n_tiles:
+            _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN, NUM_BUF)
+    for j in range(n_tiles):
+        if j + NUM_BUF - 1 < n_tiles:
+            _tma_issue(kv_desc, idx_row, smem, bars, j + NUM_BUF - 1, k0, k1, BN, NUM_BUF)
+        mbarrier.wait(bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(bars.index(i))
+    gl.store(out_ptr + t * gl.num_programs(1) + sp, warm)
+
+
+def probe_tma_gather() -> None:
+    # the gathers of T=64 sparse attention (64 x 640 random 1 KB rows) by TMA, one copy per row,
+    # against the best cp.async / ld.global gather (probe_gather) and copy_ of the same bytes
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    T = 64
+    q, kv, sink, idx = attn.tokens(T)
+    one = torch.cat(kv)
+    K = idx.shape[1]
+    ix = idx.to(torch.int32).contiguous()
+    nbytes = T * K * 512 * 2
+    rows2 = one.view(-1, 256)  # a 1 KB row = a [2, 256] box
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
+    for bn, nb in ((16, 4), (16, 8), (32, 4), (32, 6), (64, 2), (64, 3)):
+        for splits in (1, 2, 5, 10):
+            kps = triton.cdiv(K, splits)
+            out = torch.empty(T * splits, dtype=torch.int32, device="cuda")
+            t = us(
+                f"tma gather T=64 x 640 rows: BN {bn}, {nb} buffers, {splits} splits",
+                lambda bn=bn, nb=nb, splits=splits, kps=kps, out=out: _tma_gather_kernel[
+                    (T, splits)
+                ](desc, ix, out, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, num_warps=4),
+            )
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+    out = torch.empty(T * 10, 512, device="cuda")
+    t = us(
+        "gather T=64 x 640 rows (ld.global): BN 16, 4 warps, 10 splits",
+        lambda: _gather_sum_kernel[(T, 10)](
+            one, ix, out, K, 64, one.stride(0), ix.stride(0), BN=16, D=512, STAGES=1, num_warps=4
+        ),
+    )
+    print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    t = us("copy of the same bytes (torch copy_)", lambda: y.copy_(x))
+    print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+
+
 def probe_attn() -> None:
     q, kv, sink, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(1)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
@@ -576,6 +662,21 @@ def _stream_rows_kernel(k_ptr, idx_ptr, out_ptr, C, stride_it, TILES: tl.constex
     tl.store(out_ptr + t * tl.num_programs(0) + pid_c, tl.sum(tl.sum(acc, 1), 0))
 
 
+@triton.jit
+def _stream_pages_tma_kernel(desc, idx_ptr, out_ptr, stride_it, TILES: tl.constexpr,
+                             BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # the score kernel's reads by TMA: each tile of BLOCK_N candidates is one page of contiguous
+    # key rows, loaded as one [BLOCK_N, D] box from its first row
+    pid_c = tl.program_id(0)
+    t = tl.program_id(1)
+    c0 = pid_c * TILES * BLOCK_N
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for i in tl.range(0, TILES, num_stages=STAGES):
+        base = tl.load(idx_ptr + t.to(tl.int64) * stride_it + c0 + i * BLOCK_N)
+        acc += desc.load([base.to(tl.int32), 0]).to(tl.float32)
+    tl.store(out_ptr + t * tl.num_programs(0) + pid_c, tl.sum(tl.sum(acc, 1), 0))
+
+
 def probe_index_floor() -> None:
     # the floor of the indexer's reads at 128K (32768 candidates a token): the key rows streamed
     # and summed with no math, contiguous or through the paged candidate list, in several tilings;
@@ -611,6 +712,30 @@ def probe_index_floor() -> None:
                     ),
                 )
                 print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 32, 4, 4),
+                                         (64, 16, 8, 4), (64, 8, 4, 3)):  # fmt: skip
+            desc = TensorDescriptor.from_tensor(keys, [bn, 128])
+            out = torch.empty(T * C // (bn * tiles), device="cuda")
+            t = us(
+                f"index T={T} paged rows by TMA summed: BN {bn}, {tiles} tiles, {warps} warps, "
+                f"{stages} stages",
+                lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, desc=desc: (
+                    _stream_pages_tma_kernel[(C // (bn * tiles), T)](
+                        desc,
+                        cand,
+                        out,
+                        cand.stride(0),
+                        TILES=tiles,
+                        BLOCK_N=bn,
+                        D=128,
+                        STAGES=stages,
+                        num_warps=warps,
+                    )  # fmt: skip
+                ),
+            )
+            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
         flat = keys[: T * C].clone()
         t = us(f"index T={T}: torch sum of the {nbytes >> 20} MiB of keys", lambda: flat.sum())  # noqa: B023
         print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
@@ -703,7 +828,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
