@@ -763,6 +763,47 @@ def probe_topk() -> None:
                 print(f"index_topk T={T} segment={seg} warps={sw}: {str(e)[:80]}")
 
 
+def probe_moe() -> None:
+    # routed experts at Flash sizes (256 MXFP4 experts, k=6) for T = 1, 16, 64: the decode of
+    # every weight to fp32 then x.dtype (default) against fp16 weights with the scale on each
+    # group's dot (f16_groups), autotuned and at fixed tiles, against the bytes of the routed experts
+    from dsv4.bench.cases_moe import _expert_bytes, random_experts
+    from dsv4.ops import moe
+
+    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda")
+    per_expert = _expert_bytes(experts[0])
+    for T in (1, 16, 64):
+        g = torch.Generator(device="cuda").manual_seed(T)
+        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+        weights = torch.rand(T, k, generator=g, device="cuda") / k
+        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+        nbytes = int(idx.unique().numel()) * per_expert
+        want = moe.moe_experts(x, weights, idx, experts, f16_groups=False)
+        variants = [("autotuned", None, False), ("autotuned f16 groups", None, True)]
+        for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
+                              (32, 256, 4, 4), (64, 64, 4, 4)):  # fmt: skip
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+            variants += [(f"{cfg}", cfg, False), (f"{cfg} f16 groups", cfg, True)]
+        for name, cfg, f16 in variants:
+            got = moe.moe_experts(x, weights, idx, experts, config=cfg, f16_groups=f16)
+            err = float((got - want).norm() / want.norm())
+            t = us(
+                f"moe T={T} {name}",
+                lambda cfg=cfg, f16=f16: moe.moe_experts(  # noqa: B023
+                    x,
+                    weights,
+                    idx,
+                    experts,
+                    config=cfg,
+                    f16_groups=f16,  # noqa: B023
+                ),
+            )
+            print(
+                f"    {nbytes / t / 1e3:.0f} GB/s of expert bytes, rel diff {err:.1e}", flush=True
+            )
+
+
 def probe_linear() -> None:
     # FP8 projections: output tile rows x K splits at T = 1 and 16
     from dsv4.bench.cases_linear import _fp8_weight
@@ -828,7 +869,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
