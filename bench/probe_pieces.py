@@ -764,9 +764,9 @@ def probe_topk() -> None:
 
 
 def probe_moe() -> None:
-    # routed experts at Flash sizes (256 MXFP4 experts, k=6) for T = 1, 16, 64: the decode of
-    # every weight to fp32 then x.dtype (default) against fp16 weights with the scale on each
-    # group's dot (f16_groups), autotuned and at fixed tiles, against the bytes of the routed experts
+    # routed experts at Flash sizes (256 MXFP4 experts, k=6) for T = 1, 16, 64: the kernels' own
+    # decode of every weight (fp32, then x.dtype) against tl.dot_scaled on the packed codes,
+    # autotuned and at fixed tiles, against the bytes of the routed experts
     from dsv4.bench.cases_moe import _expert_bytes, random_experts
     from dsv4.ops import moe
 
@@ -779,24 +779,23 @@ def probe_moe() -> None:
         weights = torch.rand(T, k, generator=g, device="cuda") / k
         x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
         nbytes = int(idx.unique().numel()) * per_expert
-        want = moe.moe_experts(x, weights, idx, experts, f16_groups=False)
-        variants = [("autotuned", None, False), ("autotuned f16 groups", None, True)]
-        for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
-                              (32, 256, 4, 4), (64, 64, 4, 4)):  # fmt: skip
+        want = moe.moe_experts(x, weights, idx, experts, dot_scaled=False)
+        variants = [("autotuned", None, False), ("autotuned dot_scaled", None, True)]
+        for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)):
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
-            variants += [(f"{cfg}", cfg, False), (f"{cfg} f16 groups", cfg, True)]
-        for name, cfg, f16 in variants:
-            got = moe.moe_experts(x, weights, idx, experts, config=cfg, f16_groups=f16)
+            variants += [(f"{cfg}", cfg, False), (f"{cfg} dot_scaled", cfg, True)]
+        for name, cfg, ds in variants:
+            got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds)
             err = float((got - want).norm() / want.norm())
             t = us(
                 f"moe T={T} {name}",
-                lambda cfg=cfg, f16=f16: moe.moe_experts(  # noqa: B023
+                lambda cfg=cfg, ds=ds: moe.moe_experts(  # noqa: B023
                     x,
                     weights,
                     idx,
                     experts,
                     config=cfg,
-                    f16_groups=f16,  # noqa: B023
+                    dot_scaled=ds,  # noqa: B023
                 ),
             )
             print(

@@ -37,7 +37,7 @@ import triton.language as tl
 from dsv4.ops import ref
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
-F16_GROUPS = False  # the fp16 per-scale-group dot on a GPU (probe: bench/probe_pieces.py moe)
+DOT_SCALED = False  # tl.dot_scaled for bf16/fp16 x (probe: bench/probe_pieces.py moe)
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
@@ -101,46 +101,15 @@ def _mxfp4_tile(
 
 
 @triton.jit
-def _e2m1_pair(t):
-    # int32 t holding e2m1 codes in bits 0-3 and 16-19 -> the two codes as fp16 bits (sign << 15 |
-    # e1 e0 m << 9: value * 2^-14 exactly, code 1 on an fp16 subnormal), each in its 16-bit half
-    return ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
-
-
-@triton.jit
-def _halves_f16(o):
-    # int32 -> its low and high 16 bits as fp16
-    lo = (o & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
-    hi = (o >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _mxfp4_group_f16(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s):
-    # one scale group (32 weights) of BLOCK_N rows: the weights as fp16 * 2^-14 [BLOCK_N, 32] and
-    # the rows' fp32 scales * 2^14 [BLOCK_N]. The codes are
-    # decoded two at a time in 32-bit words (a code in each 16-bit half) and the scale goes on the
-    # group's dot: ~2.5 integer instructions per weight instead of ~10 for fp32 then x.dtype
-    offs_w = k0 // 8 + tl.arange(0, MXFP4_BLOCK // 8)  # int32 words of 8 codes
-    v = tl.load(
-        w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_w // 4) + offs_w[None, :],
-        mask=n_ok[:, None],
-        other=0,
-    )
-    s = tl.load(s_ptr + offs_n * stride_s + k0 // MXFP4_BLOCK, mask=n_ok, other=0)
-    # word bits 4j..4j+3 hold code j (byte j//2, low nibble first): shifting by 4j puts codes j
-    # and j + 4 in the two halves
-    c0, c4 = _halves_f16(_e2m1_pair(v))
-    c1, c5 = _halves_f16(_e2m1_pair(v >> 4))
-    c2, c6 = _halves_f16(_e2m1_pair(v >> 8))
-    c3, c7 = _halves_f16(_e2m1_pair(v >> 12))
-    # nested joins append their axis last: this nesting puts the codes back in order 0..7
-    w = tl.join(
-        tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))
-    )
-    w = tl.reshape(w, (offs_n.shape[0], MXFP4_BLOCK))
-    scale = ((s.to(tl.uint8).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    return w, scale
+def _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    # the packed codes uint8 [BLOCK_N, BLOCK_K/2] and e8m0 scales uint8 [BLOCK_N, BLOCK_K/32] of
+    # a tile, as tl.dot_scaled takes them
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    b = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_b[None, :], mask=n_ok[:, None], other=0)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
+    return b.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -235,7 +204,8 @@ def _moe_gate_up_kernel(
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter / fp32 x)
     RNE_BF16: tl.constexpr,  # round to bf16 on the bits (interpreter)
     PRECISION: tl.constexpr,
-    F16_GROUPS: tl.constexpr,  # fp16 dot per scale group (x, weights in fp16; scale on results)
+    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes (bf16/fp16 x) instead of the
+    X_FMT: tl.constexpr,  # own decode ; "bf16" / "fp16": x's format for it
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -261,24 +231,21 @@ def _moe_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_32 = tl.arange(0, MXFP4_BLOCK)
 
     # ---- x [BLOCK_M, K] . W1^T, W3^T [K, BLOCK_N]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * stride_xt
     for k0 in range(0, K, BLOCK_K):
-        if F16_GROUPS:  # fp16 weights, one dot per scale group, the scale on its result
-            for g in tl.static_range(BLOCK_K // MXFP4_BLOCK):
-                kg = k0 + g * MXFP4_BLOCK
-                x = tl.load(x_rows + (kg + offs_32)[None, :], mask=r_ok[:, None], other=0.0)
-                x = x.to(tl.float16)
-                wg, sg = _mxfp4_group_f16(w1_ptr, s1_ptr, offs_n, n_ok, kg, stride_w, stride_s)
-                wu, su = _mxfp4_group_f16(w3_ptr, s3_ptr, offs_n, n_ok, kg, stride_w, stride_s)
-                acc_g += tl.dot(x, tl.trans(wg)) * sg[None, :]
-                acc_u += tl.dot(x, tl.trans(wu)) * su[None, :]
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+        if DOT_SCALED:  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
+            bg, sg = _mxfp4_raw(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
+                                BLOCK_K)  # fmt: skip
+            bu, su = _mxfp4_raw(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
+                                BLOCK_K)  # fmt: skip
+            acc_g = tl.dot_scaled(x, None, X_FMT, tl.trans(bg), sg, "e2m1", acc_g, fast_math=True)
+            acc_u = tl.dot_scaled(x, None, X_FMT, tl.trans(bu), su, "e2m1", acc_u, fast_math=True)
         else:
-            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             wg = _mxfp4_tile(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             wu = _mxfp4_tile(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             if UPCAST:
@@ -325,7 +292,8 @@ def _moe_down_kernel(
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
     PRECISION: tl.constexpr,
-    F16_GROUPS: tl.constexpr,
+    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes (bf16/fp16 x) instead of the
+    X_FMT: tl.constexpr,  # own decode ; "bf16" / "fp16": x's format for it
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -348,20 +316,17 @@ def _moe_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    offs_32 = tl.arange(0, MXFP4_BLOCK)
 
     # ---- h [BLOCK_M, K] . W2^T [K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     h_rows = h_ptr + pair[:, None] * stride_ht
     for k0 in range(0, K, BLOCK_K):
-        if F16_GROUPS:
-            for g in tl.static_range(BLOCK_K // MXFP4_BLOCK):
-                kg = k0 + g * MXFP4_BLOCK
-                h = tl.load(h_rows + (kg + offs_32)[None, :], mask=r_ok[:, None], other=0.0)
-                w, sw = _mxfp4_group_f16(w2_ptr, s2_ptr, offs_n, n_ok, kg, stride_w, stride_s)
-                acc += tl.dot(h.to(tl.float16), tl.trans(w)) * sw[None, :]
+        h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
+        if DOT_SCALED:
+            b, sc = _mxfp4_raw(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
+                               BLOCK_K)  # fmt: skip
+            acc = tl.dot_scaled(h, None, X_FMT, tl.trans(b), sc, "e2m1", acc, fast_math=True)
         else:
-            h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             w = _mxfp4_tile(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             if UPCAST:
                 h = h.to(tl.float32)
@@ -562,11 +527,11 @@ def moe_experts(
     idx: torch.Tensor,
     experts: torch.nn.ModuleList,
     config: dict | None = None,
-    f16_groups: bool | None = None,
+    dot_scaled: bool | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32
-    # (config: fixed tiles instead of the autotuner ; f16_groups: the fp16 per-group dot, default
-    # F16_GROUPS on a GPU -- knobs for bench/probe_pieces.py)
+    # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
+    # kernels' own decode, default DOT_SCALED for bf16/fp16 x -- knobs for bench/probe_pieces.py)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
         return ref.moe_experts(x, weights, idx, experts)
 
@@ -599,9 +564,9 @@ def moe_experts(
     # ---- launch: gate/up, then down; the k slots are summed in fp32
     upcast = x.device.type != "cuda" or x.dtype == torch.float32
     rne = x.device.type != "cuda" and x.dtype == torch.bfloat16
-    f16 = (F16_GROUPS and not upcast) if f16_groups is None else f16_groups
+    scaled = x.dtype != torch.float32 and (DOT_SCALED if dot_scaled is None else dot_scaled)
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
-                  F16_GROUPS=f16)  # fmt: skip
+                  DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16")  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 

@@ -85,19 +85,18 @@ def test_moe_experts(D: int, I: int, E: int, k: int, T: int, skew: bool, dtype) 
     _check(x, weights, idx, experts, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,I,E,k,T,skew", [SHAPES[1], SHAPES[4]])
-def test_moe_experts_f16_groups(D: int, I: int, E: int, k: int, T: int, skew: bool, dtype) -> None:  # noqa: E741, ANN001
-    # the fp16 per-scale-group dot (x and the decoded weights in fp16, each group's e8m0 scale on
-    # its dot): x's rounding to fp16 is the only difference from the reference's cast points
+def test_moe_experts_dot_scaled(D: int, I: int, E: int, k: int, T: int, skew: bool) -> None:  # noqa: E741
+    # tl.dot_scaled on the packed codes and e8m0 scales (bf16 x) instead of the kernels' decode:
+    # the same cast points, so the same tolerance against the reference
     experts = _experts(D, I, E, seed=D + I + E)
     weights, idx = _routing(T, k, E, skew, seed=T)
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
-    y = moe.moe_experts(x, weights, idx, experts, f16_groups=True)
-    want32 = ref.moe_experts(x.float(), weights, idx, experts)
-    assert _rel(y, want32) < (2e-3 if dtype == torch.float32 else 2e-2), _rel(y, want32)
-    y2 = moe.moe_experts(x, weights, idx, experts, f16_groups=False)
-    assert _rel(y, y2) < (2e-3 if dtype == torch.float32 else 2e-2), _rel(y, y2)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    y = moe.moe_experts(x, weights, idx, experts, dot_scaled=True)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < TOL[torch.bfloat16], _rel(y, want)
+    y0 = moe.moe_experts(x, weights, idx, experts, dot_scaled=False)
+    assert _rel(y, y0) < TOL[torch.bfloat16], _rel(y, y0)
 
 
 def test_moe_experts_strided_x_and_limit() -> None:
@@ -227,9 +226,9 @@ def test_bench_cases_quick() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("f16_groups", [False, True])
+@pytest.mark.parametrize("dot_scaled", [False, True])
 @pytest.mark.parametrize("T", [1, 16, 64])
-def test_moe_experts_flash_gpu(T: int, f16_groups: bool) -> None:
+def test_moe_experts_flash_gpu(T: int, dot_scaled: bool) -> None:
     # Flash sizes D=4096, inter=2048; 32 experts (memory), k=6, bf16, against ref on the GPU
     from dsv4.bench.cases_moe import random_experts
 
@@ -239,7 +238,7 @@ def test_moe_experts_flash_gpu(T: int, f16_groups: bool) -> None:
     idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
     weights = torch.rand(T, k, generator=g, device="cuda") / k
     x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-    y = moe.moe_experts(x, weights, idx, experts, f16_groups=f16_groups)
+    y = moe.moe_experts(x, weights, idx, experts, dot_scaled=dot_scaled)
     want = ref.moe_experts(x, weights, idx, experts)
     want32 = ref.moe_experts(x.float(), weights, idx, experts)
     assert y.dtype == torch.float32 and y.shape == (T, D)
