@@ -20,6 +20,11 @@ a static bound, so the grids are static and blocks past the real count exit at o
   _moe_down_kernel     per (row-block, D tile): h rows times decoded W2^T; out [T*k, D] in x.dtype
                        (the reference's w2 output dtype), summed over the k slots in fp32 by torch.
 
+The codes are decoded one of two ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
+weights times the scale, then x.dtype) or, for bf16/fp16 x on a GPU from DOT_SCALED_MIN_PAIRS
+pairs, by `tl.dot_scaled` on the packed codes (the compiler's decode, exact in bf16; fewer
+instructions per weight, which bound these kernels). Both give the same products.
+
 Cast points follow `Expert.forward`: the gate/up results are rounded to x.dtype before the clamp,
 h is rounded to x.dtype before w2 and each pair's w2 output is rounded to x.dtype before the sum.
 Weight formats other than "fp4" fall back to the reference.
@@ -209,8 +214,8 @@ def _moe_gate_up_kernel(
     UPCAST: tl.constexpr,  # dot in fp32 (interpreter / fp32 x)
     RNE_BF16: tl.constexpr,  # round to bf16 on the bits (interpreter)
     PRECISION: tl.constexpr,
-    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes (bf16/fp16 x) instead of the
-    X_FMT: tl.constexpr,  # own decode ; "bf16" / "fp16": x's format for it
+    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes instead of _mxfp4_tile
+    X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -297,8 +302,8 @@ def _moe_down_kernel(
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
     PRECISION: tl.constexpr,
-    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes (bf16/fp16 x) instead of the
-    X_FMT: tl.constexpr,  # own decode ; "bf16" / "fp16": x's format for it
+    DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes instead of _mxfp4_tile
+    X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
