@@ -7,7 +7,10 @@ cleared), against the fixed cost of any launch measured the same way:
     torch.topk for comparison;
   - attn_sm90: the Gluon sm_90 attention against the Triton one at T=64 / 32 / 16, with its
     gathers alone and its math alone; attn_tlb: the same with each token's picks in its own
-    region; gather: the floor of the access pattern (rows gathered and summed, no math).
+    region; gather / tma_gather: the floor of the access pattern (rows gathered and summed, no
+    math; ld.global / cp.async, or one TMA copy per row);
+  - index_floor: the indexer's key reads with no math (contiguous, paged, TMA pages);
+  - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles.
 Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ from dsv4.ops import indexer, mhc, sparse_attn
 ROWS: list[dict] = []
 
 
-def us(name: str, fn, cold: bool = True) -> float:  # noqa: ANN001
-    # device time, L2 cleared before every call (cold=False: back-to-back calls, L2 warm)
+def us(name: str, fn, cold: bool = True, nbytes: int = 0, rw: int = 1, note: str = "") -> float:  # noqa: ANN001, E501
+    # device time, L2 cleared before every call (cold=False: back-to-back calls, L2 warm);
+    # nbytes: also print the rate (rw=2: the bytes are read and written, as by a copy)
     t = sorted(_graph_us(fn, 3, cold=cold))[1]
     ROWS.append({"probe": name, "us": t})
     print(f"{name:<60}{t:>9.2f} us", flush=True)
+    if nbytes:
+        print(f"    {rw * nbytes / t / 1e3:.0f} GB/s{note}", flush=True)
     return t
 
 
@@ -238,11 +244,11 @@ def probe_attn_tiles() -> None:
         nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
         for fill in (1, 2, 1, 2):  # the split heuristic counting 1 or 2 programs per split
             sparse_attn.PROGRAMS_PER_SPLIT = fill
-            t = us(
+            us(
                 f"attn T={T} default, {fill} program(s) per split",
                 lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04),  # noqa: B023
+                nbytes=nbytes,
             )
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
         sparse_attn.PROGRAMS_PER_SPLIT = 1
         if T == 1:
             split_list = ()  # noqa: PLW2901  (T=1: the default only)
@@ -251,7 +257,7 @@ def probe_attn_tiles() -> None:
             cfg |= {"PREFETCH": pf, "num_warps": w, "num_stages": st}
             for sp in split_list:
                 try:
-                    t = us(
+                    us(
                         f"attn T={T} {name} splits={sp}",
                         lambda c=cfg, sp=sp: sparse_attn.sparse_attn(  # noqa: B023
                             q,
@@ -262,8 +268,8 @@ def probe_attn_tiles() -> None:
                             num_splits=sp,
                             config=c,  # noqa: B023
                         ),
+                        nbytes=nbytes,
                     )
-                    print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
                 except Exception as e:  # noqa: BLE001  (a tile that does not fit)
                     print(f"attn T={T} {name} splits={sp}: {str(e)[:60]}", flush=True)
 
@@ -309,24 +315,28 @@ def probe_attn_sm90() -> None:
         want = sparse_attn.sparse_attn(q, one, sink, idx, 0.04)
         sp_t = sparse_attn._default_splits(T, idx.shape[1], q.device)  # given splits: Triton
         for _ in range(2):
-            t = us(
+            us(
                 f"attn T={T} triton, {sp_t} splits",
                 lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04, num_splits=sp_t),  # noqa: B023
+                nbytes=nbytes,
             )
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
-            t = us(
+            us(
                 f"attn T={T} default (sm90 from SM90_MIN_TOKENS)",
-                lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04),
-            )  # noqa: B023
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+                lambda: sparse_attn.sparse_attn(q, one, sink, idx, 0.04),  # noqa: B023
+                nbytes=nbytes,
+            )
         for bn, nb in ((64, 2), (32, 4)):
             for sp in {64: (2,), 32: (None, 2), 16: (None,), 1: (None,)}[T]:
                 name = f"attn T={T} sm90 bn{bn} nb{nb} splits={sp}"
                 kw = dict(num_splits=sp, block_n=bn, num_buf=nb)
                 out = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
                 err = float((out.float() - want.float()).abs().max())
-                t = us(name, lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw))  # noqa: B023
-                print(f"    {nbytes / t / 1e3:.0f} GB/s  max|diff| {err:.1e}", flush=True)
+                us(
+                    name,
+                    lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),
+                    nbytes=nbytes,
+                    note=f"  max|diff| {err:.1e}",
+                )  # noqa: B023
                 for mode in (1, 2) if T == 64 else ():  # the gathers alone, the math alone
                     us(
                         f"{name} {('', 'loads', 'math')[mode]} only",
@@ -373,8 +383,7 @@ def probe_attn_tlb() -> None:
                 lambda ix=ix: sm90.sparse_attn_sm90(q, one, sink, ix, 0.04, num_splits=1, mode=1),
             ),
         ):
-            t = us(f"attn T=64 picks in {region}-row regions: {name}", fn)
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+            us(f"attn T=64 picks in {region}-row regions: {name}", fn, nbytes=nbytes)
 
 
 @triton.jit
@@ -416,7 +425,7 @@ def probe_gather() -> None:
         for splits in (1, 2, 10):
             kps = triton.cdiv(K, splits)
             out = torch.empty(T * splits, 512, device="cuda")
-            t = us(
+            us(
                 f"gather T=64 x 640 rows: BN {bn}, stages {stages}, {warps} warps, {splits} splits",
                 lambda bn=bn, stages=stages, warps=warps, splits=splits, kps=kps, out=out: (
                     _gather_sum_kernel[(T, splits)](
@@ -433,12 +442,17 @@ def probe_gather() -> None:
                         num_warps=warps,
                     )  # fmt: skip
                 ),
+                nbytes=nbytes,
             )
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    t = us("copy of the same bytes (torch copy_)", lambda: y.copy_(x))
-    print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+    us(
+        "copy of the same bytes (torch copy_)",
+        lambda: y.copy_(x),
+        nbytes=nbytes,
+        rw=2,
+        note=" (read + write)",
+    )
 
 
 @gluon.jit
@@ -503,25 +517,30 @@ def probe_tma_gather() -> None:
         for splits in (1, 2, 5, 10):
             kps = triton.cdiv(K, splits)
             out = torch.empty(T * splits, dtype=torch.int32, device="cuda")
-            t = us(
+            us(
                 f"tma gather T=64 x 640 rows: BN {bn}, {nb} buffers, {splits} splits",
                 lambda bn=bn, nb=nb, splits=splits, kps=kps, out=out: _tma_gather_kernel[
                     (T, splits)
                 ](desc, ix, out, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, num_warps=4),
+                nbytes=nbytes,
             )
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
     out = torch.empty(T * 10, 512, device="cuda")
-    t = us(
+    us(
         "gather T=64 x 640 rows (ld.global): BN 16, 4 warps, 10 splits",
         lambda: _gather_sum_kernel[(T, 10)](
             one, ix, out, K, 64, one.stride(0), ix.stride(0), BN=16, D=512, STAGES=1, num_warps=4
         ),
+        nbytes=nbytes,
     )
-    print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    t = us("copy of the same bytes (torch copy_)", lambda: y.copy_(x))
-    print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+    us(
+        "copy of the same bytes (torch copy_)",
+        lambda: y.copy_(x),
+        nbytes=nbytes,
+        rw=2,
+        note=" (read + write)",
+    )
 
 
 def probe_attn() -> None:
@@ -598,11 +617,11 @@ def probe_score_programs() -> None:
         for pps in (1, 2, 3, 4, 6, 8):
             for bn in (64, 128):
                 cfg = indexer.ScoreConfig(block_n=bn, programs_per_sm=pps)
-                t = us(
+                us(
                     f"index scores T={T} block_n={bn} programs/SM={pps}",
                     lambda c=cfg: indexer._scores(q, w, keys, cand, c),  # noqa: B023
+                    nbytes=nbytes,
                 )
-                print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
         for pps in (2, 4, 8):
             cfg = indexer.ScoreConfig(programs_per_sm=pps)
             us(
@@ -681,18 +700,19 @@ def probe_index_floor() -> None:
     # the floor of the indexer's reads at 128K (32768 candidates a token): the key rows streamed
     # and summed with no math, contiguous or through the paged candidate list, in several tilings;
     # against copy_ and torch sum of the same bytes, and the score kernel itself
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     for T in (16, 64):
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
         C = 32768
         nbytes = T * C * 128 * 2
-        t = us(f"index T={T}: score kernel", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
-        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        us(f"index T={T}: score kernel", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
         for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 64, 4, 4),
                                          (64, 16, 8, 3), (128, 8, 8, 3), (128, 16, 8, 3),
                                          (128, 32, 8, 2), (64, 4, 4, 2), (32, 32, 4, 4)):  # fmt: skip
             out = torch.empty(T * C // (bn * tiles), device="cuda")
             for paged in (False, True):
-                t = us(
+                us(
                     f"index T={T} {'paged' if paged else 'contiguous'} rows summed: BN {bn}, "
                     f"{tiles} tiles, {warps} warps, {stages} stages",
                     lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, paged=paged: (
@@ -710,15 +730,13 @@ def probe_index_floor() -> None:
                             num_warps=warps,
                         )  # fmt: skip
                     ),
+                    nbytes=nbytes,
                 )
-                print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 32, 4, 4),
                                          (64, 16, 8, 4), (64, 8, 4, 3)):  # fmt: skip
             desc = TensorDescriptor.from_tensor(keys, [bn, 128])
             out = torch.empty(T * C // (bn * tiles), device="cuda")
-            t = us(
+            us(
                 f"index T={T} paged rows by TMA summed: BN {bn}, {tiles} tiles, {warps} warps, "
                 f"{stages} stages",
                 lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, desc=desc: (
@@ -734,14 +752,22 @@ def probe_index_floor() -> None:
                         num_warps=warps,
                     )  # fmt: skip
                 ),
+                nbytes=nbytes,
             )
-            print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
         flat = keys[: T * C].clone()
-        t = us(f"index T={T}: torch sum of the {nbytes >> 20} MiB of keys", lambda: flat.sum())  # noqa: B023
-        print(f"    {nbytes / t / 1e3:.0f} GB/s", flush=True)
+        us(
+            f"index T={T}: torch sum of the {nbytes >> 20} MiB of keys",
+            lambda: flat.sum(),
+            nbytes=nbytes,
+        )  # noqa: B023
         other = torch.empty_like(flat)
-        t = us(f"index T={T}: torch copy_ of them", lambda: other.copy_(flat))  # noqa: B023
-        print(f"    {2 * nbytes / t / 1e3:.0f} GB/s (read + write)", flush=True)
+        us(
+            f"index T={T}: torch copy_ of them",
+            lambda: other.copy_(flat),
+            nbytes=nbytes,
+            rw=2,
+            note=" (read + write)",
+        )  # noqa: B023
 
 
 def probe_topk() -> None:
@@ -787,7 +813,7 @@ def probe_moe() -> None:
         for name, cfg, ds in variants:
             got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds)
             err = float((got - want).norm() / want.norm())
-            t = us(
+            us(
                 f"moe T={T} {name}",
                 lambda cfg=cfg, ds=ds: moe.moe_experts(  # noqa: B023
                     x,
@@ -797,9 +823,8 @@ def probe_moe() -> None:
                     config=cfg,
                     dot_scaled=ds,  # noqa: B023
                 ),
-            )
-            print(
-                f"    {nbytes / t / 1e3:.0f} GB/s of expert bytes, rel diff {err:.1e}", flush=True
+                nbytes=nbytes,
+                note=f" of expert bytes, rel diff {err:.1e}",
             )
 
 

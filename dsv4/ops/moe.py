@@ -87,14 +87,23 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 
 @triton.jit
-def _mxfp4_tile(
-    w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scale bytes
+def _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scale bytes: the codes uint8
+    # [BLOCK_N, BLOCK_K/2] and e8m0 scales uint8 [BLOCK_N, BLOCK_K/32], as tl.dot_scaled takes them
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
     b = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_b[None, :], mask=n_ok[:, None], other=0)
     s = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
+    return b.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tile(
+    w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    # the tile of `_mxfp4_raw` decoded: fp32 [BLOCK_N, BLOCK_K]
+    b, s = _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
     b = b.to(tl.int16)
     # e2m1 code (sign | e1 e0 m) -> fp16 bits (sign << 15 | e1 e0 m << 9): value * 2^-14 exactly,
     # code 1 (0.5) landing on an fp16 subnormal that the fp32 upcast keeps exact.
@@ -105,21 +114,9 @@ def _mxfp4_tile(
     hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # interleave even/odd columns
     # scale 2^(S-127) times the 2^14 above: fp32 bits (S + 14) << 23 (S <= 240)
-    scale = ((s.to(tl.uint8).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
     w = tl.reshape(w, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK)) * scale[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    # the packed codes uint8 [BLOCK_N, BLOCK_K/2] and e8m0 scales uint8 [BLOCK_N, BLOCK_K/32] of
-    # a tile, as tl.dot_scaled takes them
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
-    b = tl.load(w_ptr + offs_n[:, None] * stride_w + offs_b[None, :], mask=n_ok[:, None], other=0)
-    s = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
-    return b.to(tl.uint8, bitcast=True), s.to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -595,7 +592,8 @@ def moe_experts(
         h, rows, blk, *tbl, out, D, I, E, tune_key,
         h.stride(0), out.stride(0), I // 2, I // 32,
     )  # fmt: skip
-    if config is None and scaled and D % 128 == 0 and I % 128 == 0:
+    fits = D % DOT_SCALED_CONFIG["BLOCK_K"] == I % DOT_SCALED_CONFIG["BLOCK_K"] == 0
+    if config is None and scaled and fits:
         config = DOT_SCALED_CONFIG
     if config is None and x.device.type == "cuda":
         _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
