@@ -45,6 +45,13 @@ def us(name: str, fn, cold: bool = True, nbytes: int = 0, rw: int = 1, note: str
     return t
 
 
+def copy_floor(name: str, nbytes: int) -> float:
+    # torch copy_ of nbytes (read + write): the copy bandwidth of this run, beside a probe's rows
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    return us(name, lambda: y.copy_(x), nbytes=nbytes, rw=2, note=" (read + write)")
+
+
 @triton.jit
 def _empty_kernel(p):
     pass
@@ -444,15 +451,7 @@ def probe_gather() -> None:
                 ),
                 nbytes=nbytes,
             )
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    us(
-        "copy of the same bytes (torch copy_)",
-        lambda: y.copy_(x),
-        nbytes=nbytes,
-        rw=2,
-        note=" (read + write)",
-    )
+    copy_floor("copy of the same bytes (torch copy_)", nbytes)
 
 
 @gluon.jit
@@ -532,15 +531,7 @@ def probe_tma_gather() -> None:
         ),
         nbytes=nbytes,
     )
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    us(
-        "copy of the same bytes (torch copy_)",
-        lambda: y.copy_(x),
-        nbytes=nbytes,
-        rw=2,
-        note=" (read + write)",
-    )
+    copy_floor("copy of the same bytes (torch copy_)", nbytes)
 
 
 def probe_attn() -> None:
@@ -760,14 +751,7 @@ def probe_index_floor() -> None:
             lambda: flat.sum(),
             nbytes=nbytes,
         )  # noqa: B023
-        other = torch.empty_like(flat)
-        us(
-            f"index T={T}: torch copy_ of them",
-            lambda: other.copy_(flat),
-            nbytes=nbytes,
-            rw=2,
-            note=" (read + write)",
-        )  # noqa: B023
+        copy_floor(f"index T={T}: torch copy_ of them", nbytes)
 
 
 def probe_topk() -> None:
