@@ -564,38 +564,114 @@ def probe_attn() -> None:
 
 
 def probe_indexer() -> None:
-    for T in (1, 16):
-        for paged in (True, False):
-            q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", paged)
-            lay = "paged" if paged else "rows"
-            us(f"indexer T={T} {lay}: scores", lambda: indexer._scores(q, w, keys, cand))  # noqa: B023
-            us(
-                f"indexer T={T} {lay}: scores+select",
-                lambda: indexer.index_topk(q, w, keys, cand, 512),
-            )  # noqa: B023
-        us(
-            f"indexer T={T} scores+select, L2 warm (rows)",
-            lambda: indexer.index_topk(q, w, keys, cand, 512),  # noqa: B023
-            cold=False,
-        )
-        sk = indexer._scores(q, w, keys, cand)
-        us(f"indexer T={T}: torch.topk(int32 keys) alone", lambda: torch.topk(sk, 512, dim=1))  # noqa: B023
+    # index_topk at 128K context: scores alone (and with the hist select's counting), the levels
+    # select against the hist select, the hist select's segment and warps, and its slow path
+    fine, coarse, counts = indexer._hist_workspace(torch.device("cuda"))
+    for T in (1, 16, 64):
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        for seg in (2048, 4096, 8192, 32768):
-            for sw in (4, 8, 16, 32):
-                try:
-                    us(
-                        f"indexer T={T} paged: scores+select segment={seg} warps={sw}",
-                        lambda: indexer.index_topk(
-                            q, w, keys, cand, 512, segment=seg, select_warps=sw
-                        ),  # noqa: B023, E501
-                    )
-                except Exception as e:  # noqa: BLE001  (a tile that does not fit)
-                    print(f"indexer T={T} segment={seg} warps={sw}: {str(e)[:80]}")
-        for sort in (True, False):
+        nbytes = T * 32768 * 128 * 2
+        us(f"indexer T={T}: scores", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
+        selects = ("levels", "hist") if T <= indexer.HIST_MAX_TOKENS else ("levels",)
+        if T <= indexer.HIST_MAX_TOKENS:
             us(
-                f"indexer T={T} paged: scores+select sort={sort}",
-                lambda: indexer.index_topk(q, w, keys, cand, 512, sort=sort),  # noqa: B023
+                f"indexer T={T}: scores + hist counts",
+                lambda: indexer._scores(q, w, keys, cand, hist=(fine, coarse)),  # noqa: B023
+                nbytes=nbytes,
+            )
+            for ws in (fine, coarse, counts):  # the counts above were never consumed
+                ws.zero_()
+        for select in selects:
+            us(
+                f"indexer T={T}: index_topk select={select}",
+                lambda s=select: indexer.index_topk(q, w, keys, cand, 512, select=s),  # noqa: B023
+                nbytes=nbytes,
+            )
+        if T > indexer.HIST_MAX_TOKENS:
+            continue
+        want = indexer.index_topk(q, w, keys, cand, 512, select="levels")
+        got = indexer.index_topk(q, w, keys, cand, 512, select="hist")
+        print(f"indexer T={T}: hist == levels: {bool((got == want).all())}")
+        for seg in (2048, 4096, 8192):
+            for sw in (8, 16, 32):
+                us(
+                    f"indexer T={T}: hist segment={seg} warps={sw}",
+                    lambda s=seg, n=sw: indexer.index_topk(  # noqa: B023
+                        q, w, keys, cand, 512, segment=s, select_warps=n, select="hist"
+                    ),
+                    nbytes=nbytes,
+                )
+    # the slow path: integer scores, so the threshold bin holds thousands of equal keys
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randint(-2, 3, (16, 64, 128), device="cuda", generator=g).bfloat16()
+    keys = torch.randint(-2, 3, (16 * 32768, 128), device="cuda", generator=g).bfloat16()
+    w = torch.randint(-2, 4, (16, 64), device="cuda", generator=g).float() * 0.5
+    cand = torch.randperm(16 * 32768, device="cuda", generator=g).view(16, 32768)
+    for select in ("levels", "hist"):
+        us(
+            f"indexer T=16 integer scores (ties): select={select}",
+            lambda s=select: indexer.index_topk(q, w, keys, cand, 512, select=s),
+        )
+
+
+@triton.jit
+def _topk_probe(x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr):
+    # one program: load N int64, keep the K largest sorted (TOPK) or none, store K
+    x = tl.load(x_ptr + tl.arange(0, N))
+    if TOPK:
+        x = tl.topk(x, K)
+        tl.store(out_ptr + tl.arange(0, K), x)
+    else:
+        tl.store(out_ptr + tl.arange(0, N), x)
+
+
+def probe_hist_tail() -> None:
+    # the hist select's kernel alone: the workspace counts restored before each call (restore
+    # alone timed beside it), and the final sort alone (topk of 1024 int64 in one program)
+    fine, coarse, counts = indexer._hist_workspace(torch.device("cuda"))
+
+    def check(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        torch.cuda.synchronize()
+        bad = int((got != want).sum())
+        sets = sum(len(set(a.tolist()) ^ set(b.tolist())) for a, b in zip(got, want))
+        dirty = [int(ws.count_nonzero()) for ws in (fine, coarse, counts)]
+        print(f"{label}: {bad} positions differ, {sets} in the sets, workspace nonzero {dirty}")
+
+    for T in (1, 16):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        want = indexer.index_topk(q, w, keys, cand, 512, select="levels")
+        check(f"hist T={T} index_topk", indexer.index_topk(q, w, keys, cand, 512), want)
+        skey = indexer._scores(q, w, keys, cand, hist=(fine, coarse))
+        saved_f, saved_c = fine[:T].clone(), coarse[:T].clone()
+        out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
+
+        def restore() -> None:
+            fine[:T].copy_(saved_f)  # noqa: B023
+            coarse[:T].copy_(saved_c)  # noqa: B023
+
+        indexer._hist_select(skey, out, 4096, 16)
+        check(f"hist T={T} eager scores + select", out, want)
+        us(f"hist tail T={T}: restore the counts", restore)
+        for warps in (8, 16):
+            us(
+                f"hist tail T={T}: restore + select kernel, {warps} warps",
+                lambda n=warps: (restore(), indexer._hist_select(skey, out, 4096, n)),  # noqa: B023
+            )
+            check(f"hist tail T={T} after the graphs ({warps} warps)", out, want)
+        for early in (False, True):
+
+            def scores_tail(e: bool = early) -> None:
+                sk = indexer._scores(q, w, keys, cand, hist=(fine, coarse))  # noqa: B023
+                indexer._hist_select(sk, out, 4096, 16, early=e)  # noqa: B023
+
+            us(f"hist T={T}: scores + select kernel launched early={early}", scores_tail)
+            check(f"hist T={T} after the graphs (early={early})", out, want)
+    x = torch.randint(-(2**62), 2**62, (1024,), device="cuda")
+    y = torch.empty(1024, dtype=torch.int64, device="cuda")
+    for warps in (4, 8, 16):
+        for topk in (False, True):
+            us(
+                f"topk 1024 -> 512 int64, one program, {warps} warps, sort={topk}",
+                lambda n=warps, k=topk: _topk_probe[(1,)](x, y, 1024, 512, k, num_warps=n),
             )
 
 
@@ -877,7 +953,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [trace] [probe] [kernels] [sweep]   (default: tests ops step)
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [trace] [probe] [kernels] [sweep]
+#   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
 #   the sweep, NCU=0 skips Nsight in kernels
@@ -31,6 +32,13 @@ for part in $PARTS; do
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    select_ab)  # decode step at 128K context: the indexer's levels select (hist off) vs the default
+      for hist in 0 16; do
+        python3 -c "import sys, dsv4.ops.indexer as i; i.HIST_MAX_TOKENS = $hist; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,16 \
+          --context 131072 --prefill 0 --repeat 3 --graph --json "$OUT/step_hist$hist.json" 2>&1 \
+          | tee "$OUT/step_hist$hist.txt"
+      done ;;
     trace)  # every kernel of one decode step (3 layers + head) by device time: what to fuse next
       python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
         --batch ${TRACE_BATCH:-1,64} --context 4096 --prefill 0 --repeat 2 --trace "$OUT/trace" \

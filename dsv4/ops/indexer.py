@@ -32,12 +32,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms, pdl
+from dsv4.ops.device import arrival_counts, num_sms, pdl
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
 PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
+HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a key (unsigned order)
+COARSE_BINS = tl.constexpr(256)  # and coarse bins, the top 8 bits
+HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace holds this many;
+# at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
+HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -51,6 +56,8 @@ def _index_score_kernel(
     k_ptr,  # [N, d] key rows (d contiguous)
     idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
     out_ptr,  # [T, C] int32 order-preserving score keys
+    hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
+    coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top 8 bits
     C,
     Hi,
     d,
@@ -67,9 +74,11 @@ def _index_score_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
+    HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
     PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
+    # (HIST: + one atomic add per visible key, COARSE_BINS per program)
     if PDL:
         gdc_launch_dependents()
     pid_c = tl.program_id(0)
@@ -97,6 +106,8 @@ def _index_score_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    coarse = tl.zeros([COARSE_BINS], tl.int32)
+    row_t = t.to(tl.int64)
 
     for i in range(0, n_live):
         # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
@@ -125,10 +136,20 @@ def _index_score_kernel(
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         key = tl.where(vis, key, INT32_MIN)
         tl.store(out_row + offs_n, key, mask=in_c)
+        if HIST:  # (tile by tile: T=16 +6.3 us over the scores alone; one pass after the loop +14)
+            u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order
+            fine = hist_ptr + row_t * HIST_BINS + (u >> 16).to(tl.int32)
+            tl.atomic_add(fine, 1, mask=vis, sem="relaxed")
+            coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)
 
     for i in range(n_live, TILES):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_row + offs_n, tl.full([BLOCK_N], INT32_MIN, tl.int32), mask=offs_n < C)
+
+    if HIST:
+        offs_b = tl.arange(0, COARSE_BINS)
+        coarse_row = coarse_ptr + row_t * COARSE_BINS
+        tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,8 +276,209 @@ def _index_select_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# Selection from histograms (decode rows): the score kernel counted each token's keys by their
+# top 16 bits, so the bin of the k-th largest key is read off the counts; one pass files the keys
+# above that bin (winners, fewer than k) and in it (candidates), and the last program of a row
+# sorts winners + candidates and keeps the first k
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _threshold_bin(h, kk, NB: tl.constexpr):
+    # h: [NB] counts of bins in ascending key order ; kk >= 1 -> (b, above): the highest bin b with
+    # at least kk keys at or above it (-1 when fewer than kk keys are counted), and the keys above b
+    offs = tl.arange(0, NB)
+    at_or_above = tl.cumsum(h, 0, reverse=True)
+    b = tl.max(tl.where(at_or_above >= kk, offs, -1))
+    return b, tl.sum(tl.where(offs > b, h, 0))
+
+
+@triton.jit
+def _keep_largest(row, n, need, BLOCK: tl.constexpr):
+    # row[0:n]: distinct packed int64 values, 1 <= need <= n -> the `need` largest now at
+    # row[0:need] (in place). The slow path of the hist select (a threshold bin too full to sort:
+    # many equal or very close scores): a bitwise search for the need-th largest in the unsigned
+    # order, each step one counting pass over the row, from the highest bit where the largest and
+    # least differ, until exactly `need` values are at or above the prefix
+    offs = tl.arange(0, BLOCK)
+    flip = tl.full([], 1, tl.uint64) << 63
+    hi = tl.full([], 0, tl.uint64)
+    not_lo = tl.full([], 0, tl.uint64)
+    for c0 in range(0, n, BLOCK):
+        m = c0 + offs < n
+        u = (
+            tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg").to(
+                tl.uint64, bitcast=True
+            )
+            ^ flip
+        )
+        hi = tl.maximum(hi, tl.max(tl.where(m, u, 0)))
+        not_lo = tl.maximum(not_lo, tl.max(tl.where(m, ~u, 0)))
+    low = hi ^ ~not_lo  # smeared down from its highest set bit: the bits still open
+    low |= low >> 1
+    low |= low >> 2
+    low |= low >> 4
+    low |= low >> 8
+    low |= low >> 16
+    low |= low >> 32
+    prefix = hi & ~low
+    bit = low ^ (low >> 1)
+    count = need - 1  # anything but need
+    while (bit != 0) & (count != need):
+        cand = prefix | bit
+        count = need * 0
+        for c0 in range(0, n, BLOCK):
+            m = c0 + offs < n
+            u = (
+                tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg").to(
+                    tl.uint64, bitcast=True
+                )
+                ^ flip
+            )
+            count += tl.sum((m & (u >= cand)).to(tl.int32))
+        prefix = tl.where(count >= need, cand, prefix)
+        bit = bit >> 1
+    # values are distinct: exactly `need` are >= prefix ; compact them to the front in row order
+    kept = need * 0
+    for c0 in range(0, n, BLOCK):
+        m = c0 + offs < n
+        v = tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg")
+        sel = m & ((v.to(tl.uint64, bitcast=True) ^ flip) >= prefix)
+        sel_i = sel.to(tl.int32)
+        tl.debug_barrier()  # every load of this chunk before a store may overwrite it
+        tl.store(row + kept + tl.cumsum(sel_i, 0) - sel_i, v, mask=sel)
+        kept += tl.sum(sel_i)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _index_hist_select_kernel(
+    key_ptr,  # [T, C] int32 score keys (INT32_MIN = not visible)
+    hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the kernel returns
+    coarse_ptr,  # [T, COARSE_BINS] int32 coarse counts ; zero again
+    count_ptr,  # [T] int64: winners filed | candidates filed << 24 | programs done << 48 ; zero again
+    buf_ptr,  # [T, K + C] int64 scratch: winners at 0.., candidates at K..
+    out_ptr,  # [T, K] int64 positions
+    C,
+    K,
+    stride_kt,
+    stride_bt,
+    stride_ot,
+    BLOCK_L: tl.constexpr,  # keys filed per program
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,  # winners + candidates up to this many are sorted at once (>= 2 * BLOCK_K)
+    PDL: tl.constexpr,
+):
+    # read 2 * COARSE_BINS counts + BLOCK_L keys ; write the winners and candidates among them
+    # (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the used bins
+    seg = tl.program_id(0)
+    t = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
+    key = tl.load(key_ptr + t64 * stride_kt + offs, mask=offs < C, other=INT32_MIN)
+    # ---- the bin of the K-th largest key: its coarse bin, then the fine bin inside it
+    offs_b = tl.arange(0, COARSE_BINS)
+    coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
+    cb, above_c = _threshold_bin(coarse, K, COARSE_BINS)
+    fine = tl.load(
+        hist_ptr + t64 * HIST_BINS + cb * COARSE_BINS + offs_b,
+        mask=offs_b < tl.where(cb >= 0, COARSE_BINS, 0),  # (no bool & scalar: interpreter)
+        other=0,
+    )
+    fb, above_f = _threshold_bin(fine, K - above_c, COARSE_BINS)
+    thr_bin = tl.where(cb >= 0, cb * COARSE_BINS + fb, -1)  # -1: fewer than K visible, all win
+    n_win = above_c + above_f
+
+    # ---- file this segment's winners (bin above) and candidates (the bin), position order kept
+    vis = key != INT32_MIN
+    bin = ((key.to(tl.uint32, bitcast=True) ^ 0x80000000) >> 16).to(tl.int32)
+    win = (vis & (bin > thr_bin)).to(tl.int32)
+    cand = (vis & (bin == thr_bin)).to(tl.int32)
+    both = win + (cand << 16)  # one scan for both slots (BLOCK_L < 65536)
+    before = tl.cumsum(both, 0) - both
+    n_both = tl.sum(both)
+    count = count_ptr + t
+    filed = (n_both & 0xFFFF).to(tl.int64) | ((n_both >> 16).to(tl.int64) << 24)
+    before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
+    base_w = (before_w & 0xFFFFFF).to(tl.int32)
+    base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
+    packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
+    buf_row = buf_ptr + t64 * stride_bt
+    tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=win != 0)
+    tl.store(buf_row + K + base_c + (before >> 16), packed, mask=cand != 0)
+
+    # ---- the row's last program: sort winners + the best candidates, keep K, zero the counts
+    tl.debug_barrier()  # every store of this program before its arrival is released
+    before = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
+    if (before >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
+        n_cand = ((before >> 24) & 0xFFFFFF).to(tl.int32)
+        if n_win + n_cand > FAST:
+            _keep_largest(buf_row + K, n_cand, K - n_win, FAST)
+            n_cand = K - n_win
+        offs_f = tl.arange(0, FAST)
+        src = tl.where(offs_f < n_win, offs_f, K + offs_f - n_win)
+        vals = tl.load(
+            buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
+        )
+        top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
+        pos = C - 1 - (top & 0xFFFFFFFF)
+        res = tl.where((top >> 32).to(tl.int32) == INT32_MIN, -1, pos)
+        offs_k = tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + t64 * stride_ot + offs_k, res, mask=offs_k < K)
+        # the fine bins of every coarse bin in use (16 fine bins of each a store), the coarse bins
+        # and the counts
+        offs_16 = tl.arange(0, 16)
+        fine_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * COARSE_BINS + offs_16[None, :]
+        for f0 in range(0, COARSE_BINS, 16):
+            zero = tl.zeros([COARSE_BINS, 16], tl.int32)
+            tl.store(fine_at + f0, zero, mask=(coarse != 0)[:, None])
+        tl.store(coarse_ptr + t64 * COARSE_BINS + offs_b, tl.zeros([COARSE_BINS], tl.int32))
+        tl.store(count, tl.zeros([], tl.int64))
+
+
+# ---------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------
+
+
+def _hist_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fine [HIST_MAX_TOKENS, HIST_BINS] int32, coarse [.., COARSE_BINS] int32, counts [..] int64)
+    of the hist select: zero between calls (its last program per row zeroes what the call used),
+    so calls on one stream and CUDA-graph replays share them (`device.arrival_counts`)."""
+    nf, nc = HIST_MAX_TOKENS * HIST_BINS.value, HIST_MAX_TOKENS * COARSE_BINS.value
+    ws = arrival_counts("index_topk", device, nf + nc + 2 * HIST_MAX_TOKENS)
+    return (
+        ws[:nf].view(-1, HIST_BINS.value),
+        ws[nf : nf + nc].view(-1, COARSE_BINS.value),
+        ws[nf + nc :].view(torch.int64),
+    )
+
+
+def _hist_select(
+    skey: torch.Tensor, out: torch.Tensor, segment: int, warps: int, early: bool | None = None
+) -> None:
+    """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
+    (early: launch it while the score kernel runs; default for small grids)."""
+    (T, C), K = skey.shape, out.shape[1]
+    fine, coarse, counts = _hist_workspace(skey.device)
+    buf = torch.empty(T, K + C, dtype=torch.int64, device=skey.device)
+    block_k = max(16, triton.next_power_of_2(K))
+    block_l = min(triton.next_power_of_2(C), segment)
+    n_seg = triton.cdiv(C, block_l)
+    griddep = pdl(skey.device)
+    _index_hist_select_kernel[(n_seg, T)](
+        skey, fine, coarse, counts, buf, out, C, K,
+        skey.stride(0), buf.stride(0), out.stride(0),
+        BLOCK_L=block_l,
+        BLOCK_K=block_k,
+        FAST=max(2 * block_k, min(HIST_FAST, triton.next_power_of_2(C))),
+        PDL=griddep,
+        launch_pdl=griddep and (n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
+        num_warps=warps,
+    )  # fmt: skip
 
 
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
@@ -283,8 +505,10 @@ def _scores(
     keys: torch.Tensor,
     cand_idxs: torch.Tensor,
     cfg: ScoreConfig = ScoreConfig(),  # noqa: B008  (immutable)
+    hist: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible)."""
+    """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
+    coarse) count rows of the hist select, added to."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
@@ -292,7 +516,7 @@ def _scores(
     n_tiles = triton.cdiv(C, block_n)
     tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
     _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
-        q, weights, keys, cand_idxs, skey,
+        q, weights, keys, cand_idxs, skey, *(hist or (skey, skey)),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
         skey.stride(0),
@@ -303,6 +527,7 @@ def _scores(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
         TILES=tiles,
+        HIST=hist is not None,
         PDL=pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -319,14 +544,16 @@ def index_topk(
     *,
     segment: int = SEGMENT,
     sort: bool = True,
+    select: str | None = None,
     select_warps: int | None = None,
     score_config: ScoreConfig | None = None,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
-    # (segment: keys per first-level select program ; sort=False leaves the winners in position
-    # order ; select_warps: warps of a select program ; score_config: the score kernel's tiles --
-    # knobs for bench/probe_pieces.py)
+    # (segment: keys per select program ; sort=False leaves the winners in position order (levels
+    # only) ; select: "hist" or "levels", default hist for rows longer than one segment ;
+    # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
+    # for bench/probe_pieces.py and the tests)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
@@ -351,13 +578,24 @@ def index_topk(
     if T == 0 or K == 0:
         return out
 
+    block_k = max(16, triton.next_power_of_2(K))
+    max_l = max(segment, 4 * block_k)
+    griddep = pdl(q.device)
+    if select is None:
+        select = "hist" if sort and C > max_l and T <= HIST_MAX_TOKENS else "levels"
+    assert select in ("hist", "levels"), f"select must be 'hist' or 'levels', got {select!r}"
+    if select == "hist":
+        assert sort and T <= HIST_MAX_TOKENS, f"hist select: sorted, T <= {HIST_MAX_TOKENS} (T={T})"
+        assert C < 2**24, f"hist select: C < 2^24 (C={C})"  # the packed filing counts
+        fine, coarse, _ = _hist_workspace(q.device)
+        skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse))
+        _hist_select(skey, out, segment, select_warps or 16)
+        return out
+
     skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig())
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
-    block_k = max(16, triton.next_power_of_2(K))
-    max_l = max(segment, 4 * block_k)
     x, L = skey, C
-    griddep = pdl(q.device)
     while True:
         final = L <= max_l
         block_l = max(16, triton.next_power_of_2(L)) if final else max_l

@@ -64,19 +64,30 @@ SHAPES = [
 ]
 
 
+SELECTS = ["levels", "hist"]  # the two top-k paths (index_topk picks hist for long decode rows)
+
+
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,Hi,d,C,topk", SHAPES)
-def test_index_topk_random(T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype) -> None:
-    _check(*_inputs(T, Hi, d, C, dtype), topk)
+def test_index_topk_random(
+    T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype, select: str
+) -> None:
+    if select == "hist" and dtype != torch.float32:
+        pytest.skip("the select does not see the input dtype: fp32 covers it")
+    _check(*_inputs(T, Hi, d, C, dtype), topk, select=select)
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "T,Hi,d,C,topk", [(4, 2, 16, 300, 64), (7, 16, 32, 300, 4), (4, 16, 16, 5, 4)]
 )
-def test_index_topk_ties(T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype) -> None:
+def test_index_topk_ties(
+    T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype, select: str
+) -> None:
     # integer scores with few distinct values and repeated key rows: ties resolve to the lower position
-    _check(*_inputs(T, Hi, d, C, dtype, n_keys=7, integer=True), topk)
+    _check(*_inputs(T, Hi, d, C, dtype, n_keys=7, integer=True), topk, select=select)
 
 
 @pytest.mark.parametrize("keys_on_m", [True, False])
@@ -94,25 +105,27 @@ def test_index_topk_strided_bf16_weights() -> None:
     _check(wide[..., :32], weights.bfloat16(), keys, cand, 64)
 
 
-def test_index_topk_zero_scores() -> None:
+@pytest.mark.parametrize("select", SELECTS)
+def test_index_topk_zero_scores(select: str) -> None:
     # zero rows score exactly 0 (-0.0 in torch under all-negative weights): ties by position
     q, weights, keys, cand = _inputs(4, 16, 16, 300, torch.float32, n_keys=9, integer=True)
     keys[:4] = 0
     weights[0] = -weights[0].abs() - 0.5  # all-negative weights: sum_h w_h * 0 = -0.0 in torch
     keys[4:] = keys[4:].abs()
     q[1] = -q[1].abs()  # token 1: every relu is 0
-    _check(q, weights, keys, cand, 64)
+    _check(q, weights, keys, cand, 64, select=select)
 
 
-def test_index_topk_hidden_rows() -> None:
+@pytest.mark.parametrize("select", SELECTS)
+def test_index_topk_hidden_rows(select: str) -> None:
     # a row with no visible entry, a row with one, and a -1 pattern that is not a suffix
     q, weights, keys, cand = _inputs(4, 2, 16, 100, torch.float32, p_hidden=0.0)
     cand[0] = -1
     cand[1, :-1] = -1
     cand[2, ::2] = -1
     cand[3, 70:] = -1
-    _check(q, weights, keys, cand, 64)
-    _check(q, weights, keys, cand, 128)
+    _check(q, weights, keys, cand, 64, select=select)
+    _check(q, weights, keys, cand, 128, select=select)
 
 
 @pytest.mark.parametrize("integer", [False, True])
@@ -126,25 +139,31 @@ def test_index_topk_causal_prefill(integer: bool) -> None:
     _check(q, weights, keys, cand, 4)
 
 
-def test_index_topk_segments() -> None:
-    # C > one select program (4096 keys): segment top-k, then a packed re-selection
+@pytest.mark.parametrize("select", SELECTS)
+def test_index_topk_segments(select: str) -> None:
+    # C > one select program (4096 keys): segment top-k, then a packed re-selection (levels), or
+    # two programs filing into one row (hist)
     q, weights, keys, cand = _inputs(1, 2, 16, 4500, torch.float32, n_keys=5, integer=True)
-    _check(q, weights, keys, cand, 16)
+    _check(q, weights, keys, cand, 16, select=select)
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("integer", [False, True])
-def test_index_topk_segment_levels(integer: bool) -> None:
+def test_index_topk_segment_levels(integer: bool, select: str) -> None:
     # 64-key segments: C=1100 takes two segment levels before the final one; with integer scores
     # the ties cross segment boundaries and must still resolve to the lowest positions
     q, weights, keys, cand = _inputs(
         2, 2, 16, 1100, torch.float32, n_keys=5 if integer else None, integer=integer
     )
-    _check(q, weights, keys, cand, 4, segment=64)
+    _check(q, weights, keys, cand, 4, segment=64, select=select)
 
 
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("topk", [1, 16, 64])
-def test_index_topk_search_paths(topk: int, integer: bool) -> None:
+def test_index_topk_search_paths(topk: int, integer: bool, select: str) -> None:
+    if select == "hist" and topk != 16:
+        pytest.skip("test_index_topk_hist_full_bin takes these rows through hist at every k")
     # rows that take each path of the k-th largest search, scores of both signs. Segments of
     # max(64, 4 * padded k) keys: two select levels, three for topk=16; some segment holds exactly
     # k keys (topk=16: the last 16 of the second level's 80, topk=64: the last 44 of C=300).
@@ -160,7 +179,38 @@ def test_index_topk_search_paths(topk: int, integer: bool) -> None:
     cand[4, :-1] = -1  # one visible entry, in the last segment
     cand[5] = -1  # none visible
     cand[6, :200] = -1  # whole segments with no visible entry
-    _check(q, weights, keys, cand, topk, segment=64)
+    _check(q, weights, keys, cand, topk, segment=64, select=select)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("topk", [1, 16, 64])
+def test_index_topk_hist_full_bin(topk: int, integer: bool, monkeypatch) -> None:  # noqa: ANN001
+    # the hist select's slow path: winners + threshold-bin candidates past the sort's width (forced
+    # here by a width of 2 * padded k) take the bitwise search over the candidates; rows as in
+    # test_index_topk_search_paths (all equal, one visible, none visible, ...)
+    monkeypatch.setattr(indexer, "HIST_FAST", 32)
+    q, weights, keys, cand = _inputs(
+        8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
+    )
+    cand[2] = cand[2, 0]
+    cand[3, ::2] = cand[3, 0]
+    cand[3, 1::2] = -1
+    cand[4, :-1] = -1
+    cand[5] = -1
+    cand[6, :200] = -1
+    _check(q, weights, keys, cand, topk, segment=64, select="hist")
+
+
+def test_index_topk_hist_workspace() -> None:
+    # the hist select leaves its counts zero (graph replays and later calls rely on it), and rows
+    # past HIST_MAX_TOKENS take the levels select by default
+    q, weights, keys, cand = _inputs(3, 2, 16, 300, torch.float32)
+    _check(q, weights, keys, cand, 64, select="hist")
+    for ws in indexer._hist_workspace(q.device):
+        assert not ws.any(), ws.nonzero()[:4]
+    with pytest.raises(AssertionError, match="hist select"):
+        q, weights, keys, cand = _inputs(indexer.HIST_MAX_TOKENS + 1, 2, 16, 8, torch.float32)
+        indexer.index_topk(q, weights, keys, cand, 4, select="hist")
 
 
 @triton.jit
@@ -257,3 +307,27 @@ def test_index_topk_gpu_prefill() -> None:
     t = torch.arange(T, device="cuda")[:, None]
     cand[torch.arange(C, device="cuda")[None, :] >= (t + 1) // 4] = -1
     _check(q, weights, keys, cand, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("integer", [False, True])
+def test_index_topk_gpu_hist_graph(T: int, integer: bool) -> None:
+    # the hist select replayed in a CUDA graph gives the levels select's positions on every replay
+    # (the same score keys), and its workspace is zero after each. Integer scores: the slow path
+    q, weights, keys, cand = _inputs(
+        T, 64, 128, 32768, torch.bfloat16, p_hidden=0.1, integer=integer, device="cuda"
+    )
+    want = indexer.index_topk(q, weights, keys, cand, 512, select="levels")
+    indexer.index_topk(q, weights, keys, cand, 512, select="hist")  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = indexer.index_topk(q, weights, keys, cand, 512, select="hist")
+    for _ in range(3):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        bad = int((out != want).sum())
+        assert bad == 0, f"{bad} positions differ"
+        for ws in indexer._hist_workspace(q.device):
+            assert not ws.any(), ws.nonzero()[:4]
