@@ -888,6 +888,39 @@ def probe_moe() -> None:
             )
 
 
+def probe_moe_tiles() -> None:
+    # the dot_scaled experts at T = 16, 64: the fixed tiles against leaner ones by the K-loop's
+    # instruction count per weight (BN 128 x BK 64, 4 warps: 7.44 vs 7.98 for BN 64 x BK 128)
+    from dsv4.bench.cases_moe import _expert_bytes, random_experts
+    from dsv4.ops import moe
+
+    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda")
+    per_expert = _expert_bytes(experts[0])
+    for T in (16, 64):
+        g = torch.Generator(device="cuda").manual_seed(T)
+        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+        weights = torch.rand(T, k, generator=g, device="cuda") / k
+        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+        nbytes = int(idx.unique().numel()) * per_expert
+        want = moe.moe_experts(x, weights, idx, experts, dot_scaled=False)
+        tiles = [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5),
+                 (128, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (32, 128, 4, 4)]  # fmt: skip
+        for _ in range(2):  # twice: the spread between repeats
+            for bn, bk, w, st in tiles:
+                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+                got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=True)
+                err = float((got - want).norm() / want.norm())
+                us(
+                    f"moe T={T} dot_scaled {cfg}",
+                    lambda c=cfg: moe.moe_experts(
+                        x, weights, idx, experts, config=c, dot_scaled=True
+                    ),  # noqa: B023, E501
+                    nbytes=nbytes,
+                    note=f" of expert bytes, rel diff {err:.1e}",
+                )
+
+
 def probe_linear() -> None:
     # FP8 projections: output tile rows x K splits at T = 1 and 16
     from dsv4.bench.cases_linear import _fp8_weight
@@ -953,7 +986,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
