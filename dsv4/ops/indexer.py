@@ -7,11 +7,20 @@ score(t, c) = sum_h w_th * relu(q_th . keys[cand[t, c]]) in fp32, then the posit
 scores in descending order; equal scores resolve to the lower position (a stable descending sort),
 positions that are not visible (cand = -1) come out as -1.
 
-Two kernels:
+Kernels:
   _index_score_kernel   per (token, chunk of candidates): gather the key rows through cand_idxs,
                         S^T = K . Q[Hi, d]^T on tensor cores, relu, weighted sum over heads, and write
-                        each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN).
-  _index_select_kernel  per (row, segment of <= BLOCK_L keys), all in registers: a bitwise search
+                        each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN);
+                        for the hist select also count each key into its token's histograms of the
+                        key's top 16 bits (global atomics) and top 8 bits (one flush per program).
+  _index_hist_select_kernel  (decode rows of <= HIST_MAX_TOKENS tokens longer than one segment)
+                        per (segment, token): the bin of the k-th largest key from the counts, then
+                        the segment's keys above that bin (winners) and in it (candidates) filed to
+                        scratch; the row's last program sorts winners + candidates (packed as below),
+                        keeps k, and zeroes the counts it used. A threshold bin too full for the sort
+                        first keeps its best candidates by a bitwise search (_keep_largest).
+  _index_select_kernel  (the other rows: "levels")
+                        per (row, segment of <= BLOCK_L keys), all in registers: a bitwise search
                         finds the k-th largest key (counting reductions from the highest bit where
                         the keys differ, until exactly k keys are at or above the prefix), then the
                         winners are compacted in position order. Ties at the threshold keep the
@@ -586,7 +595,10 @@ def index_topk(
     assert select in ("hist", "levels"), f"select must be 'hist' or 'levels', got {select!r}"
     if select == "hist":
         assert sort and T <= HIST_MAX_TOKENS, f"hist select: sorted, T <= {HIST_MAX_TOKENS} (T={T})"
-        assert C < 2**24, f"hist select: C < 2^24 (C={C})"  # the packed filing counts
+        # the packed filing counts (24 bits each) and the one scan of both (16 bits each)
+        assert C < 2**24 and segment < 2**16, (
+            f"hist select: C < 2^24, segment < 2^16 ({C}, {segment})"
+        )
         fine, coarse, _ = _hist_workspace(q.device)
         skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse))
         _hist_select(skey, out, segment, select_warps or 16)
