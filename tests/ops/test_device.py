@@ -1,0 +1,35 @@
+"""dsv4.ops.device: the launchers' split heuristic and the shared zeroed arrays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops import device
+
+
+@pytest.mark.parametrize(
+    "length,block,programs,target,most",
+    [(4096, 128, 4, 132, 16), (100, 32, 1, 8, 8), (64, 64, 200, 132, 4)],
+)
+def test_split_reduction(length: int, block: int, programs: int, target: int, most: int) -> None:
+    # every split a multiple of block, together covering length, none empty, at most `most`
+    per, splits = device.split_reduction(length, block, programs, target, most)
+    assert per % block == 0 and 1 <= splits <= most
+    assert (splits - 1) * per < length <= splits * per
+
+
+def test_arrival_counts_shared() -> None:
+    # one zeroed array per (owner, device, size), handed out again on every call
+    a = device.arrival_counts("test", torch.device("cpu"), 8)
+    assert a.dtype == torch.int32 and not a.any()
+    assert device.arrival_counts("test", torch.device("cpu"), 8) is a
+    assert device.arrival_counts("other", torch.device("cpu"), 8) is not a
+
+
+@pytest.mark.gpu
+def test_arrival_counts_cuda_index() -> None:
+    # "cuda" and "cuda:<current>" name the same array: a kernel's counts and its reset must meet
+    a = device.arrival_counts("test", torch.device("cuda"), 8)
+    b = device.arrival_counts("test", torch.device("cuda", torch.cuda.current_device()), 8)
+    assert a is b
