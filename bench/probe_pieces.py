@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
 from dsv4.bench.probe_inputs import AttnDecode, hc_pre_params
-from dsv4.ops import indexer, mhc, sparse_attn
+from dsv4.ops import indexer, mhc, ref, sparse_attn
 
 ROWS: list[dict] = []
 
@@ -921,6 +921,47 @@ def probe_moe_tiles() -> None:
                 )
 
 
+def probe_moe_gemv() -> None:
+    # batch 1 (6 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA cores)
+    # at several tiles against the dot forms
+    from dsv4.bench.cases_moe import _expert_bytes, random_experts
+    from dsv4.ops import moe
+
+    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda")
+    per_expert = _expert_bytes(experts[0])
+    for T in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(T)
+        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+        weights = torch.rand(T, k, generator=g, device="cuda") / k
+        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+        nbytes = int(idx.unique().numel()) * per_expert
+        want = ref.moe_experts(x, weights, idx, experts)
+        variants = [("dot, autotuned", None, False, False), ("dot_scaled", None, True, False)]
+        for bn, bk, w in ((32, 128, 4), (64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 64, 4),
+                          (64, 128, 8), (128, 128, 8), (32, 256, 4)):  # fmt: skip
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 3}
+            variants.append((f"gemv {cfg}", cfg, False, True))
+        for _ in range(2):
+            for name, cfg, ds, gv in variants:
+                got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds, gemv=gv)
+                err = float((got - want).norm() / want.norm())
+                us(
+                    f"moe T={T} {name}",
+                    lambda c=cfg, d=ds, v=gv: moe.moe_experts(  # noqa: B023
+                        x,
+                        weights,
+                        idx,
+                        experts,
+                        config=c,
+                        dot_scaled=d,
+                        gemv=v,  # noqa: B023
+                    ),
+                    nbytes=nbytes,
+                    note=f" of expert bytes, rel err vs ref {err:.1e}",
+                )
+
+
 def probe_linear() -> None:
     # FP8 projections: output tile rows x K splits at T = 1 and 16
     from dsv4.bench.cases_linear import _fp8_weight
@@ -986,7 +1027,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [trace] [probe] [kernels] [sweep]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [trace] [probe] [kernels] [sweep]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -38,6 +38,13 @@ for part in $PARTS; do
           bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,16 \
           --context 131072 --prefill 0 --repeat 3 --graph --json "$OUT/step_hist$hist.json" 2>&1 \
           | tee "$OUT/step_hist$hist.txt"
+      done ;;
+    gemv_ab)  # decode step at batch 1: the experts' dot form (GEMV off) vs the default
+      for pairs in 0 8; do
+        python3 -c "import sys, dsv4.ops.moe as m; m.GEMV_MAX_PAIRS = $pairs; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1 \
+          --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_gemv$pairs.json" 2>&1 \
+          | tee "$OUT/step_gemv$pairs.txt"
       done ;;
     trace)  # every kernel of one decode step (3 layers + head) by device time: what to fuse next
       python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \

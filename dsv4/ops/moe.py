@@ -48,6 +48,10 @@ DOT_SCALED_MIN_PAIRS = 64
 # its tiles (fixed, no autotuning): the best of those measured at T = 16 and 64, 3% ahead of the
 # autotuner's picks (749.6 vs 774.0 and 1777.5 vs 1809.8 us)
 DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+# one pair per row-block and the products summed on the CUDA cores (no tensor-core dot, whose
+# operand layout costs register moves per weight) up to this many pairs on a GPU: batch 1 (k=6)
+GEMV_MAX_PAIRS = 8
+GEMV_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
@@ -128,6 +132,88 @@ def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         v = bits.to(tl.float32, bitcast=True)
     return v.to(ty)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV form (batch 1): 32-bit words of 8 codes, each column's product summed per scale group
+# ---------------------------------------------------------------------------------------------
+
+# e2m1 code i of a 32-bit word (bits 4i..4i+3: column i, low nibble first) -> fp16 bits
+# (sign << 15 | e1 e0 m << 9, the value times 2^-14 as _mxfp4_tile) for codes i and i+4 in the two
+# halves of one register (a shift, a shift, two masks), then one cvt per code
+_E2M1_WORDS_ASM = tl.constexpr(
+    "\n".join(
+        ["{", ".reg .b32 a, b;", ".reg .b16 l, u;"]
+        + [
+            line
+            for i in range(4)
+            for line in (
+                f"shl.b32 a, $8, {12 - 4 * i};" if i < 3 else "mov.b32 a, $8;",
+                f"shl.b32 b, $8, {9 - 4 * i};" if i < 3 else "shr.b32 b, $8, 3;",
+                "and.b32 a, a, 0x80008000;",
+                "and.b32 b, b, 0x0E000E00;",
+                "or.b32 a, a, b;",
+                "mov.b32 {l, u}, a;",
+                f"cvt.f32.f16 ${i}, l;",
+                f"cvt.f32.f16 ${i + 4}, u;",
+            )
+        ]
+        + ["}"]
+    )
+)
+
+
+@triton.jit
+def _e2m1_code(words, i: tl.constexpr):
+    # code i of each int32 word -> fp32 value * 2^-14 (the interpreter's form of the asm)
+    c = (words >> (4 * i)) & 0xF
+    bits = ((c & 0x8) << 12) | ((c & 0x7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_words(words, ASM: tl.constexpr):
+    # int32 [..] words of 8 e2m1 codes -> 8 fp32 tensors [..]: column 8j + i of word j, * 2^-14
+    if ASM:
+        return tl.inline_asm_elementwise(
+            _E2M1_WORDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return (_e2m1_code(words, 0), _e2m1_code(words, 1), _e2m1_code(words, 2),
+                _e2m1_code(words, 3), _e2m1_code(words, 4), _e2m1_code(words, 5),
+                _e2m1_code(words, 6), _e2m1_code(words, 7))  # fmt: skip
+
+
+@triton.jit
+def _mxfp4_gemv(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, v_ptr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scales + BLOCK_K v
+    # -> sum_k W[n, k] v[k] per scale group of k0..k0+BLOCK_K: fp32 [BLOCK_N, BLOCK_K / 32].
+    # Each code is decoded once and meets its v in one fma; the scale multiplies a group's sum
+    NW: tl.constexpr = BLOCK_K // 8  # words per row
+    offs_w = k0 // 8 + tl.arange(0, NW)
+    words = tl.load(
+        w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_w // 4) + offs_w[None, :],
+        mask=n_ok[:, None],
+        other=0,
+    )
+    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_words(words, ASM)
+    v_at = v_ptr + k0 + 8 * tl.arange(0, NW)
+    t = c0 * tl.load(v_at).to(tl.float32)[None, :]
+    t += c1 * tl.load(v_at + 1).to(tl.float32)[None, :]
+    t += c2 * tl.load(v_at + 2).to(tl.float32)[None, :]
+    t += c3 * tl.load(v_at + 3).to(tl.float32)[None, :]
+    t += c4 * tl.load(v_at + 4).to(tl.float32)[None, :]
+    t += c5 * tl.load(v_at + 5).to(tl.float32)[None, :]
+    t += c6 * tl.load(v_at + 6).to(tl.float32)[None, :]
+    t += c7 * tl.load(v_at + 7).to(tl.float32)[None, :]
+    offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
+    sc = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
+    # scale 2^(S-127) times the 2^14 above: fp32 bits (S + 14) << 23 (S <= 240)
+    scale = ((sc.to(tl.uint8, bitcast=True).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    t = tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK // 8)), 2)
+    return t * scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,6 +299,8 @@ def _moe_gate_up_kernel(
     PRECISION: tl.constexpr,
     DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes instead of _mxfp4_tile
     X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
+    GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
+    ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -242,10 +330,20 @@ def _moe_gate_up_kernel(
     # ---- x [BLOCK_M, K] . W1^T, W3^T [K, BLOCK_N]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part_g = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
+    part_u = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * stride_xt
+    x_one = x_ptr + (tl.load(rows_ptr + pid_m) // TOPK).to(tl.int64) * stride_xt  # GEMV's x row
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
-        if DOT_SCALED:  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
+        if GEMV:  # the one pair's x row against the [BLOCK_N, BLOCK_K] codes, on the CUDA cores
+            part_g += _mxfp4_gemv(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, x_one,
+                                  BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+            part_u += _mxfp4_gemv(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, x_one,
+                                  BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        elif DOT_SCALED:
+            x = tl.load(
+                x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0
+            )  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
             bg, sg = _mxfp4_raw(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
                                 BLOCK_K)  # fmt: skip
             bu, su = _mxfp4_raw(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
@@ -253,6 +351,7 @@ def _moe_gate_up_kernel(
             acc_g = tl.dot_scaled(x, None, X_FMT, tl.trans(bg), sg, "e2m1", acc_g, fast_math=True)
             acc_u = tl.dot_scaled(x, None, X_FMT, tl.trans(bu), su, "e2m1", acc_u, fast_math=True)
         else:
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             wg = _mxfp4_tile(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             wu = _mxfp4_tile(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             if UPCAST:
@@ -262,6 +361,10 @@ def _moe_gate_up_kernel(
                 wu = wu.to(x.dtype)
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
+
+    if GEMV:
+        acc_g = tl.reshape(tl.sum(part_g, 1), (BLOCK_M, BLOCK_N))
+        acc_u = tl.reshape(tl.sum(part_u, 1), (BLOCK_M, BLOCK_N))
 
     # ---- epilogue: the linears' x.dtype outputs, clamp, silu * u, routing weight -> x.dtype
     out_ty = h_ptr.dtype.element_ty
@@ -301,6 +404,8 @@ def _moe_down_kernel(
     PRECISION: tl.constexpr,
     DOT_SCALED: tl.constexpr,  # tl.dot_scaled on the packed codes instead of _mxfp4_tile
     X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
+    GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
+    ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -326,14 +431,20 @@ def _moe_down_kernel(
 
     # ---- h [BLOCK_M, K] . W2^T [K, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
     h_rows = h_ptr + pair[:, None] * stride_ht
+    h_one = h_ptr + tl.load(rows_ptr + pid_m).to(tl.int64) * stride_ht  # GEMV's h row
     for k0 in range(0, K, BLOCK_K):
-        h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
-        if DOT_SCALED:
+        if GEMV:
+            part += _mxfp4_gemv(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, h_one,
+                                BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        elif DOT_SCALED:
+            h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             b, sc = _mxfp4_raw(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
                                BLOCK_K)  # fmt: skip
             acc = tl.dot_scaled(h, None, X_FMT, tl.trans(b), sc, "e2m1", acc, fast_math=True)
         else:
+            h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             w = _mxfp4_tile(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N, BLOCK_K)
             if UPCAST:
                 h = h.to(tl.float32)
@@ -341,6 +452,8 @@ def _moe_down_kernel(
                 w = w.to(h.dtype)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
 
+    if GEMV:
+        acc = tl.reshape(tl.sum(part, 1), (BLOCK_M, BLOCK_N))
     o_ptrs = out_ptr + pair[:, None] * stride_ot + offs_n[None, :]
     tl.store(
         o_ptrs, _round(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :]
@@ -535,11 +648,13 @@ def moe_experts(
     experts: torch.nn.ModuleList,
     config: dict | None = None,
     dot_scaled: bool | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
-    # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU --
-    # knobs for bench/probe_pieces.py)
+    # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
+    # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
+    # on a GPU -- knobs for bench/probe_pieces.py and the tests)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
         return ref.moe_experts(x, weights, idx, experts)
 
@@ -562,7 +677,9 @@ def moe_experts(
     P = T * k
     if P == 0:
         return torch.zeros((T, D), dtype=torch.float32, device=x.device)
-    block_m = 16 if P < 2048 else 64
+    if gemv is None:
+        gemv = x.is_cuda and P <= GEMV_MAX_PAIRS
+    block_m = 1 if gemv else 16 if P < 2048 else 64
     rows, blk = align_rows(idx, E, block_m)
     NB = blk.numel()
     rw = weights.reshape(-1).float().contiguous()  # [P] fp32
@@ -574,9 +691,10 @@ def moe_experts(
     rne = x.device.type != "cuda" and x.dtype == torch.bfloat16
     if dot_scaled is None:
         dot_scaled = x.is_cuda and P >= DOT_SCALED_MIN_PAIRS
-    scaled = dot_scaled and x.dtype != torch.float32
+    scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
-                  DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16")  # fmt: skip
+                  DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
+                  GEMV=gemv, ASM=gemv and x.is_cuda)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 
@@ -595,6 +713,8 @@ def moe_experts(
     fits = D % DOT_SCALED_CONFIG["BLOCK_K"] == I % DOT_SCALED_CONFIG["BLOCK_K"] == 0
     if config is None and scaled and fits:
         config = DOT_SCALED_CONFIG
+    if config is None and gemv and x.device.type == "cuda":
+        config = GEMV_CONFIG
     if config is None and x.device.type == "cuda":
         _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
         _down_tuned[grid(D)](*args2, **consts)

@@ -99,6 +99,21 @@ def test_moe_experts_dot_scaled(D: int, I: int, E: int, k: int, T: int, skew: bo
     assert _rel(y, y0) < TOL[torch.bfloat16], _rel(y, y0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,I,E,k,T,skew", [SHAPES[0], SHAPES[1], SHAPES[3]])
+def test_moe_experts_gemv(D: int, I: int, E: int, k: int, T: int, skew: bool, dtype) -> None:  # noqa: E741, ANN001
+    # one pair per row-block, products summed on the CUDA cores (the GPU's batch-1 path): the same
+    # cast points, so the same tolerance against the reference and the dot path
+    experts = _experts(D, I, E, seed=D + I + E)
+    weights, idx = _routing(T, k, E, skew, seed=T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
+    y = moe.moe_experts(x, weights, idx, experts, gemv=True)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < TOL[dtype], _rel(y, want)
+    y0 = moe.moe_experts(x, weights, idx, experts, gemv=False)
+    assert _rel(y, y0) < TOL[dtype], _rel(y, y0)
+
+
 def test_moe_experts_strided_x_and_limit() -> None:
     # x rows with a padded stride, a limit small enough that both clamps bite
     experts = _experts(64, 32, 4, seed=3)
@@ -226,9 +241,9 @@ def test_bench_cases_quick() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dot_scaled", [False, True])
+@pytest.mark.parametrize("path", ["dot", "dot_scaled", "gemv"])
 @pytest.mark.parametrize("T", [1, 16, 64])
-def test_moe_experts_flash_gpu(T: int, dot_scaled: bool) -> None:
+def test_moe_experts_flash_gpu(T: int, path: str) -> None:
     # Flash sizes D=4096, inter=2048; 32 experts (memory), k=6, bf16, against ref on the GPU
     from dsv4.bench.cases_moe import random_experts
 
@@ -238,7 +253,9 @@ def test_moe_experts_flash_gpu(T: int, dot_scaled: bool) -> None:
     idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
     weights = torch.rand(T, k, generator=g, device="cuda") / k
     x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-    y = moe.moe_experts(x, weights, idx, experts, dot_scaled=dot_scaled)
+    y = moe.moe_experts(
+        x, weights, idx, experts, dot_scaled=path == "dot_scaled", gemv=path == "gemv"
+    )
     want = ref.moe_experts(x, weights, idx, experts)
     want32 = ref.moe_experts(x.float(), weights, idx, experts)
     assert y.dtype == torch.float32 and y.shape == (T, D)
