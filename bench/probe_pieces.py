@@ -930,19 +930,18 @@ def probe_moe_gemv() -> None:
     D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
     experts = random_experts(D, I, E, "cuda")
     per_expert = _expert_bytes(experts[0])
-    for T in (1, 2):
+    for T in (1, 2, 3, 4, 6, 8):
         g = torch.Generator(device="cuda").manual_seed(T)
         idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
         weights = torch.rand(T, k, generator=g, device="cuda") / k
         x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
         nbytes = int(idx.unique().numel()) * per_expert
         want = ref.moe_experts(x, weights, idx, experts)
-        variants = [("dot, autotuned", None, False, False), ("dot_scaled", None, True, False)]
-        for bn, bk, w in ((32, 128, 4), (64, 128, 4), (128, 128, 4), (64, 256, 4), (128, 64, 4),
-                          (64, 128, 8), (128, 128, 8), (32, 256, 4)):  # fmt: skip
+        variants = [("dot, autotuned", None, False, False)]
+        for bn, bk, w in ((32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4)):
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 3}
             variants.append((f"gemv {cfg}", cfg, False, True))
-        for _ in range(2):
+        for _ in range(1):
             for name, cfg, ds, gv in variants:
                 got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds, gemv=gv)
                 err = float((got - want).norm() / want.norm())

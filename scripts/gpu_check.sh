@@ -39,10 +39,10 @@ for part in $PARTS; do
           --context 131072 --prefill 0 --repeat 3 --graph --json "$OUT/step_hist$hist.json" 2>&1 \
           | tee "$OUT/step_hist$hist.txt"
       done ;;
-    gemv_ab)  # decode step at batch 1: the experts' dot form (GEMV off) vs the default
-      for pairs in 0 8; do
+    gemv_ab)  # decode step at batch 1-8: the experts' dot form (GEMV off) vs the default
+      for pairs in 0 48; do
         python3 -c "import sys, dsv4.ops.moe as m; m.GEMV_MAX_PAIRS = $pairs; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
-          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1 \
+          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2,4,8 \
           --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_gemv$pairs.json" 2>&1 \
           | tee "$OUT/step_gemv$pairs.txt"
       done ;;

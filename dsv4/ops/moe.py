@@ -50,8 +50,9 @@ DOT_SCALED_MIN_PAIRS = 64
 DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 # one pair per row-block and the products summed on the CUDA cores (no tensor-core dot, whose
 # operand layout costs register moves per weight) up to this many pairs on a GPU: batch 1 (k=6)
-GEMV_MAX_PAIRS = 8
-GEMV_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+GEMV_MAX_PAIRS = 48
+GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+GEMV_CONFIG_ONE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # <= 8 pairs
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
@@ -714,7 +715,7 @@ def moe_experts(
     if config is None and scaled and fits:
         config = DOT_SCALED_CONFIG
     if config is None and gemv and x.device.type == "cuda":
-        config = GEMV_CONFIG
+        config = GEMV_CONFIG_ONE if P <= 8 else GEMV_CONFIG
     if config is None and x.device.type == "cuda":
         _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
         _down_tuned[grid(D)](*args2, **consts)
