@@ -20,10 +20,14 @@ a static bound, so the grids are static and blocks past the real count exit at o
   _moe_down_kernel     per (row-block, D tile): h rows times decoded W2^T; out [T*k, D] in x.dtype
                        (the reference's w2 output dtype), summed over the k slots in fp32 by torch.
 
-The codes are decoded one of two ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
-weights times the scale, then x.dtype) or, for bf16/fp16 x on a GPU from DOT_SCALED_MIN_PAIRS
-pairs, by `tl.dot_scaled` on the packed codes (the compiler's decode, exact in bf16; fewer
-instructions per weight, which bound these kernels). Both give the same products.
+The codes are decoded one of three ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
+weights times the scale, then x.dtype) into a tensor-core dot; for bf16/fp16 x on a GPU from
+DOT_SCALED_MIN_PAIRS pairs, by `tl.dot_scaled` on the packed codes (the compiler's decode, exact in
+bf16; fewer instructions per weight, which bound these kernels); or, on a GPU up to GEMV_MAX_PAIRS
+pairs, in the GEMV form (`_mxfp4_gemv`): one pair per row-block, the 8 codes of each 32-bit word
+decoded by inline PTX (a Triton decode in the interpreter), one fp32 fma per weight on the CUDA
+cores and the scale once per 32-group. All give the same products (exact: e2m1 * 2^k times a bf16
+is exact in fp32); only the summation order differs.
 
 Cast points follow `Expert.forward`: the gate/up results are rounded to x.dtype before the clamp,
 h is rounded to x.dtype before w2 and each pair's w2 output is rounded to x.dtype before the sum.
@@ -48,8 +52,10 @@ DOT_SCALED_MIN_PAIRS = 64
 # its tiles (fixed, no autotuning): the best of those measured at T = 16 and 64, 3% ahead of the
 # autotuner's picks (749.6 vs 774.0 and 1777.5 vs 1809.8 us)
 DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-# one pair per row-block and the products summed on the CUDA cores (no tensor-core dot, whose
-# operand layout costs register moves per weight) up to this many pairs on a GPU: batch 1 (k=6)
+# the GEMV form (one pair per row-block, products summed on the CUDA cores) up to this many pairs
+# on a GPU: batch <= 8 at k=6. H200 (bench/probe_pieces.py moe_gemv), routed experts at T = 1, 2,
+# 4, 8: 78.6 vs 83.6, 120.5 vs 150.1, 205.4 vs 275.0, 358-375 vs 478.4 us for the dot form.
+# It reads an expert's weights once per pair, so experts shared by several tokens are read again
 GEMV_MAX_PAIRS = 48
 GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 GEMV_CONFIG_ONE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # <= 8 pairs
