@@ -684,8 +684,10 @@ def moe_experts(
     P = T * k
     if P == 0:
         return torch.zeros((T, D), dtype=torch.float32, device=x.device)
+    # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
-        gemv = x.is_cuda and P <= GEMV_MAX_PAIRS
+        gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
+    assert not (gemv and x.is_cuda and table.unit != 16), "gemv: expert weights not 16-B aligned"
     block_m = 1 if gemv else 16 if P < 2048 else 64
     rows, blk = align_rows(idx, E, block_m)
     NB = blk.numel()
@@ -721,7 +723,9 @@ def moe_experts(
     if config is None and scaled and fits:
         config = DOT_SCALED_CONFIG
     if config is None and gemv and x.device.type == "cuda":
-        config = GEMV_CONFIG_ONE if P <= 8 else GEMV_CONFIG
+        config = dict(GEMV_CONFIG_ONE if P <= 8 else GEMV_CONFIG)
+        while D % config["BLOCK_K"] or I % config["BLOCK_K"]:  # D, I: multiples of 32
+            config["BLOCK_K"] //= 2
     if config is None and x.device.type == "cuda":
         _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
         _down_tuned[grid(D)](*args2, **consts)

@@ -301,3 +301,16 @@ def test_swiglu_gpu() -> None:
     for weights in (None, w):
         got, want = moe.swiglu(g, u, 7.0, weights), ref.swiglu(g, u, 7.0, weights)
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+def test_moe_experts_gemv_small_gpu(T: int) -> None:
+    # the GEMV form's default on a GPU at widths its tiles do not divide (BLOCK_K halved to 32)
+    experts = _experts(96, 64, 9, seed=11, device="cuda")
+    weights, idx = _routing(T, 3, 9, False, seed=T)
+    x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
+    x, weights, idx = x.cuda(), weights.cuda(), idx.cuda()
+    y = moe.moe_experts(x, weights, idx, experts)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < TOL[torch.bfloat16], _rel(y, want)
