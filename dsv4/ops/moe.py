@@ -142,7 +142,7 @@ def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMV form (batch 1): 32-bit words of 8 codes, each column's product summed per scale group
+# GEMV form (batch <= 8): 32-bit words of 8 codes, the products summed per scale group
 # ---------------------------------------------------------------------------------------------
 
 # e2m1 code i of a 32-bit word (bits 4i..4i+3: column i, low nibble first) -> fp16 bits
@@ -347,10 +347,8 @@ def _moe_gate_up_kernel(
                                   BLOCK_N, BLOCK_K, ASM)  # fmt: skip
             part_u += _mxfp4_gemv(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, x_one,
                                   BLOCK_N, BLOCK_K, ASM)  # fmt: skip
-        elif DOT_SCALED:
-            x = tl.load(
-                x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0
-            )  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
+        elif DOT_SCALED:  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             bg, sg = _mxfp4_raw(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
                                 BLOCK_K)  # fmt: skip
             bu, su = _mxfp4_raw(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
