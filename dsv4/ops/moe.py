@@ -636,6 +636,15 @@ def align_rows(
     return rows, experts
 
 
+def gemv_config(pairs: int, D: int, I: int) -> dict:  # noqa: E741
+    """The GEMV form's tiles for `pairs` (token, slot) pairs: GEMV_CONFIG_ONE up to 8 pairs, else
+    GEMV_CONFIG, BLOCK_K halved until it divides D and I (multiples of 32)."""
+    config = dict(GEMV_CONFIG_ONE if pairs <= 8 else GEMV_CONFIG)
+    while D % config["BLOCK_K"] or I % config["BLOCK_K"]:
+        config["BLOCK_K"] //= 2
+    return config
+
+
 def _fp4(experts: torch.nn.ModuleList) -> bool:
     e0 = experts[0]
     return all(getattr(e0, n).fmt == "fp4" for n in ("w1", "w3", "w2"))
@@ -721,9 +730,7 @@ def moe_experts(
     if config is None and scaled and fits:
         config = DOT_SCALED_CONFIG
     if config is None and gemv and x.device.type == "cuda":
-        config = dict(GEMV_CONFIG_ONE if P <= 8 else GEMV_CONFIG)
-        while D % config["BLOCK_K"] or I % config["BLOCK_K"]:  # D, I: multiples of 32
-            config["BLOCK_K"] //= 2
+        config = gemv_config(P, D, I)
     if config is None and x.device.type == "cuda":
         _gate_up_tuned[grid(I)](*args1, TOPK=k, **consts)
         _down_tuned[grid(D)](*args2, **consts)

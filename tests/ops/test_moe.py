@@ -114,6 +114,16 @@ def test_moe_experts_gemv(D: int, I: int, E: int, k: int, T: int, skew: bool, dt
     assert _rel(y, y0) < TOL[dtype], _rel(y, y0)
 
 
+@pytest.mark.parametrize("D,I", [(4096, 2048), (96, 64), (64, 32), (7168, 2048)])
+@pytest.mark.parametrize("pairs", [6, 12, 48])
+def test_gemv_config(D: int, I: int, pairs: int) -> None:  # noqa: E741
+    # the GEMV tiles' reduction step divides both widths (the kernels' loops have no tail)
+    cfg = moe.gemv_config(pairs, D, I)
+    assert cfg["BLOCK_K"] >= 32 and D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, cfg
+    assert cfg["BLOCK_N"] == (16 if pairs <= 8 else 32)
+    assert moe.gemv_config(pairs, 4096, 2048)["BLOCK_K"] == 256
+
+
 def test_moe_experts_strided_x_and_limit() -> None:
     # x rows with a padded stride, a limit small enough that both clamps bite
     experts = _experts(64, 32, 4, seed=3)
