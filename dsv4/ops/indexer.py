@@ -174,6 +174,29 @@ def _min_count(v_a, n_a, v_b, n_b):
 
 
 @triton.jit
+def _open_bits(hi, not_lo, WIDE: tl.constexpr):
+    # largest key hi and ~least key not_lo (unsigned, 32 or WIDE 64 bits) -> (prefix, bit): the
+    # bits above the highest one where they differ (common to every key), and that highest bit
+    # (0 when hi == lo)
+    low = hi ^ ~not_lo  # smeared down from its highest set bit: the bits still open
+    low |= low >> 1
+    low |= low >> 2
+    low |= low >> 4
+    low |= low >> 8
+    low |= low >> 16
+    if WIDE:
+        low |= low >> 32
+    return hi & ~low, low ^ (low >> 1)
+
+
+@triton.jit
+def _unpack_positions(packed, C):
+    # packed (key << 32 | C-1-pos) int64 -> pos, -1 where the key is INT32_MIN (not visible)
+    pos = C - 1 - (packed & 0xFFFFFFFF)
+    return tl.where((packed >> 32).to(tl.int32) == INT32_MIN, -1, pos)
+
+
+@triton.jit
 def _kth_largest(u, valid, kk):
     # u: [BL] uint32 keys (unsigned order) ; valid: [BL] ; kk: 1 <= kk <= count(valid)
     # -> (thr, need): the kk-th largest valid u, and how many of the elements equal to thr to keep.
@@ -194,14 +217,7 @@ def _kth_largest(u, valid, kk):
     zero = tl.full([], 0, tl.uint32)
     # max of (u, ~u) side by side: the largest and the least key in one reduction
     hi, not_lo = tl.split(tl.max(tl.join(tl.where(valid, u, zero), tl.where(valid, ~u, zero)), 0))
-    low = hi ^ ~not_lo  # smeared down from its highest set bit: the bits still open
-    low |= low >> 1
-    low |= low >> 2
-    low |= low >> 4
-    low |= low >> 8
-    low |= low >> 16
-    prefix = hi & ~low
-    bit = low ^ (low >> 1)  # the highest open bit ; 0 when hi == lo
+    prefix, bit = _open_bits(hi, not_lo, False)
     above = tl.full([], 0, tl.int32)
     count = kk - 1  # anything but kk
     while (bit != 0) & (count != kk):
@@ -274,8 +290,7 @@ def _index_select_kernel(
         win = tl.load(out_row + offs_k, mask=offs_k < kk, other=INT64_MIN, cache_modifier=".cg")
         if SORT:
             win = tl.sort(win, descending=True)
-        pos = C - 1 - (win & 0xFFFFFFFF)
-        res = tl.where((win >> 32).to(tl.int32) == INT32_MIN, -1, pos)
+        res = _unpack_positions(win, C)
         tl.debug_barrier()
         tl.store(out_row + offs_k, res, mask=offs_k < K)
     else:
@@ -303,6 +318,18 @@ def _threshold_bin(h, kk, NB: tl.constexpr):
 
 
 @triton.jit
+def _flip(v):
+    # int64 -> uint64 in the same order
+    return v.to(tl.uint64, bitcast=True) ^ (tl.full([], 1, tl.uint64) << 63)
+
+
+@triton.jit
+def _flipped(at, m):
+    # masked L2 load of int64 values in their unsigned order (0 where masked)
+    return tl.where(m, _flip(tl.load(at, mask=m, other=0, cache_modifier=".cg")), 0)
+
+
+@triton.jit
 def _keep_largest(row, n, need, BLOCK: tl.constexpr):
     # row[0:n]: distinct packed int64 values, 1 <= need <= n -> the `need` largest now at
     # row[0:need] (in place). The slow path of the hist select (a threshold bin too full to sort:
@@ -310,40 +337,21 @@ def _keep_largest(row, n, need, BLOCK: tl.constexpr):
     # order, each step one counting pass over the row, from the highest bit where the largest and
     # least differ, until exactly `need` values are at or above the prefix
     offs = tl.arange(0, BLOCK)
-    flip = tl.full([], 1, tl.uint64) << 63
     hi = tl.full([], 0, tl.uint64)
     not_lo = tl.full([], 0, tl.uint64)
     for c0 in range(0, n, BLOCK):
         m = c0 + offs < n
-        u = (
-            tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg").to(
-                tl.uint64, bitcast=True
-            )
-            ^ flip
-        )
-        hi = tl.maximum(hi, tl.max(tl.where(m, u, 0)))
+        u = _flipped(row + c0 + offs, m)
+        hi = tl.maximum(hi, tl.max(u))
         not_lo = tl.maximum(not_lo, tl.max(tl.where(m, ~u, 0)))
-    low = hi ^ ~not_lo  # smeared down from its highest set bit: the bits still open
-    low |= low >> 1
-    low |= low >> 2
-    low |= low >> 4
-    low |= low >> 8
-    low |= low >> 16
-    low |= low >> 32
-    prefix = hi & ~low
-    bit = low ^ (low >> 1)
+    prefix, bit = _open_bits(hi, not_lo, True)
     count = need - 1  # anything but need
     while (bit != 0) & (count != need):
         cand = prefix | bit
         count = need * 0
         for c0 in range(0, n, BLOCK):
             m = c0 + offs < n
-            u = (
-                tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg").to(
-                    tl.uint64, bitcast=True
-                )
-                ^ flip
-            )
+            u = _flipped(row + c0 + offs, m)
             count += tl.sum((m & (u >= cand)).to(tl.int32))
         prefix = tl.where(count >= need, cand, prefix)
         bit = bit >> 1
@@ -352,7 +360,7 @@ def _keep_largest(row, n, need, BLOCK: tl.constexpr):
     for c0 in range(0, n, BLOCK):
         m = c0 + offs < n
         v = tl.load(row + c0 + offs, mask=m, other=0, cache_modifier=".cg")
-        sel = m & ((v.to(tl.uint64, bitcast=True) ^ flip) >= prefix)
+        sel = m & (_flip(v) >= prefix)
         sel_i = sel.to(tl.int32)
         tl.debug_barrier()  # every load of this chunk before a store may overwrite it
         tl.store(row + kept + tl.cumsum(sel_i, 0) - sel_i, v, mask=sel)
@@ -421,9 +429,9 @@ def _index_hist_select_kernel(
 
     # ---- the row's last program: sort winners + the best candidates, keep K, zero the counts
     tl.debug_barrier()  # every store of this program before its arrival is released
-    before = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
-    if (before >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
-        n_cand = ((before >> 24) & 0xFFFFFF).to(tl.int32)
+    arrived = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
+    if (arrived >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
+        n_cand = ((arrived >> 24) & 0xFFFFFF).to(tl.int32)
         if n_win + n_cand > FAST:
             _keep_largest(buf_row + K, n_cand, K - n_win, FAST)
             n_cand = K - n_win
@@ -433,8 +441,7 @@ def _index_hist_select_kernel(
             buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
         )
         top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
-        pos = C - 1 - (top & 0xFFFFFFFF)
-        res = tl.where((top >> 32).to(tl.int32) == INT32_MIN, -1, pos)
+        res = _unpack_positions(top, C)
         offs_k = tl.arange(0, BLOCK_K)
         tl.store(out_ptr + t64 * stride_ot + offs_k, res, mask=offs_k < K)
         # the fine bins of every coarse bin in use (16 fine bins of each a store), the coarse bins

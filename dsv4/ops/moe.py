@@ -110,6 +110,13 @@ def _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.c
 
 
 @triton.jit
+def _e8m0_scale(s):
+    # e8m0 scale bytes (uint8) -> fp32 2^(S-127) times 2^14, which the e2m1 decodes below leave
+    # out: fp32 bits (S + 14) << 23 (S <= 240)
+    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp4_tile(
     w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
@@ -124,8 +131,7 @@ def _mxfp4_tile(
     lo = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # interleave even/odd columns
-    # scale 2^(S-127) times the 2^14 above: fp32 bits (S + 14) << 23 (S <= 240)
-    scale = ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    scale = _e8m0_scale(s)
     w = tl.reshape(w, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK)) * scale[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
 
@@ -217,8 +223,7 @@ def _mxfp4_gemv(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, v_ptr, BLOCK
     t += c7 * tl.load(v_at + 7).to(tl.float32)[None, :]
     offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
     sc = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
-    # scale 2^(S-127) times the 2^14 above: fp32 bits (S + 14) << 23 (S <= 240)
-    scale = ((sc.to(tl.uint8, bitcast=True).to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    scale = _e8m0_scale(sc.to(tl.uint8, bitcast=True))
     t = tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK // 8)), 2)
     return t * scale
 
