@@ -16,6 +16,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "max_memory",
     "memory_fraction",
     "cuda_graphs",
+    "kv_cache_dtype",
 )
 
 
@@ -102,6 +103,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--cuda-graphs",
         action="store_true",
         help="replay decode steps as CUDA graphs (needs --device cuda --ops triton --quantized)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8"],
+        help="attention state: auto = the compute dtype; fp8 = FP8 entries (584 B at Flash "
+        "width: e4m3 nope, bf16 rope, UE8M0 scales), as vLLM's fp8_ds_mla",
     )
 
 

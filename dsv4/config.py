@@ -557,6 +557,9 @@ class ParallelInfo:
     rank: int = 0
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the model runs: device, compute dtype, op backend, state limits."""
@@ -568,6 +571,9 @@ class EngineConfig:
     max_seqs: int = 8
     max_seq_len: int = 4096
     cuda_graphs: bool = False  # replay decode steps as CUDA graphs (cuda, ops="triton", quantized)
+    # attention state (window rings, compressed entries): "auto" = the compute dtype; "fp8" = 584-byte
+    # FP8 entries at Flash width (e4m3 nope + bf16 rope + UE8M0 scales, `dsv4.quant.kv_entry_layout`)
+    kv_cache_dtype: str = "auto"
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
 
     def __post_init__(self) -> None:
@@ -583,6 +589,10 @@ class EngineConfig:
                 "reference ops, and the routed experts once dequantized, wait on the device "
                 f"inside the step); got device={self.device!r}, ops={self.ops!r}, "
                 f"quantized={self.quantized}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
             raise ConfigError(
@@ -641,6 +651,7 @@ class ServerConfig:
     max_memory: int | None = None
     memory_fraction: float | None = None
     cuda_graphs: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -52,6 +52,7 @@ class LLM:
         memory_fraction: float | None = None,
         block_size: int | None = None,
         cuda_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -63,6 +64,7 @@ class LLM:
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             cuda_graphs=cuda_graphs,
+            kv_cache_dtype=kv_cache_dtype,
         )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
@@ -89,16 +91,25 @@ class LLM:
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
-            num_blocks = DecodeState.blocks_for_budget(args, max_seqs, max_memory, tdt, block_size)
+            num_blocks = DecodeState.blocks_for_budget(
+                args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
+            )
         # the scheduler hands out these pages (block tables start empty)
         self.state = DecodeState(
-            args, max_seqs, max_seq_len, tdt, device, num_blocks=num_blocks, block_size=block_size
+            args,
+            max_seqs,
+            max_seq_len,
+            tdt,
+            device,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_format=kv_cache_dtype,
         )
         log.info(
             "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
             "%d tokens; %.1f MiB",
-            bytes_per_token(args, tdt),
-            bytes_per_seq(args, tdt),
+            bytes_per_token(args, tdt, kv_cache_dtype),
+            bytes_per_seq(args, tdt, kv_cache_dtype),
             self.state.num_blocks,
             self.state.block_size,
             self.state.num_blocks * self.state.block_size,
@@ -133,7 +144,12 @@ class LLM:
             with torch.inference_mode(False):  # normal tensors: usable inside and outside
                 c = self.config
                 self._score_state = DecodeState(
-                    self.args, c.max_seqs, c.max_seq_len, c.torch_dtype, c.device
+                    self.args,
+                    c.max_seqs,
+                    c.max_seq_len,
+                    c.torch_dtype,
+                    c.device,
+                    kv_format=c.kv_cache_dtype,
                 )
         return self._score_state
 

@@ -264,7 +264,7 @@ class Attention(nn.Module):
         a, self.ops = b.args, b.ops
         self.kind = a.layer_types[layer_id] if layer_id < a.n_layers else SLIDING
         self.n_heads, self.head_dim, self.window = a.n_heads, a.head_dim, a.window_size
-        self.o_groups, self.eps = a.o_groups, a.norm_eps
+        self.o_groups, self.eps, self.rope_dim = a.o_groups, a.norm_eps, a.rope_head_dim
         self.wq_a = b.linear(a.dim, a.q_lora_rank)
         self.q_norm = b.norm(a.q_lora_rank)
         self.wq_b = b.linear(a.q_lora_rank, a.n_heads * a.head_dim)
@@ -288,9 +288,20 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(T, H, hd)
         q = self.ops.norm_rope(q, None, self.eps, *rope)
         # ---- window K=V of the new tokens; at decode also stored into the ring in the same op
-        # (the slot it takes held position p - window, outside every window of this step)
-        store = (ls.window, batch.ring_writes(self.window)[1]) if batch.decode else None
+        # (the slot it takes held position p - window, outside every window of this step). With
+        # FP8 state (uint8 rows) a prefill chunk is quantized the same way into rows of its own,
+        # which attention then reads like the ring (the reference rounds them alike, spec 3.3)
+        chunk = None
+        if batch.decode:
+            store = (ls.window, batch.ring_writes(self.window)[1])
+        elif ls.window.dtype == torch.uint8:
+            chunk = ls.window.new_empty((T, ls.window.shape[1]))
+            store = (chunk, batch.memo(("arange", T), lambda: torch.arange(T, device=x.device)))
+        else:
+            store = None
         kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope, store=store)
+        if chunk is not None:
+            kv = chunk
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
         # in the ring: ring | compressed entries (one allocation: one source for the kernel)
         idxs = batch.window_idxs(self.window, ring_only=batch.decode)  # [T, W]
@@ -305,7 +316,7 @@ class Attention(nn.Module):
             else:  # all visible entries: one list for every HCA layer of the step
                 idxs = batch.attention_idxs(self.window, st.ratio, base)
             sources.append(st.kv_cache)
-        o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5)
+        o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5, self.rope_dim)
         if not batch.decode:  # a chunk's ring slots still hold its earlier tokens' windows
             tok, rows = batch.ring_writes(self.window)
             ls.window[rows] = kv[tok].to(ls.window.dtype)

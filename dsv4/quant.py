@@ -368,3 +368,63 @@ def mxfp4_to_fp8(
                 f"S={int(st[i // FP8_BLOCK, j // FP8_BLOCK]) + 6}; pass strict=False to accept"
             )
     return q, st.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 decode-state entries (FlashMLA "MODEL1" / vLLM fp8_ds_mla, spec 9.4): one K=V row of
+# head_dim channels as [nope e4m3 | rope bf16 | one UE8M0 exponent per 64 nope channels | pad to 8]
+# (Flash: 448 + 128 + 7 + 1 = 584 B). The nope part is the reference's own FP8 simulation (spec
+# 3.3: block 64, s = 2^ceil(log2(max(amax, 1e-4) / 448)), e4m3 of x / s), so decoding is lossless
+# with respect to it; the rope channels stay bf16.
+# ---------------------------------------------------------------------------------------------
+
+KV_SCALE_BLOCK = 64  # nope channels per UE8M0 exponent
+KV_AMAX_FLOOR = 1e-4  # the reference's act_quant floor on a block's amax
+
+
+def kv_entry_layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
+    """(nope channels, scale bytes, bytes per entry) of an FP8 state entry."""
+    nope = head_dim - rope_dim
+    _check(
+        0 < nope and rope_dim >= 0 and rope_dim % 2 == 0,
+        f"fp8 kv entry: head_dim={head_dim}, rope_dim={rope_dim} leaves no nope channels",
+    )
+    n_scales = _cdiv(nope, KV_SCALE_BLOCK)
+    return nope, n_scales, 8 * _cdiv(nope + 2 * rope_dim + n_scales, 8)
+
+
+def quant_kv_entries(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """[n, head_dim] float -> uint8 [n, entry bytes] (`kv_entry_layout`). The nope channels are
+    quantized from x as given (cast it to the activation dtype first), the rope ones cast to bf16."""
+    _check(
+        x.dim() == 2 and x.is_floating_point(),
+        f"kv rows must be 2-D float, got {x.dtype} {tuple(x.shape)}",
+    )
+    n, d = x.shape
+    nope, n_scales, nbytes = kv_entry_layout(d, rope_dim)
+    xf = x.float()
+    amax = _tile_amax(xf[:, :nope].abs(), 1, KV_SCALE_BLOCK).clamp_(min=KV_AMAX_FLOOR)
+    e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [n, n_scales]
+    y = _tile_mul(xf[:, :nope], _exp2i(-e), 1, KV_SCALE_BLOCK).clamp_(-E4M3_MAX, E4M3_MAX)
+    out = torch.zeros(n, nbytes, dtype=torch.uint8, device=x.device)
+    out[:, :nope] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    out[:, nope : nope + 2 * rope_dim] = xf[:, nope:].to(torch.bfloat16).view(torch.uint8)
+    out[:, nope + 2 * rope_dim : nope + 2 * rope_dim + n_scales] = (e + 127).to(torch.uint8)
+    return out
+
+
+def dequant_kv_entries(e: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
+    """uint8 [..., entry bytes] -> fp32 [..., head_dim], exactly (e4m3 * 2^k and bf16 are fp32)."""
+    nope, n_scales, nbytes = kv_entry_layout(head_dim, rope_dim)
+    _check(
+        e.dtype == torch.uint8 and e.shape[-1] == nbytes,
+        f"fp8 kv entries must be uint8 [..., {nbytes}] for head_dim={head_dim}, "
+        f"rope_dim={rope_dim}; got {e.dtype} {tuple(e.shape)}",
+    )
+    lead = e.shape[:-1]
+    e = e.reshape(-1, nbytes)
+    codes = e[:, :nope].contiguous().view(torch.float8_e4m3fn).float()
+    s = e[:, nope + 2 * rope_dim : nope + 2 * rope_dim + n_scales].to(torch.int32) - 127
+    rope = e[:, nope : nope + 2 * rope_dim].contiguous().view(torch.bfloat16).float()
+    out = torch.cat([_tile_mul(codes, _exp2i(s), 1, KV_SCALE_BLOCK), rope], dim=1)
+    return out.view(*lead, head_dim)

@@ -1,6 +1,7 @@
 """Decode state (window rings, compressed stores, compressor partial state) and the Batch of one step.
 
-Every sequence owns one state slot. Within a layer all attention keys live in row-addressed tensors:
+Every sequence owns one state slot. Within a layer all attention keys live in row-addressed tensors
+(K=V rows of head_dim values, or with kv_format "fp8" uint8 FP8 entries, `kv_row`):
   window ring   [max_seqs * W, hd]       token p of slot s at row s*W + p % W
   compressed    [num_blocks * b/m, hd]   entry w of a sequence at row page*(b/m) + w % (b/m),
                                           page = block_table[slot, w // (b/m)], b = block_size
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.config import CSA, HCA, ModelArgs
+from dsv4.quant import kv_entry_layout
 
 
 @dataclass
@@ -44,22 +46,38 @@ class LayerState:
     indexer: CompressorState | None = None
 
 
-def bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> float:
+def kv_row(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> tuple[int, torch.dtype]:
+    """(width, dtype) of one attention K=V row in the state: head_dim values of `dtype`, or for
+    kv_format "fp8" one uint8 FP8 entry (`dsv4.quant.kv_entry_layout`; 584 B at Flash width)."""
+    if kv_format == "fp8":
+        return kv_entry_layout(args.head_dim, args.rope_head_dim)[2], torch.uint8
+    if kv_format != "auto":
+        raise ValueError(f"kv_format must be 'auto' or 'fp8', got {kv_format!r}")
+    return args.head_dim, dtype
+
+
+def _kv_row_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str) -> int:
+    width, dt = kv_row(args, dtype, kv_format)
+    return width * torch.empty((), dtype=dt).element_size()
+
+
+def bytes_per_token(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> float:
     """Growing state per token (all layers): compressed KV + indexer keys (spec 9.6)."""
     el = torch.empty((), dtype=dtype).element_size()
+    main = _kv_row_bytes(args, dtype, kv_format)
     total = 0.0
     for kind in args.layer_types:
         if kind == CSA:
-            total += (args.head_dim + args.index_head_dim) * el / args.csa_ratio
+            total += (main + args.index_head_dim * el) / args.csa_ratio
         elif kind == HCA:
-            total += args.head_dim * el / args.hca_ratio
+            total += main / args.hca_ratio
     return total
 
 
-def bytes_per_seq(args: ModelArgs, dtype: torch.dtype) -> int:
+def bytes_per_seq(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> int:
     """Fixed state per sequence: window rings (main + MTP) and fp32 compressor partial state."""
-    el = torch.empty((), dtype=dtype).element_size()
-    total = (args.n_layers + args.n_mtp_layers) * args.window_size * args.head_dim * el
+    main = _kv_row_bytes(args, dtype, kv_format)
+    total = (args.n_layers + args.n_mtp_layers) * args.window_size * main
     for kind in args.layer_types:
         if kind == CSA:  # 2m slots x (kv + score) x 2 halves, main and indexer, fp32
             total += 2 * args.csa_ratio * 2 * 2 * (args.head_dim + args.index_head_dim) * 4
@@ -90,8 +108,11 @@ class DecodeState:
         device: torch.device | str,
         num_blocks: int | None = None,
         block_size: int | None = None,
+        kv_format: str = "auto",
     ) -> None:
         block_size = block_size or default_block_size(args)
+        width, kv_dtype = kv_row(args, dtype, kv_format)  # attention rows: values or FP8 entries
+        self.kv_format, self.head_dim, self.rope_dim = kv_format, args.head_dim, args.rope_head_dim
         for m in {args.csa_ratio, args.hca_ratio}:
             if block_size % m:
                 raise ValueError(f"block_size={block_size} must be a multiple of ratio {m}")
@@ -130,7 +151,7 @@ class DecodeState:
             # the ring and the compressed entries of a layer are one allocation, ring first: the
             # attention kernel then sees one key source at decode (rows ring | entries)
             rows = ring_rows + (num_blocks * (block_size // m) if m else 0)
-            kv = torch.zeros(rows, hd, dtype=dtype, device=device)
+            kv = torch.zeros(rows, width, dtype=kv_dtype, device=device)
             layer = LayerState(window=kv[:ring_rows])
             if kind in (CSA, HCA):
                 layer.compressor = comp(m, hd, kind == CSA, kv[ring_rows:])
@@ -140,15 +161,21 @@ class DecodeState:
 
     @staticmethod
     def blocks_for_budget(
-        args: ModelArgs, max_seqs: int, budget_bytes: int, dtype: torch.dtype, block_size: int
+        args: ModelArgs,
+        max_seqs: int,
+        budget_bytes: int,
+        dtype: torch.dtype,
+        block_size: int,
+        kv_format: str = "auto",
     ) -> int:
         """How many pages fit in `budget_bytes` after the fixed per-slot state."""
-        free = budget_bytes - max_seqs * bytes_per_seq(args, dtype)
-        per_block = bytes_per_token(args, dtype) * block_size
+        fixed = bytes_per_seq(args, dtype, kv_format)
+        free = budget_bytes - max_seqs * fixed
+        per_block = bytes_per_token(args, dtype, kv_format) * block_size
         if free <= 0 or per_block <= 0:
             raise ValueError(
                 f"memory budget {budget_bytes} B does not cover {max_seqs} sequences' fixed state "
-                f"({bytes_per_seq(args, dtype)} B each)"
+                f"({fixed} B each)"
             )
         return int(free // per_block)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [trace] [probe] [kernels] [sweep]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [kv_ab] [trace] [probe] [kernels] [sweep]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -45,6 +45,12 @@ for part in $PARTS; do
           bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2,4,8 \
           --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_gemv$pairs.json" 2>&1 \
           | tee "$OUT/step_gemv$pairs.txt"
+      done ;;
+    kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)
+      for kv in auto fp8; do
+        python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
+          --batch 1,16,64 --context 4096 --prefill 0 --repeat 3 --graph --kv-cache-dtype $kv \
+          --json "$OUT/step_kv_$kv.json" 2>&1 | tee "$OUT/step_kv_$kv.txt"
       done ;;
     trace)  # every kernel of one decode step (3 layers + head) by device time: what to fuse next
       python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \

@@ -95,7 +95,8 @@ def test_cuda_graphs_need_cuda_and_triton(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.gpu
-def test_engine_with_cuda_graphs_matches_eager(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_with_cuda_graphs_matches_eager(tmp_path, kv_cache_dtype: str) -> None:  # noqa: ANN001
     # greedy decoding of several prompts of different lengths: replayed graphs give the eager
     # engine's tokens; every decode step ran from a graph
     from dsv4.llm import LLM
@@ -108,7 +109,7 @@ def test_engine_with_cuda_graphs_matches_eager(tmp_path) -> None:  # noqa: ANN00
     # packed MXFP4 experts in bf16: the Triton MoE (dequantized experts take the torch reference,
     # which counts tokens per expert on the host and cannot be captured)
     kw = dict(device="cuda", ops="triton", dtype="bfloat16", quantized=True, max_seqs=4)
-    kw |= dict(max_seq_len=512, progress=False)
+    kw |= dict(max_seq_len=512, progress=False, kv_cache_dtype=kv_cache_dtype)
     eager = LLM(tiny, **kw).generate(prompts, sp)
     llm = LLM(tiny, cuda_graphs=True, **kw)
     graphed = llm.generate(prompts, sp)

@@ -90,3 +90,21 @@ def test_generate_cli_ops_flag(llm, capsys):  # noqa: ANN001
     assert outs[0] == outs[1] and outs[0].strip()
     with pytest.raises(SystemExit):  # argparse refuses an unknown backend
         main(["generate", "hi", "--model", d, "--ops", "cuda"])
+
+
+def test_kv_cache_dtype_flag_and_config(llm, monkeypatch):  # noqa: ANN001
+    # --kv-cache-dtype fp8 reaches the state; a bad value is refused by argparse and the config
+    from dsv4 import cli
+    from dsv4.config import ConfigError, EngineConfig
+
+    built = []
+    monkeypatch.setattr(cli, "build_llm", lambda ns: built.append(ns.kv_cache_dtype) or llm)
+    d = str(llm.model_dir)
+    assert (
+        main(["generate", "hi", "--model", d, "--kv-cache-dtype", "fp8", "--max-tokens", "1"]) == 0
+    )
+    assert built == ["fp8"]
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--model", d, "--kv-cache-dtype", "fp4"])
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp4")

@@ -139,3 +139,101 @@ def test_csa_selected_rows_equal_the_page_formula():
         assert torch.equal(got[:, :W], b.window_idxs(W, ring_only=b.decode))
         assert torch.equal(got[:, W:], torch.where(rows >= 0, rows + base, -1))
         assert bool((got[:, W:] == -1).any()) and bool((got[:, W:] >= base).any())
+
+
+# ---- FP8 state entries (--kv-cache-dtype fp8)
+
+
+def test_flash_fp8_state_sizes():
+    a = flash_args()
+    # 584-B main entries (C4 and C128), bf16 indexer keys (256 B): 21 CSA, 20 HCA layers
+    assert bytes_per_token(a, torch.bfloat16, "fp8") == 21 * (584 + 256) / 4 + 20 * 584 / 128
+    rings = 44 * 128 * 584
+    assert bytes_per_seq(a, torch.bfloat16, "fp8") - rings == (
+        bytes_per_seq(a, torch.bfloat16) - 44 * 128 * 1024
+    )
+    with pytest.raises(ValueError, match="kv_format"):
+        bytes_per_token(a, torch.bfloat16, "fp4")
+
+
+def test_fp8_state_layout_and_budget():
+    a = tiny_args(vocab_size=300)
+    st = DecodeState(a, 2, 64, torch.float32, "cpu", kv_format="fp8")
+    for layer in st.layers:
+        assert layer.window.dtype == torch.uint8 and layer.window.shape[1] == 56
+        if layer.compressor is not None:  # ring | entries one allocation, as with values
+            c = layer.compressor.kv_cache
+            assert c.dtype == torch.uint8 and c.data_ptr() == layer.window[-1:].data_ptr() + 56
+        if layer.indexer is not None:
+            assert layer.indexer.kv_cache.dtype == torch.float32
+    auto = DecodeState.blocks_for_budget(a, 4, 1 << 20, torch.float32, 16)
+    fp8 = DecodeState.blocks_for_budget(a, 4, 1 << 20, torch.float32, 16, "fp8")
+    assert fp8 > auto
+
+
+def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
+    # the reference's FP8 simulation (spec 3.3) on value-typed state: every window K=V row and every
+    # main compressed entry passes through quant -> dequant, rope channels through bf16
+    import types
+
+    from dsv4.quant import dequant_kv_entries, quant_kv_entries
+
+    def sim(x: torch.Tensor) -> torch.Tensor:
+        return dequant_kv_entries(quant_kv_entries(x, rope_dim), head_dim, rope_dim).to(x.dtype)
+
+    def norm_rope(x, w, eps, cos, sin, store=None):  # noqa: ANN001, ANN202
+        out = ops.norm_rope(x, w, eps, cos, sin)
+        if w is not None and x.dim() == 2 and x.shape[-1] == head_dim:  # the window K=V
+            out = sim(out)
+        if store is not None:
+            store[0][store[1]] = out.to(store[0].dtype)
+        return out
+
+    def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None):  # noqa: ANN001, ANN202
+        if out.shape[1] != head_dim:  # the indexer's keys stay as they are
+            return ops.compress_store(kv, score, w, eps, cos, sin, out, dest, rows)
+        tmp = torch.zeros(out.shape, dtype=torch.bfloat16)  # entries round through bf16
+        ops.compress_store(kv, score, w, eps, cos, sin, tmp, dest, rows)
+        keep = dest >= 0
+        out[dest[keep]] = sim(tmp[dest[keep]]).to(out.dtype)
+
+    return types.SimpleNamespace(
+        **(vars(ops) | dict(norm_rope=norm_rope, compress_store=compress_store))
+    )
+
+
+def test_fp8_state_is_the_reference_fp8_simulation(tmp_path):  # noqa: ANN001
+    # fp32 compute: FP8 entries give exactly the logits of value state with the reference's
+    # rounding simulated, over chunked prefill; and differ from unrounded state
+    ckpt = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=2)
+    ids = list(range(3, 60))
+    fp8 = LLM(ckpt, progress=False, max_seq_len=128, kv_cache_dtype="fp8")
+    assert fp8.state.layers[0].window.dtype == torch.uint8
+    got = fp8.score(ids, chunk_size=16)
+    sim = LLM(ckpt, progress=False, max_seq_len=128)
+    plain = sim.score(ids, chunk_size=16)
+    ops = _sim_fp8(sim.model.ops, sim.args.rope_head_dim, sim.args.head_dim)
+    for m in sim.model.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops
+    assert torch.equal(got, sim.score(ids, chunk_size=16))
+    assert not torch.allclose(got, plain, atol=1e-3)
+
+
+def test_fp8_state_triton_equals_ref(tmp_path):  # noqa: ANN001
+    # the Triton kernels (interpreter on the CPU) over FP8 entries: the reference's logits, and
+    # the same greedy tokens through the engine's decode steps
+    from dsv4.sampling import SamplingParams
+
+    ckpt = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=4)
+    ids = list(range(5, 45))
+    kw = dict(progress=False, max_seq_len=128, max_seqs=2, kv_cache_dtype="fp8")
+    ref_llm, tri = LLM(ckpt, **kw), LLM(ckpt, ops="triton", **kw)
+    torch.testing.assert_close(
+        tri.score(ids, chunk_size=11), ref_llm.score(ids), rtol=1e-4, atol=1e-4
+    )
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [ids[:9], ids[:23]]
+    assert [o.token_ids for o in tri.generate(prompts, sp)] == [
+        o.token_ids for o in ref_llm.generate(prompts, sp)
+    ]

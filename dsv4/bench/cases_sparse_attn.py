@@ -5,8 +5,9 @@ K=V (T rows) and a paged pool of compressed entries (B * pool_per_seq rows). Dec
 token its window (ring slots + the new rows of its own chunk) and either `sel` distinct random
 entries of its sequence's pool region (CSA top-k) or the first `sel` entries (HCA: all visible
 entries). The "one source" cases are the engine's decode form: the new K=V already in the ring,
-ring and pool one allocation.
-bytes = gathered key bytes (T * K_valid * D * elt) + q read + o written.
+ring and pool one allocation. The "FP8" cases read the same rows as FP8 entries (`--kv-cache-dtype
+fp8`: 584 B per row at Flash width instead of 1024).
+bytes = gathered key bytes (T * K_valid * row bytes) + q read + o written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from dsv4.bench.ops import Case
 from dsv4.ops import ref
 from dsv4.ops.sparse_attn import sparse_attn
+from dsv4.quant import quant_kv_entries
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,13 @@ class _Dims:
     window: int
     seqs: int  # sequences with a ring and a pool region
     pool_per_seq: int  # compressed entries per sequence region of the pool
+    rope_dim: int  # the rope part of a row (FP8 entries keep it bf16)
+
+
+def _entries(ring: torch.Tensor, pool: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    # ring | pool as one allocation of FP8 entries, quantized in slabs
+    rows = torch.cat([ring, pool])
+    return torch.cat([quant_kv_entries(part, rope_dim) for part in rows.split(1 << 18)])
 
 
 def _sources(dims: _Dims, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,22 +100,26 @@ def _case(
     target_us: float | None = None,
     target_bw: float | None = None,
     one_source: bool = False,
+    fp8: torch.Tensor | None = None,
 ) -> Case:
+    # fp8: ring | pool as FP8 entries (`_entries`), one source
     T, K = idx.shape
     q = torch.randn(T, dims.H, dims.D, device=device).to(torch.bfloat16)
     new = torch.randn(T, dims.D, device=device).to(torch.bfloat16)
     sink = torch.randn(dims.H, device=device)
     kv, scale = (ring, new, pool), dims.D**-0.5
     if one_source:  # ring | pool as one allocation (the launcher merges the two views)
-        both = torch.cat([ring, pool])
+        both = torch.cat([ring, pool]) if fp8 is None else fp8
         kv = (both[: ring.shape[0]], both[ring.shape[0] :])
     elt = q.element_size()
-    nbytes = int((idx >= 0).sum()) * dims.D * elt + 2 * q.numel() * elt  # keys + q + o
+    row = kv[0].shape[1] * kv[0].element_size()
+    nbytes = int((idx >= 0).sum()) * row + 2 * q.numel() * elt  # keys + q + o
+    rd = dims.rope_dim
     return Case(
         "sparse_attn",
         name,
-        run=lambda: sparse_attn(q, kv, sink, idx, scale, num_splits=num_splits),
-        ref=lambda: ref.sparse_attn(q, kv, sink, idx, scale),
+        run=lambda: sparse_attn(q, kv, sink, idx, scale, rd, num_splits=num_splits),
+        ref=lambda: ref.sparse_attn(q, kv, sink, idx, scale, rd),
         bytes=nbytes,
         target_us=target_us,
         target_bw=target_bw,
@@ -116,8 +129,9 @@ def _case(
 def cases(device: str, quick: bool) -> list[Case]:
     torch.manual_seed(0)
     if quick:  # tiny shapes for the interpreter
-        dims = _Dims(H=8, D=64, window=16, seqs=4, pool_per_seq=64)
+        dims = _Dims(H=8, D=64, window=16, seqs=4, pool_per_seq=64, rope_dim=16)
         ring, pool = _sources(dims, device)
+        fp8 = _entries(ring, pool, dims.rope_dim)
         return [
             _case("T=1 K=16+24", dims, ring, pool, _decode_idx(dims, 1, 1, 24, False, device), device),
             _case("T=1 K=16+24 splits=3", dims, ring, pool, _decode_idx(dims, 1, 1, 24, False, device),
@@ -126,11 +140,17 @@ def cases(device: str, quick: bool) -> list[Case]:
             _case("T=3 K=16+32 HCA", dims, ring, pool, _decode_idx(dims, 3, 1, 32, True, device), device),
             _case("T=3 K=16+24 one source", dims, ring, pool, _decode_idx_one_source(dims, 3, 24, device),
                   device, one_source=True),
+            _case("T=3 K=16+24 one source FP8", dims, ring, pool,
+                  _decode_idx_one_source(dims, 3, 24, device), device, one_source=True, fp8=fp8),
             _case("prefill T=20 K=16+24", dims, ring, pool, _prefill_idx(dims, 20, 24, False, device), device),
         ]  # fmt: skip
     # Flash: H=64, D=512, window 128; 64 sequences x 32768 compressed entries (CSA at 128K)
-    dims = _Dims(H=64, D=512, window=128, seqs=64, pool_per_seq=32768)
+    dims = _Dims(H=64, D=512, window=128, seqs=64, pool_per_seq=32768, rope_dim=64)
     ring, pool = _sources(dims, device)
+    fp8 = _entries(ring, pool, dims.rope_dim)
+
+    def one(B: int) -> torch.Tensor:
+        return _decode_idx_one_source(dims, B, 512, device)
 
     def dec(B: int, per_seq: int = 1, sel: int = 512, hca: bool = False) -> torch.Tensor:
         return _decode_idx(dims, B, per_seq, sel, hca, device)
@@ -140,9 +160,14 @@ def cases(device: str, quick: bool) -> list[Case]:
         _case("decode T=16 K=128+512", dims, ring, pool, dec(16), device),
         _case("decode T=64 K=128+512", dims, ring, pool, dec(64), device, target_bw=0.6),
         _case("decode T=64 K=128+512 splits=1", dims, ring, pool, dec(64), device, num_splits=1),
-        _case("decode T=64 K=128+512 one source", dims, ring, pool,
-              _decode_idx_one_source(dims, 64, 512, device), device, target_bw=0.6,
-              one_source=True),
+        _case("decode T=64 K=128+512 one source", dims, ring, pool, one(64), device,
+              target_bw=0.6, one_source=True),
+        _case("decode T=1 K=128+512 one source FP8", dims, ring, pool, one(1), device,
+              one_source=True, fp8=fp8),
+        _case("decode T=16 K=128+512 one source FP8", dims, ring, pool, one(16), device,
+              one_source=True, fp8=fp8),
+        _case("decode T=64 K=128+512 one source FP8", dims, ring, pool, one(64), device,
+              one_source=True, fp8=fp8),
         _case("decode T=1 K=128+1024 HCA", dims, ring, pool, dec(1, sel=1024, hca=True), device),
         _case("verify T=4x16 K=128+512", dims, ring, pool, dec(16, per_seq=4), device),
         _case("prefill T=4096 K=128+512", dims, ring, pool,

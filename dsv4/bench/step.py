@@ -135,6 +135,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--ops", choices=["ref", "triton"], default="ref")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="attention state: the compute dtype, or FP8 entries (584 B at Flash width)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--repeat",
@@ -342,7 +348,9 @@ class Bench:
         """One sequence of --prefill tokens in chunks of --chunk (the engine's default 512)."""
         a = self.a
         chunk = a.chunk or a.prefill
-        state = DecodeState(self.args, 1, a.prefill + 1, self.dtype, self.device)
+        state = DecodeState(
+            self.args, 1, a.prefill + 1, self.dtype, self.device, kv_format=a.kv_cache_dtype
+        )
         ids = torch.randint(
             0, self.args.vocab_size, (a.prefill,), device=self.device, generator=self.g
         )
@@ -362,14 +370,18 @@ class Bench:
             "context": context,
             "positions": [context, context + a.cycle - 1],
         }
-        state = DecodeState(self.args, batch, context + a.cycle, self.dtype, self.device)
+        state = DecodeState(
+            self.args, batch, context + a.cycle, self.dtype, self.device, kv_format=a.kv_cache_dtype
+        )
         fill_state_(state, a.seed)
         ids = torch.randint(0, self.args.vocab_size, (batch,), device=self.device, generator=self.g)
         step = decode_stepper(self.model, state, batch, context, ids, self.clock)
         t = measure(step, self.clock, self.keys, a.warmup, a.repeat, a.cycle)
         run.update(with_projection(t, self.counts, batch))
         run["distinct_experts"] = distinct_experts(self.model, step, self.keys)
-        fl = roofline(self.full, batch, context + 1, GPUS[FLOOR_GPU])
+        # fp8: the roofline's FP8 state also counts the indexer keys as 132-B FP8 (ours stay bf16)
+        state_dtype = "fp8" if a.kv_cache_dtype == "fp8" else "bf16"
+        fl = roofline(self.full, batch, context + 1, GPUS[FLOOR_GPU], state_dtype=state_dtype)
         proj = run["projected_s"]
         run["floor"] = {
             "gpu": FLOOR_GPU,

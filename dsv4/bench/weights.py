@@ -13,7 +13,7 @@ import math
 import torch
 
 from dsv4.model import Linear, Transformer
-from dsv4.quant import E2M1_VALUES
+from dsv4.quant import E2M1_VALUES, quant_kv_entries
 from dsv4.state import DecodeState
 
 # RMS of one random value: FP8 e4m3 with exponent field 5..8, any sign/mantissa; e2m1 any code
@@ -98,8 +98,20 @@ def fill_state_(state: DecodeState, seed: int = 0) -> None:
     the normed entries and raw projections they stand for)."""
     g = torch.Generator(device=state.block_table.device).manual_seed(seed)
     for ls in state.layers:
-        ls.window.normal_(generator=g)
+        _fill_rows_(ls.window, state, g)
         for c in (ls.compressor, ls.indexer):
             if c is not None:
-                for t in (c.kv_cache, c.kv_state, c.score_state):
+                _fill_rows_(c.kv_cache, state, g)
+                for t in (c.kv_state, c.score_state):
                     t.normal_(generator=g)
+
+
+def _fill_rows_(rows: torch.Tensor, state: DecodeState, g: torch.Generator) -> None:
+    # unit-normal K=V rows, or (uint8) FP8 entries of such rows, in slabs of 64K rows
+    if rows.dtype != torch.uint8:
+        rows.normal_(generator=g)
+        return
+    for i in range(0, rows.shape[0], 1 << 16):
+        part = rows[i : i + (1 << 16)]
+        x = torch.randn(part.shape[0], state.head_dim, generator=g, device=rows.device)
+        part.copy_(quant_kv_entries(x, state.rope_dim))

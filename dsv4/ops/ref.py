@@ -85,11 +85,19 @@ def norm_rope(
 ) -> torch.Tensor:
     # x: [T, ..., d] -> RMSNorm over d (fp32 weight or none), then RoPE on the trailing rd dims ;
     # store = (dst [N, d], rows [T]): also dst[rows[t]] = out[t] (x: [T, d]; rows distinct, >= 0)
+    # (dst uint8: FP8 entries of out, `dsv4.quant.quant_kv_entries`)
     out = rotary(rms_norm(x, weight, eps), cos, sin)
     if store is not None:
         dst, rows = store
-        dst[rows] = out.to(dst.dtype)
+        dst[rows] = _to_rows(out, dst, 2 * cos.shape[-1])
     return out
+
+
+def _to_rows(x: torch.Tensor, dst: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    # rows x [n, d] in dst's form: its dtype, or FP8 entries when dst is uint8
+    if dst.dtype == torch.uint8:
+        return quant.quant_kv_entries(x, rope_dim)
+    return x.to(dst.dtype)
 
 
 def sparse_attn(
@@ -98,12 +106,16 @@ def sparse_attn(
     attn_sink: torch.Tensor,
     topk_idxs: torch.Tensor,
     scale: float,
+    rope_dim: int = 0,
 ) -> torch.Tensor:
-    # q: [T, H, D] ; kv: row tensors [N_i, D] addressed as one concatenation (K = V) ;
+    # q: [T, H, D] ; kv: row tensors [N_i, D] addressed as one concatenation (K = V), or uint8
+    # FP8 entries [N_i, bytes] of D channels whose last rope_dim are the rope part ;
     # attn_sink: [H] fp32 ; topk_idxs: [T, K] rows of the concatenation, -1 = none
     # o_h = sum_j softmax_j([l_hj ; sink_h]) * kv_j, with the sink's probability mass dropped
     valid = topk_idxs >= 0
     keys = torch.cat(kv)[topk_idxs.clamp(min=0)]  # [T, K, D]
+    if keys.dtype == torch.uint8:
+        keys = quant.dequant_kv_entries(keys, q.shape[-1], rope_dim).to(q.dtype)
     logits = torch.einsum("thd,tkd->thk", q.float(), keys.float()) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
@@ -213,9 +225,13 @@ def compress_store(
         empty = (rows < 0)[..., None]
         kv = kv[rows.clamp(min=0)].masked_fill(empty, 0.0)
         score = score[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
-    pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(out.dtype)
+    # out uint8: FP8 entries (`dsv4.quant.quant_kv_entries`) of the value rounded as bf16
+    act = torch.bfloat16 if out.dtype == torch.uint8 else out.dtype
+    pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(act)
     keep = dest >= 0
-    out[dest[keep]] = norm_rope(pooled, weight, eps, cos, sin)[keep]
+    out[dest[keep]] = _to_rows(
+        norm_rope(pooled, weight, eps, cos, sin)[keep], out, 2 * cos.shape[-1]
+    )
 
 
 def index_topk(

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.kv_fp8 import round_bf16, store_entries
+from dsv4.quant import kv_entry_layout
+
 # ---------------------------------------------------------------------------------------------
 # Shared tile helpers
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +63,7 @@ def _norm_rope_kernel(
     cos_ptr,  # [T, rd/2] fp32
     sin_ptr,  # [T, rd/2] fp32
     out_ptr,  # [T, R, d] x.dtype, contiguous
-    dst_ptr,  # [N, d] (HAS_STORE): also dst[dst_rows[t]] = out[t] (R = 1)
+    dst_ptr,  # [N, d] (HAS_STORE): also dst[dst_rows[t]] = out[t] (R = 1); ENTRIES: uint8 FP8
     dst_rows_ptr,  # [T] int rows of dst (HAS_STORE)
     stride_dst,
     n_rows,  # T * R
@@ -76,6 +79,7 @@ def _norm_rope_kernel(
     HAS_WEIGHT: tl.constexpr,
     INVERSE: tl.constexpr,
     HAS_STORE: tl.constexpr,
+    ENTRIES: tl.constexpr,  # dst holds FP8 entries (`dsv4.ops.kv_fp8`)
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -113,10 +117,14 @@ def _norm_rope_kernel(
     tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     if HAS_STORE:
         d_rows = tl.load(dst_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        d_offs = d_rows[:, None] * stride_dst + cols[None, :]
-        # cast as the reference does: to x.dtype first, then to dst's dtype
-        y_dst = y.to(out_ptr.dtype.element_ty).to(dst_ptr.dtype.element_ty)
-        tl.store(dst_ptr + d_offs, y_dst, mask=mask)
+        # cast as the reference does: to x.dtype first, then to dst's dtype (or FP8 entries)
+        y_act = y.to(out_ptr.dtype.element_ty)
+        if ENTRIES:
+            store_entries(dst_ptr, d_rows * stride_dst, y_act.to(tl.float32), row_ok, d, nope,
+                          BLOCK_R, BLOCK_D)  # fmt: skip
+        else:
+            d_offs = d_rows[:, None] * stride_dst + cols[None, :]
+            tl.store(dst_ptr + d_offs, y_act.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -217,8 +225,9 @@ def _launch_rows(
     if store is not None:
         dst, dst_rows = store
         assert x.dim() == 2, f"store takes x as [T, d] (got shape {tuple(x.shape)})"
-        assert dst.dim() == 2 and dst.shape[1] == d and dst.stride(1) == 1, (
-            f"store dst must be [N, {d}] with contiguous rows (got {tuple(dst.shape)}, "
+        width = kv_entry_layout(d, rd)[2] if dst.dtype == torch.uint8 else d  # FP8 entries
+        assert dst.dim() == 2 and dst.shape[1] == width and dst.stride(1) == 1, (
+            f"store dst must be [N, {width}] with contiguous rows (got {tuple(dst.shape)}, "
             f"strides {dst.stride()})"
         )
         assert dst_rows.shape == (T,) and dst_rows.dtype in (torch.int32, torch.int64), (
@@ -261,6 +270,7 @@ def _launch_rows(
         HAS_WEIGHT=weight is not None,
         INVERSE=inverse,
         HAS_STORE=store is not None,
+        ENTRIES=dst.dtype == torch.uint8,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -294,6 +304,14 @@ def norm_rope(
 
 
 @triton.jit
+def _round_act(x, out_ptr, ENTRIES: tl.constexpr):
+    # fp32 x rounded to the store's dtype, as the reference casts (FP8 entries: to bf16)
+    if ENTRIES:
+        return round_bf16(x)
+    return x.to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _compress_store_kernel(
     kv_ptr,  # [n, slots, d] fp32, or (GATHER) [N, d] rows
     score_ptr,  # [n, slots, d] fp32, -inf = empty slot, or (GATHER) [N, d] rows
@@ -301,7 +319,7 @@ def _compress_store_kernel(
     w_ptr,  # [d] norm weight
     cos_ptr,  # [n, rd/2] fp32
     sin_ptr,  # [n, rd/2] fp32
-    out_ptr,  # [rows, d] bf16/fp32 paged store
+    out_ptr,  # [rows, d] bf16/fp32 paged store (ENTRIES: uint8 FP8 entries)
     dest_ptr,  # [n] int rows of out, -1 = no store
     slots,
     d,
@@ -317,6 +335,7 @@ def _compress_store_kernel(
     stride_rn,
     HAS_WEIGHT: tl.constexpr,
     GATHER: tl.constexpr,
+    ENTRIES: tl.constexpr,  # out holds FP8 entries of the bf16-rounded value
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -354,12 +373,12 @@ def _compress_store_kernel(
         m = m_new
     # [BD]; a channel whose slots are all empty gives NaN, as torch's softmax does
     pooled = acc / tl.where(col_ok, l_sum, 1.0)
-    x = tl.reshape(pooled, (1, BLOCK_D)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    x = _round_act(tl.reshape(pooled, (1, BLOCK_D)), out_ptr, ENTRIES)
     x = tl.where(col_ok[None, :], x, 0.0)
 
     # ---- RMSNorm (fp32 stats), cast to the store dtype, RoPE at the window's position
     x = _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT, BLOCK_D)
-    x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+    x = _round_act(x, out_ptr, ENTRIES)
     pairs = tl.arange(0, BLOCK_D // 2)
     pair_ok = ((pairs >= nope // 2) & (2 * pairs < d))[None, :]
     c_idx = pairs[None, :] - nope // 2
@@ -370,7 +389,11 @@ def _compress_store_kernel(
 
     # ---- store the entry at its pool row
     row = tl.load(dest_ptr + i).to(tl.int64)
-    if row >= 0:
+    if ENTRIES:
+        row_off = tl.zeros([1], tl.int64) + row * stride_o0
+        store_entries(out_ptr, row_off, _round_act(y, out_ptr, True), row_off >= 0, d, nope, 1,
+                      BLOCK_D)  # fmt: skip
+    elif row >= 0:
         tl.store(
             out_ptr + row * stride_o0 + cols[None, :],
             y.to(out_ptr.dtype.element_ty),
@@ -421,10 +444,15 @@ def compress_store(
         f"kv/score must be fp32 (got {kv.dtype}, {score.dtype})"
     )
     assert kv.stride(-1) == 1 and score.stride(-1) == 1, "kv/score must be contiguous in d"
-    assert out.dim() == 2 and out.shape[1] == d and out.stride(-1) == 1, (
-        f"out must be [rows, {d}] contiguous in d (got {tuple(out.shape)}, strides {out.stride()})"
+    entries = out.dtype == torch.uint8  # FP8 entries
+    width = kv_entry_layout(d, 2 * cos.shape[-1])[2] if entries else d
+    assert out.dim() == 2 and out.shape[1] == width and out.stride(-1) == 1, (
+        f"out must be [rows, {width}] contiguous in its last dim (got {tuple(out.shape)}, "
+        f"strides {out.stride()})"
     )
-    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), f"out dtype {out.dtype}"
+    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8), (
+        f"out dtype {out.dtype}"
+    )
     assert dest.shape == (n,) and dest.dtype in (torch.int64, torch.int32), (
         f"dest must be [{n}] int (got {tuple(dest.shape)} {dest.dtype})"
     )
@@ -444,6 +472,7 @@ def compress_store(
         kv, score, rows if gather else dest, kv if weight is None else weight, cos, sin, out, dest,
         slots, d, d - rd, eps, *strides, cos.stride(0), sin.stride(0), out.stride(0),
         rows.stride(0) if gather else 0,
-        HAS_WEIGHT=weight is not None, GATHER=gather, BLOCK_S=block_s, BLOCK_D=block_d,
+        HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, BLOCK_S=block_s,
+        BLOCK_D=block_d,
         num_warps=num_warps,
     )  # fmt: skip

@@ -23,6 +23,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import num_sms, pdl
+from dsv4.ops.kv_fp8 import load_entries
+from dsv4.quant import kv_entry_layout
 
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = (
@@ -100,6 +102,20 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return ok or configs[:1]
 
 
+@triton.jit
+def _gather_rows(rows, valid, c0, mask, q, D, NOPE, ENTRIES: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    # channels c0 .. c0 + BC - 1 (mask: < D) of the rows (invalid rows: zeros) in q's dtype
+    if ENTRIES:  # FP8 entries decoded exactly, then cast (bf16 holds every e4m3 * 2^k)
+        kv = load_entries(rows, valid, c0, D, NOPE, BLOCK_N, BLOCK_C).to(q.dtype)
+    else:
+        offs = c0 + tl.arange(0, BLOCK_C)
+        kv = tl.load(rows[:, None] + offs[None, :], mask=valid[:, None] & mask[None, :], other=0.0)
+        if UPCAST:
+            kv = kv.to(tl.float32)
+    return kv
+
+
 # ---------------------------------------------------------------------------------------------
 # Main kernel: one program per (token, key split, head block x channel part)
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +157,9 @@ def _sparse_attn_kernel(
     H_PAD: tl.constexpr,  # H padded to a power of 2 (autotuning key, prune)
     NUM_SRC: tl.constexpr,
     SPLIT: tl.constexpr,
-    ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries
+    ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries (ENTRIES: 8-byte)
+    ENTRIES: tl.constexpr,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`)
+    NOPE: tl.constexpr,  # ENTRIES: channels stored as e4m3 (the rest are the bf16 rope part)
     UPCAST: tl.constexpr,  # interpreter: compute on fp32 copies of bf16 loads
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for bf16)
     BLOCK_N: tl.constexpr,
@@ -225,21 +243,18 @@ def _sparse_attn_kernel(
             stride = tl.where(in2, stride_k2n, tl.where(in1, stride_k1n, stride_k0n))
             base = tl.where(in2, base2, tl.where(in1, base1, 0))
             off = base + local.to(tl.int64) * stride
-        if ALIGNED:  # every row starts on 16 bytes: restore what the select hides from the
-            off = tl.multiple_of(off, 16 // ELT)  # compiler (else the gather is not vectorised)
+        if ALIGNED:  # every row starts on 16 (entries: 8) bytes: restore what the select hides
+            off = tl.multiple_of(off, 8 if ENTRIES else 16 // ELT)  # (else no vector loads)
         rows = kv0_ptr + off
         # gathered K = V rows: [BN, BDV] (+ [BN, BDV] the other half for S)
-        kv = tl.load(
-            rows[:, None] + offs_v[None, :], mask=valid[:, None] & mask_v[None, :], other=0.0
+        kv = _gather_rows(
+            rows, valid, dv * BLOCK_DV, mask_v, q, D, NOPE, ENTRIES, UPCAST, BLOCK_N, BLOCK_DV
         )
-        if UPCAST:
-            kv = kv.to(tl.float32)
         if DV_SPLIT == 2:
-            kv_w = tl.load(
-                rows[:, None] + offs_w[None, :], mask=valid[:, None] & mask_w[None, :], other=0.0
-            )
-            if UPCAST:
-                kv_w = kv_w.to(tl.float32)
+            kv_w = _gather_rows(
+                rows, valid, (1 - dv) * BLOCK_DV, mask_w, q, D, NOPE, ENTRIES, UPCAST, BLOCK_N,
+                BLOCK_DV,
+            )  # fmt: skip
         if KEYS_ON_M:  # S^T [BN, BH]: keys on the MMA rows, O^T = K^T P^T [BDV, BH]
             s = tl.dot(kv, tl.trans(q), input_precision=PRECISION)
             if DV_SPLIT == 2:
@@ -436,12 +451,16 @@ def sparse_attn(
     attn_sink: torch.Tensor,
     topk_idxs: torch.Tensor,
     scale: float,
+    rope_dim: int = 0,
     *,
     num_splits: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """o[t, h] = sum_j softmax_j([scale q_h.kv_j ; sink_h]) kv_j over the rows j = topk_idxs[t] >= 0
     of the concatenation of `kv` (never materialised), the sink's probability mass dropped.
+
+    kv rows are q's dtype, or all uint8 FP8 entries (`dsv4.quant.kv_entry_layout(D, rope_dim)`),
+    decoded inside the gather.
 
     num_splits: key splits per token (default: fill the SMs once; 1 = no combine pass).
     config: force the tile config {"BLOCK_N", "DV_SPLIT", "BLOCK_H", "KEYS_ON_M", "num_warps",
@@ -456,11 +475,17 @@ def sparse_attn(
     BLOCK_D = max(16, triton.next_power_of_2(D))  # tiles padded; channels >= D masked
     kv = tuple(kv)
     assert 1 <= len(kv) <= 3, f"kv must hold 1..3 row tensors (got {len(kv)})"
+    entries = kv[0].dtype == torch.uint8
+    width = kv_entry_layout(D, rope_dim)[2] if entries else D  # checks rope_dim for entries
     for i, src in enumerate(kv):
-        assert src.dim() == 2 and src.shape[1] == D, (
-            f"kv[{i}] must be [N, {D}] (got shape {tuple(src.shape)})"
+        assert src.dtype == (torch.uint8 if entries else q.dtype), (
+            f"kv[{i}] dtype {src.dtype}: the sources must all be q's dtype {q.dtype} or all "
+            "uint8 FP8 entries"
         )
-        assert src.dtype == q.dtype, f"kv[{i}] dtype {src.dtype} != q dtype {q.dtype}"
+        assert src.dim() == 2 and src.shape[1] == width, (
+            f"kv[{i}] must be [N, {width}]{' (FP8 entries)' if entries else ''} "
+            f"(got shape {tuple(src.shape)})"
+        )
         assert src.stride(1) == 1 or src.shape[0] == 0, (
             f"kv[{i}] rows must be contiguous (strides {src.stride()})"
         )
@@ -524,6 +549,7 @@ def sparse_attn(
         part.stride(0), part.stride(1), part.stride(2) if split else 0,
         ml.stride(0), ml.stride(1),
     )  # fmt: skip
+    align = 8 if entries else 16  # bytes on which every row starts (for vector loads)
     consts = dict(
         D=D,
         BLOCK_D=BLOCK_D,
@@ -531,8 +557,10 @@ def sparse_attn(
         NUM_SRC=len(kv),
         SPLIT=split,
         ALIGNED=all(
-            s.data_ptr() % 16 == 0 and s.stride(0) * s.element_size() % 16 == 0 for s in kv
+            s.data_ptr() % align == 0 and s.stride(0) * s.element_size() % align == 0 for s in kv
         ),
+        ENTRIES=entries,
+        NOPE=kv_entry_layout(D, rope_dim)[0] if entries else D,
         UPCAST=q.device.type != "cuda",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=split and pdl(q.device),
