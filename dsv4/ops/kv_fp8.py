@@ -98,9 +98,13 @@ def store_entries(
 
 
 @triton.jit
-def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    # rows: [BN] uint8 pointers to entries (valid: gathered, else zeros) -> fp32 [BN, BC] values
-    # of channels c0 .. c0 + BC - 1 (c0 a multiple of BC, BC a power of two)
+def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                 DECODE: tl.constexpr = 0):  # fmt: skip
+    # rows: [BN] uint8 pointers to entries (valid: gathered, else zeros) -> [BN, BC] values of
+    # channels c0 .. c0 + BC - 1 (c0 a multiple of BC, BC a power of two), exactly.
+    # DECODE 0: integer decode, fp32 values (any target, the interpreter too); 1: the GPU's e4m3
+    # conversion, fp32 values; 2: the GPU's e4m3 -> bf16 conversion with the scale added to the
+    # exponent bits, bf16 values (half the registers, no rounding: e4m3 * 2^k fits bf16)
     SB: tl.constexpr = SCALE_BLOCK if BLOCK_C >= SCALE_BLOCK else BLOCK_C
     NB: tl.constexpr = BLOCK_C // SB
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -109,14 +113,25 @@ def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.co
     codes = tl.load(rows[:, None] + cols[None, :], mask=valid[:, None] & is_nope[None, :], other=0)
     rope_at = (rows + nope).to(tl.pointer_type(tl.int16))
     rope_mask = valid[:, None] & is_rope[None, :]
-    rope = tl.load(rope_at[:, None] + (cols - nope)[None, :], mask=rope_mask, other=0)
-    rope = (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32
+    rope = tl.load(rope_at[:, None] + (cols - nope)[None, :], mask=rope_mask, other=0)  # bf16 bits
     blk = (c0 + tl.arange(0, NB) * SB) // SCALE_BLOCK  # [NB] the scale of each SB columns
     s = tl.load(
         rows[:, None] + (2 * d - nope) + blk[None, :],
         mask=valid[:, None] & (blk * SCALE_BLOCK < nope)[None, :],
         other=127,
-    )
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(S - 127), S >= 105
-    v = tl.reshape(_e4m3_decode(codes), (BLOCK_N, NB, SB)) * scale[:, :, None]
-    return tl.where(is_nope[None, :], tl.reshape(v, (BLOCK_N, BLOCK_C)), rope)
+    ).to(tl.int32)  # S: the block's scale is 2^(S - 127), S >= 105
+    if DECODE == 2:
+        bits = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        add = ((s - 127) << 7).to(tl.int16)  # [BN, NB]: the scale's exponent in bf16's field
+        add = tl.reshape(tl.broadcast_to(add[:, :, None], (BLOCK_N, NB, SB)), (BLOCK_N, BLOCK_C))
+        bits = tl.where((bits & 0x7FFF) == 0, bits, bits + add)  # +-0 stays; the rest is normal
+        out = tl.where(is_nope[None, :], bits, rope).to(tl.bfloat16, bitcast=True)
+    else:
+        if DECODE == 1:
+            v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            v = _e4m3_decode(codes)
+        scale = (s << 23).to(tl.float32, bitcast=True)
+        v = tl.reshape(tl.reshape(v, (BLOCK_N, NB, SB)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
+        out = tl.where(is_nope[None, :], v, (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True))
+    return out

@@ -37,6 +37,8 @@ FEW_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=16, KEYS_ON_M=False, PREF
 # (dsv4/ops/sparse_attn_sm90.py; H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5)
 SM90_MIN_TOKENS = 32
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
+# FP8 entries on a GPU: `kv_fp8.load_entries`' DECODE (None: `fp8_decode`'s choice)
+FP8_DECODE = None
 # finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
 NEG = tl.constexpr(-1.0e30)
 
@@ -104,10 +106,10 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 @triton.jit
 def _gather_rows(rows, valid, c0, mask, q, D, NOPE, ENTRIES: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                 BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
     # channels c0 .. c0 + BC - 1 (mask: < D) of the rows (invalid rows: zeros) in q's dtype
     if ENTRIES:  # FP8 entries decoded exactly, then cast (bf16 holds every e4m3 * 2^k)
-        kv = load_entries(rows, valid, c0, D, NOPE, BLOCK_N, BLOCK_C).to(q.dtype)
+        kv = load_entries(rows, valid, c0, D, NOPE, BLOCK_N, BLOCK_C, DECODE).to(q.dtype)
     else:
         offs = c0 + tl.arange(0, BLOCK_C)
         kv = tl.load(rows[:, None] + offs[None, :], mask=valid[:, None] & mask[None, :], other=0.0)
@@ -160,6 +162,7 @@ def _sparse_attn_kernel(
     ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries (ENTRIES: 8-byte)
     ENTRIES: tl.constexpr,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`)
     NOPE: tl.constexpr,  # ENTRIES: channels stored as e4m3 (the rest are the bf16 rope part)
+    FP8_DECODE: tl.constexpr,  # ENTRIES: `kv_fp8.load_entries`' DECODE (2 on a GPU for bf16 q)
     UPCAST: tl.constexpr,  # interpreter: compute on fp32 copies of bf16 loads
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for bf16)
     BLOCK_N: tl.constexpr,
@@ -248,12 +251,13 @@ def _sparse_attn_kernel(
         rows = kv0_ptr + off
         # gathered K = V rows: [BN, BDV] (+ [BN, BDV] the other half for S)
         kv = _gather_rows(
-            rows, valid, dv * BLOCK_DV, mask_v, q, D, NOPE, ENTRIES, UPCAST, BLOCK_N, BLOCK_DV
-        )
+            rows, valid, dv * BLOCK_DV, mask_v, q, D, NOPE, ENTRIES, UPCAST, BLOCK_N, BLOCK_DV,
+            FP8_DECODE,
+        )  # fmt: skip
         if DV_SPLIT == 2:
             kv_w = _gather_rows(
                 rows, valid, (1 - dv) * BLOCK_DV, mask_w, q, D, NOPE, ENTRIES, UPCAST, BLOCK_N,
-                BLOCK_DV,
+                BLOCK_DV, FP8_DECODE,
             )  # fmt: skip
         if KEYS_ON_M:  # S^T [BN, BH]: keys on the MMA rows, O^T = K^T P^T [BDV, BH]
             s = tl.dot(kv, tl.trans(q), input_precision=PRECISION)
@@ -406,6 +410,16 @@ def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             out.append(src)
     out = out or [kv[0]]
     return tuple(out)
+
+
+def fp8_decode(q: torch.Tensor) -> int:
+    """How FP8 entries are decoded for q: the GPU's conversions into bf16 (2) for bf16 q on a GPU,
+    else the integer decode (0; the interpreter has no fp8 conversions)."""
+    if q.device.type != "cuda":
+        return 0
+    if FP8_DECODE is not None:
+        return FP8_DECODE
+    return 2 if q.dtype == torch.bfloat16 else 1
 
 
 def _default_splits(programs: int, K: int, device: torch.device) -> int:
@@ -561,6 +575,7 @@ def sparse_attn(
         ),
         ENTRIES=entries,
         NOPE=kv_entry_layout(D, rope_dim)[0] if entries else D,
+        FP8_DECODE=fp8_decode(q) if entries else 0,
         UPCAST=q.device.type != "cuda",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=split and pdl(q.device),

@@ -81,15 +81,17 @@ def test_bad_entries_are_named():
 
 
 @triton.jit
-def _roundtrip_kernel(x_ptr, e_ptr, o_ptr, n, d, nope, E, BR: tl.constexpr, BD: tl.constexpr):
+def _roundtrip_kernel(
+    x_ptr, e_ptr, o_ptr, n, d, nope, E, BR: tl.constexpr, BD: tl.constexpr, DECODE: tl.constexpr = 0
+):
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = r < n
     c = tl.arange(0, BD)
     at = r[:, None] * d + c[None, :]
     y = tl.load(x_ptr + at, mask=ok[:, None] & (c < d)[None, :], other=0.0)
     kv_fp8.store_entries(e_ptr, r.to(tl.int64) * E, y, ok, d, nope, BR, BD)
-    v = kv_fp8.load_entries(e_ptr + r.to(tl.int64) * E, ok, 0, d, nope, BR, BD)
-    tl.store(o_ptr + at, v, mask=ok[:, None] & (c < d)[None, :])
+    v = kv_fp8.load_entries(e_ptr + r.to(tl.int64) * E, ok, 0, d, nope, BR, BD, DECODE)
+    tl.store(o_ptr + at, v.to(tl.float32), mask=ok[:, None] & (c < d)[None, :])
 
 
 @pytest.mark.parametrize("d,rd", [(512, 64), (128, 32), (32, 16), (100, 20)])
@@ -190,6 +192,18 @@ def test_sparse_attn_rejects_mixed_sources():
 
 
 # ---- GPU: Flash width (head_dim 512, rope 64), bytes exact against the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [0, 1, 2])
+def test_gpu_every_decode_is_exact(decode: int):
+    # the integer decode, the GPU's e4m3 -> fp32 and e4m3 -> bf16 (scale added to the exponent)
+    x = _rows(64, 512, seed=decode).bfloat16().float().cuda()
+    e = torch.zeros(64, 584, dtype=torch.uint8, device="cuda")
+    o = torch.zeros(64, 512, device="cuda")
+    _roundtrip_kernel[(8,)](x, e, o, 64, 512, 448, 584, BR=8, BD=512, DECODE=decode)
+    assert torch.equal(e, quant_kv_entries(x, 64))
+    assert torch.equal(o, dequant_kv_entries(e, 512, 64))
 
 
 @pytest.mark.gpu
