@@ -537,7 +537,7 @@ def probe_tma_gather() -> None:
 def probe_attn_fp8() -> None:
     # decode attention over FP8 entries (584 B rows) against the same rows in bf16, one source
     # (the engine's decode form): the default, and fixed tiles x splits x the entry decode
-    # (`kv_fp8.load_entries` DECODE 0 / 1 / 2)
+    # (`kv_fp8.load_entries` DECODE 0 / 1)
     from dsv4.quant import quant_kv_entries
 
     attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
@@ -562,7 +562,7 @@ def probe_attn_fp8() -> None:
         sparse_attn.FP8_DECODE = None
         us(f"attn T={T} fp8 default", lambda: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64),  # noqa: B023
            nbytes=nb8)  # fmt: skip
-        for dec in (2, 1, 0):
+        for dec in (1, 0):
             sparse_attn.FP8_DECODE = dec
             for name, (bn, dv, bh, w, st, pf) in tiles.items():
                 cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False}

@@ -162,7 +162,7 @@ def _sparse_attn_kernel(
     ALIGNED: tl.constexpr,  # all kv rows start on 16-byte boundaries (ENTRIES: 8-byte)
     ENTRIES: tl.constexpr,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`)
     NOPE: tl.constexpr,  # ENTRIES: channels stored as e4m3 (the rest are the bf16 rope part)
-    FP8_DECODE: tl.constexpr,  # ENTRIES: `kv_fp8.load_entries`' DECODE (2 on a GPU for bf16 q)
+    FP8_DECODE: tl.constexpr,  # ENTRIES: `kv_fp8.load_entries`' DECODE (1 on a GPU)
     UPCAST: tl.constexpr,  # interpreter: compute on fp32 copies of bf16 loads
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (ignored for bf16)
     BLOCK_N: tl.constexpr,
@@ -413,13 +413,11 @@ def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def fp8_decode(q: torch.Tensor) -> int:
-    """How FP8 entries are decoded for q: the GPU's conversions into bf16 (2) for bf16 q on a GPU,
-    else the integer decode (0; the interpreter has no fp8 conversions)."""
+    """How FP8 entries are decoded: the GPU's e4m3 conversion (1) on a GPU, else the integer
+    decode (0; the interpreter has no fp8 conversions)."""
     if q.device.type != "cuda":
         return 0
-    if FP8_DECODE is not None:
-        return FP8_DECODE
-    return 2 if q.dtype == torch.bfloat16 else 1
+    return 1 if FP8_DECODE is None else FP8_DECODE
 
 
 def _default_splits(programs: int, K: int, device: torch.device) -> int:

@@ -195,9 +195,9 @@ def test_sparse_attn_rejects_mixed_sources():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", [0, 1, 2])
+@pytest.mark.parametrize("decode", [0, 1])
 def test_gpu_every_decode_is_exact(decode: int):
-    # the integer decode, the GPU's e4m3 -> fp32 and e4m3 -> bf16 (scale added to the exponent)
+    # the integer decode and the GPU's e4m3 conversion
     x = _rows(64, 512, seed=decode).bfloat16().float().cuda()
     e = torch.zeros(64, 584, dtype=torch.uint8, device="cuda")
     o = torch.zeros(64, 512, device="cuda")
