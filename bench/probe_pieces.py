@@ -229,6 +229,12 @@ def probe_mhc() -> None:
         )
 
 
+def _attn_tile(bn: int, dv: int, bh: int, warps: int, stages: int, prefetch: bool) -> dict:
+    # a sparse_attn `config` from a probe's tile tuple
+    return {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False, "PREFETCH": prefetch,
+            "num_warps": warps, "num_stages": stages}  # fmt: skip
+
+
 def probe_attn_tiles() -> None:
     # sparse attention at T=64 / 16 / 1: the autotuned default against fixed tiles x splits, with
     # the gathered key bytes as a fraction of this run's copy bandwidth (printed by 'floors')
@@ -259,9 +265,8 @@ def probe_attn_tiles() -> None:
         sparse_attn.PROGRAMS_PER_SPLIT = 1
         if T == 1:
             split_list = ()  # noqa: PLW2901  (T=1: the default only)
-        for name, (bn, dv, bh, w, st, pf) in tiles.items():
-            cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False}
-            cfg |= {"PREFETCH": pf, "num_warps": w, "num_stages": st}
+        for name, tile in tiles.items():
+            cfg = _attn_tile(*tile)
             for sp in split_list:
                 try:
                     us(
@@ -564,9 +569,8 @@ def probe_attn_fp8() -> None:
            nbytes=nb8)  # fmt: skip
         for dec in (1, 0):
             sparse_attn.FP8_DECODE = dec
-            for name, (bn, dv, bh, w, st, pf) in tiles.items():
-                cfg = {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False}
-                cfg |= {"PREFETCH": pf, "num_warps": w, "num_stages": st}
+            for name, tile in tiles.items():
+                cfg = _attn_tile(*tile)
                 for sp in split_list:
                     try:
                         out = sparse_attn.sparse_attn(

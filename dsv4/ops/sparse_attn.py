@@ -8,7 +8,8 @@ three sources (window ring | new tokens | paged compressed entries) addressed as
 picking the source by index range, so the paged pool is never copied. When T is small the key list
 of a token is split across programs for occupancy (flash-decoding): each split writes its running
 (max, sum, unnormalised output) in fp32 and a combine kernel merges them with the sink. When T is
-large (prefill) one program per token walks all its keys and writes o directly.
+large (prefill) one program per token walks all its keys and writes o directly. Rows may be FP8
+state entries (uint8, `--kv-cache-dtype fp8`): the gather decodes them exactly (`kv_fp8`).
 
 On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads over one kv source (the
 engine's decode form), the launcher hands over to the Gluon kernel in `sparse_attn_sm90`,
