@@ -229,10 +229,12 @@ def probe_mhc() -> None:
         )
 
 
-def _attn_tile(bn: int, dv: int, bh: int, warps: int, stages: int, prefetch: bool) -> dict:
+def _attn_tile(
+    bn: int, dv: int, bh: int, warps: int, stages: int, prefetch: bool, keys_on_m: bool = False
+) -> dict:
     # a sparse_attn `config` from a probe's tile tuple
-    return {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": False, "PREFETCH": prefetch,
-            "num_warps": warps, "num_stages": stages}  # fmt: skip
+    return {"BLOCK_N": bn, "DV_SPLIT": dv, "BLOCK_H": bh, "KEYS_ON_M": keys_on_m,
+            "PREFETCH": prefetch, "num_warps": warps, "num_stages": stages}  # fmt: skip
 
 
 def probe_attn_tiles() -> None:
@@ -541,19 +543,23 @@ def probe_tma_gather() -> None:
 
 def probe_attn_fp8() -> None:
     # decode attention over FP8 entries (584 B rows) against the same rows in bf16, one source
-    # (the engine's decode form): the default, and fixed tiles x splits x the entry decode
-    # (`kv_fp8.load_entries` DECODE 0 / 1)
+    # (the engine's decode form): the default, and fixed tiles x splits with the GPU's decode
+    # (`kv_fp8.load_entries` DECODE 1; the tenth session's first run also timed 0 and a bf16 one)
     from dsv4.quant import quant_kv_entries
 
     attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    tiles = {  # name: (BLOCK_N, DV_SPLIT, BLOCK_H, warps, stages, PREFETCH)
-        "bn32 dv1 st4 pf": (32, 1, 64, 8, 4, True),
+    tiles = {  # name: (BLOCK_N, DV_SPLIT, BLOCK_H, warps, stages, PREFETCH[, KEYS_ON_M])
         "bn16 dv1 st4 pf": (16, 1, 64, 8, 4, True),
         "bn32 dv2 st3 pf": (32, 2, 64, 4, 3, True),
         "bh16 bn32 st2": (32, 1, 16, 4, 2, False),
-        "bh16 bn32 st3 pf": (32, 1, 16, 4, 3, True),
+        # keys on the MMA rows: the decoded tile is operand A (registers), and the sm_90 PTX keeps
+        # cp.async for the gathers (8-11 of them), which the other FP8 tiles lose
+        "km bn64 st2": (64, 1, 64, 8, 2, False, True),
+        "km bn32 st3": (32, 1, 64, 8, 3, False, True),
+        "km bh16 bn32 st2": (32, 1, 16, 4, 2, False, True),
+        "km bn64 dv2 st3": (64, 2, 64, 4, 3, False, True),
     }
-    for T, split_list in ((64, (1, 2)), (16, (4,)), (1, (10, 20))):
+    for T, split_list in ((64, (1, 2)), (16, (4,)), (1, (20,))):
         q, kv, sink, idx = attn.tokens(T)
         rows = torch.cat(kv)
         ent = torch.cat([quant_kv_entries(p, 64) for p in rows.split(1 << 18)])
@@ -567,7 +573,7 @@ def probe_attn_fp8() -> None:
         sparse_attn.FP8_DECODE = None
         us(f"attn T={T} fp8 default", lambda: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64),  # noqa: B023
            nbytes=nb8)  # fmt: skip
-        for dec in (1, 0):
+        for dec in (1,):
             sparse_attn.FP8_DECODE = dec
             for name, tile in tiles.items():
                 cfg = _attn_tile(*tile)
