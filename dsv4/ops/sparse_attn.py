@@ -40,6 +40,13 @@ SM90_MIN_TOKENS = 32
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
 # FP8 entries on a GPU: `kv_fp8.load_entries`' DECODE (None: `fp8_decode`'s choice)
 FP8_DECODE = None
+# FP8 entries from this many 64-head programs on a GPU: keys on the MMA rows (the decoded tile is
+# operand A, and unlike the other tiles the gathers keep cp.async in the sm_90 PTX), the SMs
+# filled once (H200, T=64: 64.8 us with 2 splits, 110.4 with 1, autotuned 83.2; T=16 stays
+# autotuned: 28.5 vs 35.5)
+FP8_MANY_TOKENS = 32
+FP8_MANY_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=64, KEYS_ON_M=True, PREFETCH=False,
+                            num_warps=8, num_stages=3)  # fmt: skip
 # finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
 NEG = tl.constexpr(-1.0e30)
 
@@ -421,10 +428,12 @@ def fp8_decode(q: torch.Tensor) -> int:
     return 1 if FP8_DECODE is None else FP8_DECODE
 
 
-def _default_splits(programs: int, K: int, device: torch.device) -> int:
+def _default_splits(
+    programs: int, K: int, device: torch.device, per_split: int = PROGRAMS_PER_SPLIT
+) -> int:
     # split each token's keys until the grid fills the SMs once, keeping >= MIN_KEYS_PER_SPLIT keys
-    # (each (token, head block, split) counted as PROGRAMS_PER_SPLIT programs: DV_SPLIT tiles)
-    sms = num_sms(device) // PROGRAMS_PER_SPLIT
+    # (each (token, head block, split) counted as per_split programs: DV_SPLIT tiles)
+    sms = num_sms(device) // per_split
     if programs >= sms:
         return 1
     return max(1, min(sms // programs, triton.cdiv(K, MIN_KEYS_PER_SPLIT)))
@@ -531,8 +540,13 @@ def sparse_attn(
         return o.zero_()  # only the sink remains: its mass is dropped
     H_PAD = max(16, triton.next_power_of_2(H))
     head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
+    fp8_many = entries and config is None and q.is_cuda and H_PAD >= 64
+    fp8_many = fp8_many and T * head_blocks >= FP8_MANY_TOKENS
+    if fp8_many:
+        config = FP8_MANY_TOKENS_TILE
     if num_splits is None:
-        num_splits = _default_splits(T * head_blocks, K, q.device)
+        per_split = 1 if fp8_many else PROGRAMS_PER_SPLIT
+        num_splits = _default_splits(T * head_blocks, K, q.device, per_split)
     assert num_splits >= 1, f"num_splits must be >= 1 (got {num_splits})"
     keys_per_split = triton.cdiv(K, num_splits)
     if keys_per_split > 16:
