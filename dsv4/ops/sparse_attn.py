@@ -428,6 +428,20 @@ def fp8_decode(q: torch.Tensor) -> int:
     return 1 if FP8_DECODE is None else FP8_DECODE
 
 
+def fixed_tile(programs: int, h_pad: int, entries: bool) -> dict | None:
+    """The tile for `programs` (token, 64-head block)s on a GPU where one was measured to beat
+    the autotuner's host-timed pick, else None (autotune):
+    - a few programs: FEW_TOKENS_TILE (H200, T=1: the autotuner chose BN 32 / DV 2 / 64 heads
+      at 9.99 us of device time; this tile measures 8.34);
+    - FP8 entries of 64 heads from FP8_MANY_TOKENS programs: FP8_MANY_TOKENS_TILE, one
+      program per split (the launcher then fills the SMs once)."""
+    if programs <= FIXED_TILE_MAX_PROGRAMS:
+        return FEW_TOKENS_TILE
+    if entries and h_pad >= 64 and programs >= FP8_MANY_TOKENS:
+        return FP8_MANY_TOKENS_TILE
+    return None
+
+
 def _default_splits(
     programs: int, K: int, device: torch.device, per_split: int = PROGRAMS_PER_SPLIT
 ) -> int:
@@ -540,12 +554,10 @@ def sparse_attn(
         return o.zero_()  # only the sink remains: its mass is dropped
     H_PAD = max(16, triton.next_power_of_2(H))
     head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
-    fp8_many = entries and config is None and q.is_cuda and H_PAD >= 64
-    fp8_many = fp8_many and T * head_blocks >= FP8_MANY_TOKENS
-    if fp8_many:
-        config = FP8_MANY_TOKENS_TILE
+    if config is None and q.is_cuda:  # measured fixed tiles where the autotuner picks badly
+        config = fixed_tile(T * head_blocks, H_PAD, entries)
     if num_splits is None:
-        per_split = 1 if fp8_many else PROGRAMS_PER_SPLIT
+        per_split = 1 if config is FP8_MANY_TOKENS_TILE else PROGRAMS_PER_SPLIT
         num_splits = _default_splits(T * head_blocks, K, q.device, per_split)
     assert num_splits >= 1, f"num_splits must be >= 1 (got {num_splits})"
     keys_per_split = triton.cdiv(K, num_splits)
@@ -597,10 +609,6 @@ def sparse_attn(
     def grid(meta: dict) -> tuple[int, int, int]:
         return (T, num_splits, triton.cdiv(H, meta["BLOCK_H"]) * meta["DV_SPLIT"])
 
-    if config is None and q.device.type == "cuda" and T * head_blocks <= FIXED_TILE_MAX_PROGRAMS:
-        # a few tokens: the autotuner's host-timed trials pick badly here (H200, T=1: it chose
-        # BN 32 / DV 2 / 64 heads at 9.99 us of device time; this tile measures 8.34)
-        config = FEW_TOKENS_TILE
     if config is None and q.device.type == "cuda":
         _sparse_attn_tuned[grid](*args, **consts)
     else:

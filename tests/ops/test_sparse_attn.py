@@ -266,3 +266,13 @@ def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
             q, (both,), sink, idx, 512**-0.5, num_splits=splits, block_n=block_n, num_buf=num_buf
         )
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
+
+
+def test_fixed_tiles_where_measured():
+    # the GPU dispatch: the few-token tile, the FP8 many-token tile (64 heads), else autotune
+    assert sa_mod.fixed_tile(2, 64, False) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(2, 64, True) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(16, 64, False) is None and sa_mod.fixed_tile(64, 64, False) is None
+    assert sa_mod.fixed_tile(16, 64, True) is None
+    assert sa_mod.fixed_tile(64, 64, True) is sa_mod.FP8_MANY_TOKENS_TILE
+    assert sa_mod.fixed_tile(64, 16, True) is None  # 16 heads: not the 64-head tile
