@@ -573,6 +573,18 @@ def probe_attn_fp8() -> None:
         sparse_attn.FP8_DECODE = None
         us(f"attn T={T} fp8 default", lambda: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64),  # noqa: B023
            nbytes=nb8)  # fmt: skip
+        from dsv4.ops import sparse_attn_sm90 as sm90
+
+        for bn, nb in ((64, 2), (32, 4)):  # the Gluon kernel over entries (off in the dispatch)
+            kw = dict(block_n=bn, num_buf=nb)
+            try:
+                out = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, **kw)
+                err = float((out.float() - want.float()).abs().max())
+                us(f"attn T={T} fp8 sm90 bn{bn} nb{nb}",
+                   lambda kw=kw: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, **kw),  # noqa: B023
+                   nbytes=nb8, note=f" (max err {err:.1e})")  # fmt: skip
+            except Exception as e:  # noqa: BLE001  (not yet run on a GPU: say what failed)
+                print(f"attn T={T} fp8 sm90 bn{bn} nb{nb}: {type(e).__name__}: {e}", flush=True)
         for dec in (1,):
             sparse_attn.FP8_DECODE = dec
             for name, tile in tiles.items():

@@ -545,8 +545,8 @@ def sparse_attn(
     if config is None and num_splits is None and T >= SM90_MIN_TOKENS and len(kv) == 1:
         from dsv4.ops import sparse_attn_sm90  # Gluon (no interpreter): Hopper GPUs only
 
-        if sparse_attn_sm90.supported(q, kv):
-            return sparse_attn_sm90.sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale)
+        if sparse_attn_sm90.supported(q, kv, rope_dim):
+            return sparse_attn_sm90.sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale, rope_dim)
 
     # ---- allocate
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)

@@ -35,9 +35,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4.ops import sparse_attn as _triton
 from dsv4.ops.device import num_sms
+from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
 DIM = 512  # the K = V row (the rope part is rotated into it)
+ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
+# FP8 entries through this kernel (gathered raw by cp.async, decoded into the wgmma tile, FlashMLA's
+# design): compiled for sm_90, not yet run on a GPU, so `sparse_attn` does not dispatch to it
+# (`test_gpu_sm90_entries` and `bench/probe_pieces.py --only attn_fp8` are the checks to run first)
+FP8_ENTRIES = False
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
 
 
@@ -54,6 +60,48 @@ def _gather(buf, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
     rows = kv_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn
     cp.async_copy_global_to_shared(buf, rows[:, None] + offs_gd[None, :], mask=(idx >= 0)[:, None])
     cp.commit_group()
+
+
+@gluon.jit
+def _gather_entries(raw, rope, sc, kv_ptr, stride_kn, idx, BLOCK_N: gl.constexpr,
+                    NOPE: gl.constexpr):  # fmt: skip
+    # FP8 entries idx of kv (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one commit
+    # group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64] (int16), the
+    # scale bytes into sc [BN, 8]
+    c_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    r_lay: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])
+    s_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [8, 1], [1, 0])
+    off = gl.multiple_of(gl.maximum(idx, 0).to(gl.int64) * stride_kn, 8)  # [BN] bytes
+    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, c_lay))
+    o = gl.convert_layout(off, gl.SliceLayout(1, c_lay))
+    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, c_lay))
+    mask = ok[:, None] & (cols < NOPE)[None, :]
+    cp.async_copy_global_to_shared(raw, kv_ptr + o[:, None] + cols[None, :], mask=mask)
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, r_lay))
+    o = gl.convert_layout(off, gl.SliceLayout(1, r_lay))
+    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, r_lay))
+    at = (kv_ptr + o + NOPE).to(gl.pointer_type(gl.int16))
+    cp.async_copy_global_to_shared(rope, at[:, None] + cols[None, :], mask=ok[:, None])
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, s_lay))
+    o = gl.convert_layout(off, gl.SliceLayout(1, s_lay))
+    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, s_lay))
+    at = kv_ptr + o + (NOPE + 128)  # after the codes and the 64 rope values
+    cp.async_copy_global_to_shared(sc, at[:, None] + cols[None, :], mask=ok[:, None])
+    cp.commit_group()
+
+
+@gluon.jit
+def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
+    # gathered FP8 entries -> bf16 values in dst [BN, 512] (the wgmma tile), exactly: each 64-wide
+    # block of codes times its scale 2^(S - 127), then the rope bits
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    for j in gl.static_range(NOPE // 64):
+        codes = raw.slice(64 * j, 64, dim=1).load(lay)
+        s = sc.slice(j, 1, dim=1).load(lay)  # [BN, 1]
+        scale = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
+        dst.slice(64 * j, 64, dim=1).store(v.to(gl.bfloat16))
+    dst.slice(NOPE, 64, dim=1).store(rope.load(lay).to(gl.bfloat16, bitcast=True))
 
 
 @gluon.jit
@@ -103,6 +151,8 @@ def _decode_kernel(
     NUM_BUF: gl.constexpr,  # gathered tiles in shared memory (NUM_BUF - 1 in flight)
     SPLIT: gl.constexpr,
     MODE: gl.constexpr = 0,  # probes only: 1 = the gathers alone, 2 = the math alone (tile 0)
+    ENTRIES: gl.constexpr = False,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`; MODE 0)
+    NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
 ):
     H: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -123,8 +173,15 @@ def _decode_kernel(
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
+    if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
+        rope_smem = gl.allocate_shared_memory(gl.int16, [NUM_BUF, BLOCK_N, 64], plain)
+        sc_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 8], plain)
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, D], kv_smem_layout)
+    else:
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
 
     offs_gd = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
     offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
@@ -145,7 +202,11 @@ def _decode_kernel(
     # no index load sits between a wait and the next gather (H200, T=64: 32.0 -> 30.5 us)
     for b in gl.static_range(NUM_BUF - 1):
         idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
-        _gather(kv_smem.index(b), kv_ptr, stride_kn, idx, offs_gd)
+        if ENTRIES:
+            _gather_entries(raw_smem.index(b), rope_smem.index(b), sc_smem.index(b), kv_ptr,
+                            stride_kn, idx, BLOCK_N, NOPE)  # fmt: skip
+        else:
+            _gather(kv_smem.index(b), kv_ptr, stride_kn, idx, offs_gd)
     idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
     valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
 
@@ -161,15 +222,26 @@ def _decode_kernel(
         gl.thread_barrier()
         # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
         nxt = i + NUM_BUF - 1
-        if MODE != 2:
+        if ENTRIES:
+            nb = nxt % NUM_BUF
+            _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
+                            stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
+        elif MODE != 2:
             _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
         else:
             cp.commit_group()
         idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
         valid = valid_next
         valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+        if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
+            cb = i % NUM_BUF
+            kv = kv_smem.index(0)
+            _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
+            fence_async_shared()
+            gl.thread_barrier()
         if MODE != 1:
-            kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
+            if not ENTRIES:
+                kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
             s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
             p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
             p_smem.store(p.to(gl.bfloat16))
@@ -198,9 +270,13 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
-def supported(q: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> bool:
+def supported(
+    q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
+) -> bool:
     """This kernel applies: an sm_90 GPU, bf16, 64 heads of 512 channels, one kv source whose
-    rows start on 16 bytes."""
+    rows start on 16 bytes (or, when `entries`, FP8 entries of 448 + 64 rope channels whose rows
+    start on 8 bytes; default: FP8_ENTRIES)."""
+    entries = FP8_ENTRIES if entries is None else entries
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, DIM) or q.stride(2) != 1:
@@ -208,14 +284,23 @@ def supported(q: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> bool:
     if len(kv) != 1:
         return False
     (src,) = kv
+    q_ok = q.data_ptr() % 16 == 0 and q.stride(1) * 2 % 16 == 0 and q.stride(0) * 2 % 16 == 0
+    if src.dtype == torch.uint8:
+        return (
+            entries
+            and rope_dim == ROPE
+            and tuple(src.shape[1:]) == (kv_entry_layout(DIM, ROPE)[2],)
+            and src.stride(1) == 1
+            and src.data_ptr() % 8 == 0
+            and src.stride(0) % 8 == 0
+            and q_ok
+        )
     return (
         src.dtype == torch.bfloat16
         and src.stride(1) == 1
         and src.data_ptr() % 16 == 0
         and src.stride(0) * 2 % 16 == 0
-        and q.data_ptr() % 16 == 0
-        and q.stride(1) * 2 % 16 == 0
-        and q.stride(0) * 2 % 16 == 0
+        and q_ok
     )
 
 
@@ -225,6 +310,7 @@ def sparse_attn_sm90(
     attn_sink: torch.Tensor,
     topk_idxs: torch.Tensor,
     scale: float,
+    rope_dim: int = 0,
     *,
     num_splits: int | None = None,
     block_n: int = 64,
@@ -235,8 +321,12 @@ def sparse_attn_sm90(
     `sparse_attn` merges adjacent sources before it hands over). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
-    assert supported(q, kv), "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source"
+    assert supported(q, kv, rope_dim, entries=True), (
+        "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
+    )
     (src,) = kv
+    entries = src.dtype == torch.uint8
+    assert not (entries and mode), "sparse_attn_sm90: the probe modes read bf16 rows"
     T = q.shape[0]
     K = topk_idxs.shape[1]
     assert topk_idxs.dim() == 2 and topk_idxs.shape[0] == T and topk_idxs.stride(1) == 1
@@ -258,7 +348,8 @@ def sparse_attn_sm90(
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
-        BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, num_warps=8,
+        BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
+        NOPE=DIM - ROPE, num_warps=8,
     )  # fmt: skip
     if split:  # the Triton kernel's combine (this kernel does not signal PDL)
         _triton._combine(part, ml, attn_sink, o, num_splits, early=False)

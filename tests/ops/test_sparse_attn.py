@@ -268,6 +268,31 @@ def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4)])
+def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
+    # the Gluon kernel over FP8 entries (off in the dispatch until this passes on a GPU): the fp32
+    # reference over the decoded rows, split and unsplit, with -1 entries
+    from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.quant import dequant_kv_entries, quant_kv_entries
+
+    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    both = torch.cat([quant_kv_entries(ring, 64), quant_kv_entries(pool, 64)])
+    if not sm90.supported(q, (both,), 64, entries=True):
+        pytest.skip("not an sm_90 GPU")
+    n_ring = ring.shape[0]
+    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
+    idx[:, 7::13] = -1
+    want = _want(q, (dequant_kv_entries(both, 512, 64),), sink, idx, 512**-0.5)
+    for splits in (None, 1, 2):
+        o = sm90.sparse_attn_sm90(
+            q, (both,), sink, idx, 512**-0.5, 64, num_splits=splits, block_n=block_n,
+            num_buf=num_buf,
+        )  # fmt: skip
+        assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
+
+
 def test_fixed_tiles_where_measured():
     # the GPU dispatch: the few-token tile, the FP8 many-token tile (64 heads), else autotune
     assert sa_mod.fixed_tile(2, 64, False) is sa_mod.FEW_TOKENS_TILE
