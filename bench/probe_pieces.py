@@ -418,16 +418,19 @@ def _gather_sum_kernel(kv_ptr, idx_ptr, out_ptr, K, keys_per_split, stride_kn, s
     tl.store(out_ptr + (t * tl.num_programs(1) + sp) * D + offs_d, tl.sum(acc, 0))
 
 
+def _gather_rows(T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    # the rows T decode tokens' sparse attention gathers: the sources as one [N, 512] bf16
+    # tensor, int32 indices [T, 640] into it and the bytes gathered
+    _, kv, _, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(T)
+    return torch.cat(kv), idx.to(torch.int32).contiguous(), T * idx.shape[1] * 512 * 2
+
+
 def probe_gather() -> None:
     # how fast can 64 tokens x 640 random 1 KB rows be gathered at all? Plain loads (stages 1:
     # ld.global into registers, many programs per SM) and cp.async pipelines (stages > 1)
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
     T = 64
-    q, kv, sink, idx = attn.tokens(T)
-    one = torch.cat(kv)
-    K = idx.shape[1]
-    ix = idx.to(torch.int32).contiguous()
-    nbytes = T * K * 512 * 2
+    one, ix, nbytes = _gather_rows(T)
+    K = ix.shape[1]
     for bn, stages, warps in (
         (16, 1, 4),
         (32, 1, 4),
@@ -509,13 +512,9 @@ def probe_tma_gather() -> None:
     # against the best cp.async / ld.global gather (probe_gather) and copy_ of the same bytes
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
     T = 64
-    q, kv, sink, idx = attn.tokens(T)
-    one = torch.cat(kv)
-    K = idx.shape[1]
-    ix = idx.to(torch.int32).contiguous()
-    nbytes = T * K * 512 * 2
+    one, ix, nbytes = _gather_rows(T)
+    K = ix.shape[1]
     rows2 = one.view(-1, 256)  # a 1 KB row = a [2, 256] box
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
@@ -562,7 +561,7 @@ def probe_attn_fp8() -> None:
     for T, split_list in ((64, (1, 2)), (16, (4,)), (1, (20,))):
         q, kv, sink, idx = attn.tokens(T)
         rows = torch.cat(kv)
-        ent = torch.cat([quant_kv_entries(p, 64) for p in rows.split(1 << 18)])
+        ent = quant_kv_entries(rows, 64)
         one, one8 = (rows,), (ent,)
         sparse_attn.FP8_DECODE = 0
         want = sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64, config=dict(BLOCK_N=16))
@@ -856,53 +855,31 @@ def probe_index_floor() -> None:
         C = 32768
         nbytes = T * C * 128 * 2
         us(f"index T={T}: score kernel", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
+
+        def stream(kernel, name, src, *args, bn, tiles, warps, stages, **kw) -> None:  # noqa: ANN001
+            # one tiling of a streaming probe kernel over the token's candidate rows
+            out = torch.empty(T * C // (bn * tiles), device="cuda")
+            us(
+                f"index T={T} {name}: BN {bn}, {tiles} tiles, {warps} warps, {stages} stages",
+                lambda: kernel[(C // (bn * tiles), T)](
+                    src, cand, out, *args, TILES=tiles, BLOCK_N=bn, D=128, STAGES=stages,  # noqa: B023
+                    num_warps=warps, **kw,
+                ),
+                nbytes=nbytes,
+            )  # fmt: skip
+
         for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 64, 4, 4),
                                          (64, 16, 8, 3), (128, 8, 8, 3), (128, 16, 8, 3),
                                          (128, 32, 8, 2), (64, 4, 4, 2), (32, 32, 4, 4)):  # fmt: skip
-            out = torch.empty(T * C // (bn * tiles), device="cuda")
+            tile = dict(bn=bn, tiles=tiles, warps=warps, stages=stages)
             for paged in (False, True):
-                us(
-                    f"index T={T} {'paged' if paged else 'contiguous'} rows summed: BN {bn}, "
-                    f"{tiles} tiles, {warps} warps, {stages} stages",
-                    lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, paged=paged: (
-                        _stream_rows_kernel[(C // (bn * tiles), T)](
-                            keys,
-                            cand,
-                            out,
-                            C,
-                            cand.stride(0),
-                            TILES=tiles,
-                            BLOCK_N=bn,
-                            D=128,
-                            PAGED=paged,
-                            STAGES=stages,
-                            num_warps=warps,
-                        )  # fmt: skip
-                    ),
-                    nbytes=nbytes,
-                )
+                name = f"{'paged' if paged else 'contiguous'} rows summed"
+                stream(_stream_rows_kernel, name, keys, C, cand.stride(0), PAGED=paged, **tile)
         for bn, tiles, warps, stages in ((64, 16, 4, 3), (64, 16, 4, 4), (64, 32, 4, 4),
                                          (64, 16, 8, 4), (64, 8, 4, 3)):  # fmt: skip
             desc = TensorDescriptor.from_tensor(keys, [bn, 128])
-            out = torch.empty(T * C // (bn * tiles), device="cuda")
-            us(
-                f"index T={T} paged rows by TMA summed: BN {bn}, {tiles} tiles, {warps} warps, "
-                f"{stages} stages",
-                lambda bn=bn, tiles=tiles, warps=warps, stages=stages, out=out, desc=desc: (
-                    _stream_pages_tma_kernel[(C // (bn * tiles), T)](
-                        desc,
-                        cand,
-                        out,
-                        cand.stride(0),
-                        TILES=tiles,
-                        BLOCK_N=bn,
-                        D=128,
-                        STAGES=stages,
-                        num_warps=warps,
-                    )  # fmt: skip
-                ),
-                nbytes=nbytes,
-            )
+            stream(_stream_pages_tma_kernel, "paged rows by TMA summed", desc, cand.stride(0),
+                   bn=bn, tiles=tiles, warps=warps, stages=stages)  # fmt: skip
         flat = keys[: T * C].clone()
         us(
             f"index T={T}: torch sum of the {nbytes >> 20} MiB of keys",
@@ -931,22 +908,34 @@ def probe_topk() -> None:
                 print(f"index_topk T={T} segment={seg} warps={sw}: {str(e)[:80]}")
 
 
+def _moe_experts() -> torch.nn.ModuleList:
+    # Flash's routed experts: 256 MXFP4 experts, D 4096, inter 2048
+    from dsv4.bench.cases_moe import random_experts
+
+    return random_experts(4096, 2048, 256, "cuda")
+
+
+def _moe_tokens(T: int, experts: torch.nn.ModuleList) -> tuple:
+    # T tokens routed to 6 random experts each: x, weights, idx and the routed experts' bytes
+    from dsv4.bench.cases_moe import _expert_bytes
+
+    E, k = len(experts), 6
+    g = torch.Generator(device="cuda").manual_seed(T)
+    idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+    weights = torch.rand(T, k, generator=g, device="cuda") / k
+    x = torch.randn(T, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    return x, weights, idx, int(idx.unique().numel()) * _expert_bytes(experts[0])
+
+
 def probe_moe() -> None:
     # routed experts at Flash sizes (256 MXFP4 experts, k=6) for T = 1, 16, 64: the kernels' own
     # decode of every weight (fp32, then x.dtype) against tl.dot_scaled on the packed codes,
     # autotuned and at fixed tiles, against the bytes of the routed experts
-    from dsv4.bench.cases_moe import _expert_bytes, random_experts
     from dsv4.ops import moe
 
-    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
-    experts = random_experts(D, I, E, "cuda")
-    per_expert = _expert_bytes(experts[0])
+    experts = _moe_experts()
     for T in (1, 16, 64):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
-        weights = torch.rand(T, k, generator=g, device="cuda") / k
-        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-        nbytes = int(idx.unique().numel()) * per_expert
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = moe.moe_experts(x, weights, idx, experts, dot_scaled=False)
         variants = [("autotuned", None, False), ("autotuned dot_scaled", None, True)]
         for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)):
@@ -973,18 +962,11 @@ def probe_moe() -> None:
 def probe_moe_tiles() -> None:
     # the dot_scaled experts at T = 16, 64: the fixed tiles against leaner ones by the K-loop's
     # instruction count per weight (BN 128 x BK 64, 4 warps: 7.44 vs 7.98 for BN 64 x BK 128)
-    from dsv4.bench.cases_moe import _expert_bytes, random_experts
     from dsv4.ops import moe
 
-    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
-    experts = random_experts(D, I, E, "cuda")
-    per_expert = _expert_bytes(experts[0])
+    experts = _moe_experts()
     for T in (16, 64):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
-        weights = torch.rand(T, k, generator=g, device="cuda") / k
-        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-        nbytes = int(idx.unique().numel()) * per_expert
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = moe.moe_experts(x, weights, idx, experts, dot_scaled=False)
         tiles = [(64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 5),
                  (128, 128, 4, 3), (64, 64, 4, 4), (64, 128, 4, 4), (32, 128, 4, 4)]  # fmt: skip
@@ -1006,18 +988,11 @@ def probe_moe_tiles() -> None:
 def probe_moe_gemv() -> None:
     # batch 1 (6 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA cores)
     # at several tiles against the dot forms
-    from dsv4.bench.cases_moe import _expert_bytes, random_experts
     from dsv4.ops import moe
 
-    D, I, E, k = 4096, 2048, 256, 6  # noqa: E741
-    experts = random_experts(D, I, E, "cuda")
-    per_expert = _expert_bytes(experts[0])
+    experts = _moe_experts()
     for T in (1, 2, 3, 4, 6, 8):
-        g = torch.Generator(device="cuda").manual_seed(T)
-        idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
-        weights = torch.rand(T, k, generator=g, device="cuda") / k
-        x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
-        nbytes = int(idx.unique().numel()) * per_expert
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
         variants = [("dot, autotuned", None, False, False)]
         for bn, bk, w in ((32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dsv4.config import KV_CACHE_DTYPES
+
 ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "device",
     "dtype",
@@ -107,7 +109,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8"],
+        choices=KV_CACHE_DTYPES,
         help="attention state: auto = the compute dtype; fp8 = FP8 entries (584 B at Flash "
         "width: e4m3 nope, bf16 rope, UE8M0 scales), as vLLM's fp8_ds_mla",
     )

@@ -380,6 +380,7 @@ def mxfp4_to_fp8(
 
 KV_SCALE_BLOCK = 64  # nope channels per UE8M0 exponent
 KV_AMAX_FLOOR = 1e-4  # the reference's act_quant floor on a block's amax
+KV_QUANT_ROWS = 1 << 16  # quant_kv_entries works through this many rows at a time
 
 
 def kv_entry_layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
@@ -402,14 +403,15 @@ def quant_kv_entries(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     )
     n, d = x.shape
     nope, n_scales, nbytes = kv_entry_layout(d, rope_dim)
-    xf = x.float()
-    amax = _tile_amax(xf[:, :nope].abs(), 1, KV_SCALE_BLOCK).clamp_(min=KV_AMAX_FLOOR)
-    e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [n, n_scales]
-    y = _tile_mul(xf[:, :nope], _exp2i(-e), 1, KV_SCALE_BLOCK).clamp_(-E4M3_MAX, E4M3_MAX)
     out = torch.zeros(n, nbytes, dtype=torch.uint8, device=x.device)
-    out[:, :nope] = y.to(torch.float8_e4m3fn).view(torch.uint8)
-    out[:, nope : nope + 2 * rope_dim] = xf[:, nope:].to(torch.bfloat16).view(torch.uint8)
-    out[:, nope + 2 * rope_dim : nope + 2 * rope_dim + n_scales] = (e + 127).to(torch.uint8)
+    for i in range(0, n, KV_QUANT_ROWS):  # fp32 temporaries of a slab of rows at a time
+        xf, o = x[i : i + KV_QUANT_ROWS].float(), out[i : i + KV_QUANT_ROWS]
+        amax = _tile_amax(xf[:, :nope].abs(), 1, KV_SCALE_BLOCK).clamp_(min=KV_AMAX_FLOOR)
+        e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [rows, n_scales]
+        y = _tile_mul(xf[:, :nope], _exp2i(-e), 1, KV_SCALE_BLOCK).clamp_(-E4M3_MAX, E4M3_MAX)
+        o[:, :nope] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        o[:, nope : nope + 2 * rope_dim] = xf[:, nope:].to(torch.bfloat16).view(torch.uint8)
+        o[:, nope + 2 * rope_dim : nope + 2 * rope_dim + n_scales] = (e + 127).to(torch.uint8)
     return out
 
 

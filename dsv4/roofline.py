@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dsv4.config import CSA, HASH_MOE, HCA, SLIDING, ConfigError, ModelArgs, flash_args
+from dsv4.quant import kv_entry_layout
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,8 @@ def entry_bytes(args: ModelArgs, state_dtype: str) -> tuple[int, int]:
     """Bytes of one (main KV, indexer key) state entry."""
     if state_dtype == "bf16":
         return 2 * args.head_dim, 2 * args.index_head_dim
-    if state_dtype == "fp8":  # FlashMLA MODEL1: e4m3 nope, bf16 rope, UE8M0 per 64 nope, pad to 8
-        nope = args.nope_head_dim
-        main = nope + 2 * args.rope_head_dim + math.ceil(nope / 64)
-        return 8 * math.ceil(main / 8), args.index_head_dim + 4  # indexer: e4m3 + fp32 scale
+    if state_dtype == "fp8":  # FlashMLA MODEL1 entries; indexer keys e4m3 + one fp32 scale
+        return kv_entry_layout(args.head_dim, args.rope_head_dim)[2], args.index_head_dim + 4
     raise ValueError(f"state_dtype must be 'bf16' or 'fp8', got {state_dtype!r}")
 
 

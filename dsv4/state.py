@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.config import CSA, HCA, ModelArgs
+from dsv4.config import CSA, HCA, KV_CACHE_DTYPES, ModelArgs
 from dsv4.quant import kv_entry_layout
 
 
@@ -49,10 +49,10 @@ class LayerState:
 def kv_row(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> tuple[int, torch.dtype]:
     """(width, dtype) of one attention K=V row in the state: head_dim values of `dtype`, or for
     kv_format "fp8" one uint8 FP8 entry (`dsv4.quant.kv_entry_layout`; 584 B at Flash width)."""
+    if kv_format not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_format must be one of {KV_CACHE_DTYPES}, got {kv_format!r}")
     if kv_format == "fp8":
         return kv_entry_layout(args.head_dim, args.rope_head_dim)[2], torch.uint8
-    if kv_format != "auto":
-        raise ValueError(f"kv_format must be 'auto' or 'fp8', got {kv_format!r}")
     return args.head_dim, dtype
 
 

@@ -33,9 +33,8 @@ class _Dims:
 
 
 def _entries(ring: torch.Tensor, pool: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    # ring | pool as one allocation of FP8 entries, quantized in slabs
-    rows = torch.cat([ring, pool])
-    return torch.cat([quant_kv_entries(part, rope_dim) for part in rows.split(1 << 18)])
+    # ring | pool as one allocation of FP8 entries
+    return quant_kv_entries(torch.cat([ring, pool]), rope_dim)
 
 
 def _sources(dims: _Dims, device: str) -> tuple[torch.Tensor, torch.Tensor]:

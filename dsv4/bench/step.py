@@ -47,7 +47,7 @@ import torch
 from dsv4.bench import breakdown as bd
 from dsv4.bench.report import environment, print_report
 from dsv4.bench.timing import Clock, measure, projection_plan, with_projection
-from dsv4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelArgs, flash_args
+from dsv4.config import CSA, HASH_MOE, HCA, KV_CACHE_DTYPES, MOE, SLIDING, ModelArgs, flash_args
 from dsv4.model import Transformer
 from dsv4.state import Batch, DecodeState
 
@@ -137,7 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8"],
+        choices=KV_CACHE_DTYPES,
         default="auto",
         help="attention state: the compute dtype, or FP8 entries (584 B at Flash width)",
     )

@@ -15,9 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_MAX = tl.constexpr(448.0)
-AMAX_FLOOR = tl.constexpr(1e-4)  # dsv4.quant.KV_AMAX_FLOOR
-SCALE_BLOCK = tl.constexpr(64)  # dsv4.quant.KV_SCALE_BLOCK
+from dsv4 import quant
+
+E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
+AMAX_FLOOR = tl.constexpr(quant.KV_AMAX_FLOOR)
+SCALE_BLOCK = tl.constexpr(quant.KV_SCALE_BLOCK)
 
 
 @triton.jit

@@ -512,7 +512,8 @@ def sparse_attn(
     kv = tuple(kv)
     assert 1 <= len(kv) <= 3, f"kv must hold 1..3 row tensors (got {len(kv)})"
     entries = kv[0].dtype == torch.uint8
-    width = kv_entry_layout(D, rope_dim)[2] if entries else D  # checks rope_dim for entries
+    # FP8 entries: e4m3 channels and row bytes (checks rope_dim)
+    nope, _, width = kv_entry_layout(D, rope_dim) if entries else (D, 0, D)
     for i, src in enumerate(kv):
         assert src.dtype == (torch.uint8 if entries else q.dtype), (
             f"kv[{i}] dtype {src.dtype}: the sources must all be q's dtype {q.dtype} or all "
@@ -599,7 +600,7 @@ def sparse_attn(
             s.data_ptr() % align == 0 and s.stride(0) * s.element_size() % align == 0 for s in kv
         ),
         ENTRIES=entries,
-        NOPE=kv_entry_layout(D, rope_dim)[0] if entries else D,
+        NOPE=nope,
         FP8_DECODE=fp8_decode(q) if entries else 0,
         UPCAST=q.device.type != "cuda",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -63,30 +63,28 @@ def _gather(buf, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
+def _copy_rows(dst, at, ok, N: gl.constexpr, VALID: gl.constexpr, lay: gl.constexpr):
+    # dst [BN, N] <- N elements from each row pointer at [BN] by cp.async (rows not ok and
+    # columns >= VALID: zeros)
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, lay))
+    at = gl.convert_layout(at, gl.SliceLayout(1, lay))
+    ok = gl.convert_layout(ok, gl.SliceLayout(1, lay))
+    mask = ok[:, None] & (cols < VALID)[None, :]
+    cp.async_copy_global_to_shared(dst, at[:, None] + cols[None, :], mask=mask)
+
+
+@gluon.jit
 def _gather_entries(raw, rope, sc, kv_ptr, stride_kn, idx, BLOCK_N: gl.constexpr,
                     NOPE: gl.constexpr):  # fmt: skip
     # FP8 entries idx of kv (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one commit
     # group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64] (int16), the
-    # scale bytes into sc [BN, 8]
-    c_lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    r_lay: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])
-    s_lay: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [8, 1], [1, 0])
-    off = gl.multiple_of(gl.maximum(idx, 0).to(gl.int64) * stride_kn, 8)  # [BN] bytes
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, c_lay))
-    o = gl.convert_layout(off, gl.SliceLayout(1, c_lay))
-    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, c_lay))
-    mask = ok[:, None] & (cols < NOPE)[None, :]
-    cp.async_copy_global_to_shared(raw, kv_ptr + o[:, None] + cols[None, :], mask=mask)
-    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, r_lay))
-    o = gl.convert_layout(off, gl.SliceLayout(1, r_lay))
-    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, r_lay))
-    at = (kv_ptr + o + NOPE).to(gl.pointer_type(gl.int16))
-    cp.async_copy_global_to_shared(rope, at[:, None] + cols[None, :], mask=ok[:, None])
-    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, s_lay))
-    o = gl.convert_layout(off, gl.SliceLayout(1, s_lay))
-    ok = gl.convert_layout(idx >= 0, gl.SliceLayout(1, s_lay))
-    at = kv_ptr + o + (NOPE + 128)  # after the codes and the 64 rope values
-    cp.async_copy_global_to_shared(sc, at[:, None] + cols[None, :], mask=ok[:, None])
+    # scale bytes (after the codes and the 64 rope values) into sc [BN, 8]
+    rows = kv_ptr + gl.multiple_of(gl.maximum(idx, 0).to(gl.int64) * stride_kn, 8)  # [BN]
+    ok = idx >= 0
+    _copy_rows(raw, rows, ok, 512, NOPE, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+    _copy_rows(rope, (rows + NOPE).to(gl.pointer_type(gl.int16)), ok, 64, 64,
+               gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0]))  # fmt: skip
+    _copy_rows(sc, rows + (NOPE + 128), ok, 8, 8, gl.BlockedLayout([1, 8], [32, 1], [8, 1], [1, 0]))
     cp.commit_group()
 
 
