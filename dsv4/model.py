@@ -204,7 +204,7 @@ class Compressor(nn.Module):
                 ring_rows = batch.closing_ring_rows(m, self.overlap)
                 kv, score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
                 self.ops.compress_store(
-                    kv, score, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows=ring_rows
+                    kv, score, n.weight, n.eps, cos, sin, st.kv_cache, dest, ring_rows, st.kv_scale
                 )
             else:
                 empty = (rows < 0)[..., None]
@@ -213,7 +213,9 @@ class Compressor(nn.Module):
                 if self.overlap:
                     ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
                     gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
-                self.ops.compress_store(ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest)
+                self.ops.compress_store(
+                    ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest, None, st.kv_scale
+                )
         if not batch.decode:
             self._keep(a, z, batch, st)
 
@@ -253,7 +255,8 @@ class Indexer(nn.Module):
         q = self.ops.rotary(q, *rope)
         weights = self.weights_proj(x).float() * (self.softmax_scale * self.n_heads**-0.5)
         cand, _ = batch.visible_entries(self.compressor.ratio)
-        return self.ops.index_topk(q, weights, ls.indexer.kv_cache, cand, self.topk)
+        keys = ls.indexer
+        return self.ops.index_topk(q, weights, keys.kv_cache, cand, self.topk, keys.kv_scale)
 
 
 class Attention(nn.Module):

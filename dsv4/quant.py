@@ -430,3 +430,50 @@ def dequant_kv_entries(e: torch.Tensor, head_dim: int, rope_dim: int) -> torch.T
     rope = e[:, nope : nope + 2 * rope_dim].contiguous().view(torch.bfloat16).float()
     out = torch.cat([_tile_mul(codes, _exp2i(s), 1, KV_SCALE_BLOCK), rope], dim=1)
     return out.view(*lead, head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 indexer keys (`--kv-cache-dtype fp8`): vLLM's 132-byte form, d e4m3 codes and one fp32
+# scale per key, kept as two tensors (codes [n, d] uint8, scales [n] fp32) so that code rows stay
+# 16-byte aligned. The scale is the reference's act_quant rounding over the whole key (a power of
+# two, s = 2^ceil(log2(max(amax, 1e-4) / 448))). The reference itself simulates FP4 on these keys
+# (spec 5.4) and HF nothing, so unlike the main entries this form is an approximation, as in vLLM.
+# ---------------------------------------------------------------------------------------------
+
+
+def index_key_bytes(d: int) -> int:
+    """Bytes of one FP8 indexer key of d channels: d codes and one fp32 scale (Flash: 132)."""
+    return d + 4
+
+
+def quant_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, d] float -> (uint8 e4m3 codes [n, d], fp32 power-of-two scales [n]). x is quantized as
+    given (cast it to the activation dtype first)."""
+    _check(
+        x.dim() == 2 and x.is_floating_point(),
+        f"indexer keys must be 2-D float, got {x.dtype} {tuple(x.shape)}",
+    )
+    n, d = x.shape
+    codes = torch.empty(n, d, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(n, dtype=torch.float32, device=x.device)
+    for i in range(0, n, KV_QUANT_ROWS):  # fp32 temporaries of a slab of rows at a time
+        xf = x[i : i + KV_QUANT_ROWS].float()
+        amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=KV_AMAX_FLOOR)
+        e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [rows, 1]
+        y = (xf * _exp2i(-e)).clamp_(-E4M3_MAX, E4M3_MAX)
+        codes[i : i + KV_QUANT_ROWS] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        scale[i : i + KV_QUANT_ROWS] = _exp2i(e[:, 0])
+    return codes, scale
+
+
+def dequant_index_keys(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(uint8 codes [..., d], fp32 scales [...]) -> fp32 [..., d], exactly."""
+    _check(
+        codes.dtype == torch.uint8 and scale.dtype == torch.float32,
+        f"fp8 indexer keys must be uint8 codes and fp32 scales; got {codes.dtype}, {scale.dtype}",
+    )
+    _check(
+        tuple(scale.shape) == tuple(codes.shape[:-1]),
+        f"fp8 indexer keys: scales {tuple(scale.shape)} do not match codes {tuple(codes.shape)}",
+    )
+    return codes.contiguous().view(torch.float8_e4m3fn).float() * scale[..., None]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dsv4.config import CSA, HASH_MOE, HCA, SLIDING, ConfigError, ModelArgs, flash_args
-from dsv4.quant import kv_entry_layout
+from dsv4.quant import index_key_bytes, kv_entry_layout
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,8 @@ def entry_bytes(args: ModelArgs, state_dtype: str) -> tuple[int, int]:
     if state_dtype == "bf16":
         return 2 * args.head_dim, 2 * args.index_head_dim
     if state_dtype == "fp8":  # FlashMLA MODEL1 entries; indexer keys e4m3 + one fp32 scale
-        return kv_entry_layout(args.head_dim, args.rope_head_dim)[2], args.index_head_dim + 4
+        main = kv_entry_layout(args.head_dim, args.rope_head_dim)[2]
+        return main, index_key_bytes(args.index_head_dim)
     raise ValueError(f"state_dtype must be 'bf16' or 'fp8', got {state_dtype!r}")
 
 

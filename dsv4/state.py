@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.config import CSA, HCA, KV_CACHE_DTYPES, ModelArgs
-from dsv4.quant import kv_entry_layout
+from dsv4.quant import index_key_bytes, kv_entry_layout
 
 
 @dataclass
@@ -31,6 +31,8 @@ class CompressorState:
     score_state: torch.Tensor  # [S*R, c*d] fp32 raw W_gate x + ape
     ratio: int
     overlap: bool
+    # FP8 indexer keys (kv_format "fp8"): kv_cache holds uint8 e4m3 codes, this their fp32 scales
+    kv_scale: torch.Tensor | None = None
 
     @property
     def ring(self) -> int:
@@ -61,14 +63,21 @@ def _kv_row_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str) -> int:
     return width * torch.empty((), dtype=dt).element_size()
 
 
+def _index_key_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str) -> int:
+    # index_head_dim values of `dtype`, or (fp8) e4m3 codes and one fp32 scale (132 B for Flash)
+    if kv_format == "fp8":
+        return index_key_bytes(args.index_head_dim)
+    return args.index_head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def bytes_per_token(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> float:
     """Growing state per token (all layers): compressed KV + indexer keys (spec 9.6)."""
-    el = torch.empty((), dtype=dtype).element_size()
     main = _kv_row_bytes(args, dtype, kv_format)
+    index = _index_key_bytes(args, dtype, kv_format)
     total = 0.0
     for kind in args.layer_types:
         if kind == CSA:
-            total += (main + args.index_head_dim * el) / args.csa_ratio
+            total += (main + index) / args.csa_ratio
         elif kind == HCA:
             total += main / args.hca_ratio
     return total
@@ -133,14 +142,20 @@ class DecodeState:
             m: int, d: int, overlap: bool, cache: torch.Tensor | None = None
         ) -> CompressorState:
             c, r = (2, 2 * m) if overlap else (1, m)
-            if cache is None:
-                cache = torch.zeros(num_blocks * (block_size // m), d, dtype=dtype, device=device)
+            scale = None
+            if cache is None:  # the indexer's keys: values, or FP8 codes and their scales
+                n = num_blocks * (block_size // m)
+                fp8 = kv_format == "fp8"
+                cache = torch.zeros(n, d, dtype=torch.uint8 if fp8 else dtype, device=device)
+                if fp8:
+                    scale = torch.zeros(n, dtype=torch.float32, device=device)
             return CompressorState(
                 kv_cache=cache,
                 kv_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 score_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
                 ratio=m,
                 overlap=overlap,
+                kv_scale=scale,
             )
 
         self.layers: list[LayerState] = []
@@ -186,6 +201,7 @@ class DecodeState:
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
                     total += c.kv_cache.nbytes + c.kv_state.nbytes + c.score_state.nbytes
+                    total += 0 if c.kv_scale is None else c.kv_scale.nbytes
         return total
 
 

@@ -146,8 +146,10 @@ def test_csa_selected_rows_equal_the_page_formula():
 
 def test_flash_fp8_state_sizes():
     a = flash_args()
-    # 584-B main entries (C4 and C128), bf16 indexer keys (256 B): 21 CSA, 20 HCA layers
-    assert bytes_per_token(a, torch.bfloat16, "fp8") == 21 * (584 + 256) / 4 + 20 * 584 / 128
+    # 584-B main entries (C4 and C128), 132-B FP8 indexer keys: 21 CSA, 20 HCA layers (spec 9.6:
+    # 3850 B per token, as vLLM)
+    assert bytes_per_token(a, torch.bfloat16, "fp8") == 21 * (584 + 132) / 4 + 20 * 584 / 128
+    assert round(bytes_per_token(a, torch.bfloat16, "fp8")) == 3850
     rings = 44 * 128 * 584
     assert bytes_per_seq(a, torch.bfloat16, "fp8") - rings == (
         bytes_per_seq(a, torch.bfloat16) - 44 * 128 * 1024
@@ -164,8 +166,21 @@ def test_fp8_state_layout_and_budget():
         if layer.compressor is not None:  # ring | entries one allocation, as with values
             c = layer.compressor.kv_cache
             assert c.dtype == torch.uint8 and c.data_ptr() == layer.window[-1:].data_ptr() + 56
-        if layer.indexer is not None:
-            assert layer.indexer.kv_cache.dtype == torch.float32
+        if layer.indexer is not None:  # FP8 keys: codes and one fp32 scale per key
+            ix = layer.indexer
+            assert ix.kv_cache.dtype == torch.uint8 and ix.kv_cache.shape[1] == a.index_head_dim
+            assert ix.kv_scale.dtype == torch.float32 and ix.kv_scale.shape == ix.kv_cache.shape[:1]
+    plain = DecodeState(a, 2, 64, torch.float32, "cpu").layers
+    assert all(ls.indexer.kv_scale is None for ls in plain if ls.indexer is not None)
+    assert any(ls.indexer is not None for ls in plain)
+    assert st.nbytes() == sum(
+        t.nbytes
+        for layer in st.layers
+        for c in (layer.compressor, layer.indexer)
+        if c is not None
+        for t in (c.kv_cache, c.kv_state, c.score_state, c.kv_scale)
+        if t is not None
+    ) + sum(layer.window.nbytes for layer in st.layers)
     auto = DecodeState.blocks_for_budget(a, 4, 1 << 20, torch.float32, 16)
     fp8 = DecodeState.blocks_for_budget(a, 4, 1 << 20, torch.float32, 16, "fp8")
     assert fp8 > auto
@@ -173,10 +188,16 @@ def test_fp8_state_layout_and_budget():
 
 def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
     # the reference's FP8 simulation (spec 3.3) on value-typed state: every window K=V row and every
-    # main compressed entry passes through quant -> dequant, rope channels through bf16
+    # main compressed entry passes through quant -> dequant, rope channels through bf16; the
+    # indexer keys through the FP8 indexer-key form (one scale per key)
     import types
 
-    from dsv4.quant import dequant_kv_entries, quant_kv_entries
+    from dsv4.quant import (
+        dequant_index_keys,
+        dequant_kv_entries,
+        quant_index_keys,
+        quant_kv_entries,
+    )
 
     def sim(x: torch.Tensor) -> torch.Tensor:
         return dequant_kv_entries(quant_kv_entries(x, rope_dim), head_dim, rope_dim).to(x.dtype)
@@ -189,13 +210,16 @@ def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
             store[0][store[1]] = out.to(store[0].dtype)
         return out
 
-    def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None):  # noqa: ANN001, ANN202
-        if out.shape[1] != head_dim:  # the indexer's keys stay as they are
-            return ops.compress_store(kv, score, w, eps, cos, sin, out, dest, rows)
-        tmp = torch.zeros(out.shape, dtype=torch.bfloat16)  # entries round through bf16
+    def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None, out_scale=None):  # noqa: ANN001, ANN202, E501
+        assert out_scale is None  # value state
+        tmp = torch.zeros(out.shape, dtype=torch.bfloat16)  # both FP8 forms round through bf16
         ops.compress_store(kv, score, w, eps, cos, sin, tmp, dest, rows)
         keep = dest >= 0
-        out[dest[keep]] = sim(tmp[dest[keep]]).to(out.dtype)
+        y = tmp[dest[keep]]
+        keys = out.shape[1] != head_dim  # the indexer's
+        out[dest[keep]] = (dequant_index_keys(*quant_index_keys(y)) if keys else sim(y)).to(
+            out.dtype
+        )
 
     return types.SimpleNamespace(
         **(vars(ops) | dict(norm_rope=norm_rope, compress_store=compress_store))

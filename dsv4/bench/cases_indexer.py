@@ -1,5 +1,6 @@
 """Lightning indexer + top-k cases: decode over a paged key pool (T = 1, 16, 64 at 128K context,
-T = 16 at 4K) and a causal prefill of one sequence (T = 4096).
+T = 16 at 4K; T = 1, 16 at 128K over FP8 indexer keys) and a causal prefill of one sequence
+(T = 4096).
 
 Decode candidates are laid out as the engine's state lays them out: pages of PAGE_ENTRIES
 contiguous key rows (a 256-token block at ratio 4) in a random page order; one case also reads
@@ -11,6 +12,7 @@ import torch
 
 from dsv4.bench.ops import Case
 from dsv4.ops import indexer, ref
+from dsv4.quant import quant_index_keys
 
 RATIO = 4  # CSA compression: one indexer key per 4 tokens
 PAGE_ENTRIES = 64  # entries of one layer in a page: dsv4.state.default_block_size (256) / RATIO
@@ -41,35 +43,44 @@ def _inputs(
 
 def cases(device: str, quick: bool) -> list[Case]:
     Hi, d, topk = (4, 16, 16) if quick else (64, 128, 512)
-    # (T, C, causal, paged): C = context / 4 ; the prefill sees C = T // 4 entries at the last token
+    # (T, C, causal, paged, fp8): C = context / 4 ; the prefill sees C = T // 4 entries at the
+    # last token ; fp8: FP8 indexer keys (`--kv-cache-dtype fp8`)
     shapes = (
-        [(1, 300, False, False), (5, 256, False, True), (24, 6, True, False)]
+        [(1, 300, False, False, False), (5, 256, False, True, False), (24, 6, True, False, False),
+         (5, 256, False, True, True)]
         if quick
-        else [(1, 32768, False, True), (16, 32768, False, True), (16, 32768, False, False),
-              (64, 32768, False, True), (16, 1024, False, True), (4096, 1024, True, False)]
+        else [(1, 32768, False, True, False), (16, 32768, False, True, False),
+              (16, 32768, False, False, False), (64, 32768, False, True, False),
+              (16, 1024, False, True, False), (4096, 1024, True, False, False),
+              (1, 32768, False, True, True), (16, 32768, False, True, True)]
     )  # fmt: skip
     out: list[Case] = []
-    for T, C, causal, paged in shapes:
+    for T, C, causal, paged, fp8 in shapes:
         q, weights, keys, cand = _inputs(T, Hi, d, C, causal, device, paged)
+        key_scale = None
+        if fp8:
+            keys, key_scale = quant_index_keys(keys)
         visible = int((cand >= 0).sum())
         K = min(topk, C)
-        # read the visible key rows + q + weights ; write [T, K] int64 (cand_idxs, 8 B per key row
-        # of 2*d B, is not counted)
+        # read the visible key rows (fp8: codes + scale) + q + weights ; write [T, K] int64
+        # (cand_idxs, 8 B per key row, is not counted)
+        key_bytes = d * keys.element_size() + (4 if fp8 else 0)
         nbytes = (
-            visible * d * keys.element_size()
+            visible * key_bytes
             + q.numel() * q.element_size()
             + weights.numel() * weights.element_size()
             + T * K * 8
         )
-        args = (q, weights, keys, cand, topk)
+        args = (q, weights, keys, cand, topk, key_scale)
         ctx = f"{C * RATIO // 1024}K" if C * RATIO >= 1024 else str(C * RATIO)
         out.append(Case(
             "index_topk",
             f"{'prefill' if causal else 'decode'} T={T} C={C} ({ctx})"
-            + ("" if causal or paged else " rows"),
+            + ("" if causal or paged else " rows")
+            + (" fp8 keys" if fp8 else ""),
             run=lambda a=args: indexer.index_topk(*a),
             ref=lambda a=args: ref.index_topk(*a),
             bytes=nbytes,
-            target_bw=0.6 if (T, C, paged) == (16, 32768, True) and not quick else None,
+            target_bw=0.6 if (T, C, paged, fp8) == (16, 32768, True, False) and not quick else None,
         ))  # fmt: skip
     return out

@@ -379,7 +379,7 @@ class Bench:
         t = measure(step, self.clock, self.keys, a.warmup, a.repeat, a.cycle)
         run.update(with_projection(t, self.counts, batch))
         run["distinct_experts"] = distinct_experts(self.model, step, self.keys)
-        # fp8: the roofline's FP8 state also counts the indexer keys as 132-B FP8 (ours stay bf16)
+        # fp8: 584-B entries and 132-B FP8 indexer keys, as the state
         state_dtype = "fp8" if a.kv_cache_dtype == "fp8" else "bf16"
         fl = roofline(self.full, batch, context + 1, GPUS[FLOOR_GPU], state_dtype=state_dtype)
         proj = run["projected_s"]

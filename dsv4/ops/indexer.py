@@ -1,9 +1,11 @@
 """Lightning indexer: scores over the visible compressed entries, then an exact top-k.
 
 One launcher with the signature of `dsv4.ops.ref.index_topk`:
-  index_topk(q, weights, keys, cand_idxs, topk) -> [T, min(topk, C)] int64 entry positions
+  index_topk(q, weights, keys, cand_idxs, topk, key_scale=None) -> [T, min(topk, C)] int64 positions
 
-score(t, c) = sum_h w_th * relu(q_th . keys[cand[t, c]]) in fp32, then the positions of the largest
+score(t, c) = sum_h w_th * relu(q_th . keys[cand[t, c]]) in fp32 (keys: values, or with key_scale
+FP8 indexer keys, `dsv4.quant.quant_index_keys`: codes decoded exactly, times the key's scale after
+the head sum), then the positions of the largest
 scores in descending order; equal scores resolve to the lower position (a stable descending sort),
 positions that are not visible (cand = -1) come out as -1.
 
@@ -42,6 +44,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import arrival_counts, num_sms, pdl
+from dsv4.ops.kv_fp8 import decode_codes
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
@@ -62,7 +65,8 @@ HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates u
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
     w_ptr,  # [T, Hi] any float dtype (already scaled)
-    k_ptr,  # [N, d] key rows (d contiguous)
+    k_ptr,  # [N, d] key rows (d contiguous; KEY_FP8: uint8 e4m3 codes)
+    ks_ptr,  # KEY_FP8: [N] fp32 key scales
     idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
     out_ptr,  # [T, C] int32 order-preserving score keys
     hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
@@ -85,6 +89,8 @@ def _index_score_kernel(
     TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
     HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
     PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
+    KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
+    DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
@@ -124,11 +130,12 @@ def _index_score_kernel(
         in_c = offs_n < C
         idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
         vis = idx >= 0
-        kt = tl.load(
-            k_ptr + idx[:, None] * stride_kn + offs_d[None, :],
-            mask=vis[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
+        if KEY_FP8:  # e4m3 codes are exact in bf16 / fp16 (the scale, 2^e, comes after the sum)
+            kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
+            kt = kt.to(q.dtype)
+        else:
+            kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
         # ---- S^T = K . Q^T: [BLOCK_N, BLOCK_H] fp32 ; score = sum_h w_h relu(S_h). Keys on M
         # put the head sum along the accumulator's rows: a reduction inside each warp
         if UPCAST:
@@ -139,6 +146,8 @@ def _index_score_kernel(
         else:  # S = Q . K^T [BLOCK_H, BLOCK_N]: the head sum crosses warps
             s = tl.dot(q, tl.trans(kt), input_precision=PRECISION)
             score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        if KEY_FP8:  # relu(2^e x) = 2^e relu(x): the same fp32 values as the dequantized keys'
+            score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (they tie in the reference)
         # ---- order-preserving int32: flip the magnitude bits of negatives
         bits = score.to(tl.int32, bitcast=True)
@@ -522,17 +531,21 @@ def _scores(
     cand_idxs: torch.Tensor,
     cfg: ScoreConfig = ScoreConfig(),  # noqa: B008  (immutable)
     hist: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
-    coarse) count rows of the hist select, added to."""
+    coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
-    tensor_core = q.is_cuda and q.dtype == keys.dtype and q.dtype != torch.float32
+    key_fp8 = key_scale is not None
+    same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype
+    tensor_core = q.is_cuda and same and q.dtype != torch.float32
     block_n = cfg.block_n if C >= 64 else max(16, triton.next_power_of_2(C))
     n_tiles = triton.cdiv(C, block_n)
     tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
     _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
-        q, weights, keys, cand_idxs, skey, *(hist or (skey, skey)),
+        q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
+        *(hist or (skey, skey)),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
         skey.stride(0),
@@ -545,6 +558,8 @@ def _scores(
         TILES=tiles,
         HIST=hist is not None,
         PDL=pdl(q.device),
+        KEY_FP8=key_fp8,
+        DECODE=1 if q.is_cuda else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -557,6 +572,7 @@ def index_topk(
     keys: torch.Tensor,
     cand_idxs: torch.Tensor,
     topk: int,
+    key_scale: torch.Tensor | None = None,
     *,
     segment: int = SEGMENT,
     sort: bool = True,
@@ -566,6 +582,7 @@ def index_topk(
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
+    # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`)
     # (segment: keys per select program ; sort=False leaves the winners in position order (levels
     # only) ; select: "hist" or "levels", default hist for rows longer than one segment ;
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
@@ -573,7 +590,17 @@ def index_topk(
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
-    assert keys.dtype in (torch.bfloat16, torch.float16, torch.float32), f"keys dtype {keys.dtype}"
+    if key_scale is None:
+        assert keys.dtype in (torch.bfloat16, torch.float16, torch.float32), (
+            f"keys dtype {keys.dtype} (uint8 FP8 indexer keys need key_scale)"
+        )
+    else:
+        assert keys.dtype == torch.uint8 and key_scale.dtype == torch.float32, (
+            f"FP8 indexer keys: uint8 codes and fp32 scales (got {keys.dtype}, {key_scale.dtype})"
+        )
+        assert key_scale.shape == keys.shape[:1] and key_scale.stride(0) == 1, (
+            f"key_scale {tuple(key_scale.shape)} must be [{keys.shape[0]}] contiguous"
+        )
     assert weights.is_floating_point(), f"weights dtype {weights.dtype}"
     assert q.stride(2) == 1, f"q must be contiguous in d (strides {q.stride()})"
     assert keys.dim() == 2 and keys.shape[1] == d, f"keys {tuple(keys.shape)} vs d={d}"
@@ -607,11 +634,13 @@ def index_topk(
             f"hist select: C < 2^24, segment < 2^16 ({C}, {segment})"
         )
         fine, coarse, _ = _hist_workspace(q.device)
-        skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse))
+        skey = _scores(
+            q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale
+        )
         _hist_select(skey, out, segment, select_warps or 16)
         return out
 
-    skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig())
+    skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig(), None, key_scale)
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     x, L = skey, C

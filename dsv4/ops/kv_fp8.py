@@ -7,7 +7,9 @@ entries back into a tile of values. The byte format and its torch reference are 
 Both directions use integer and exact fp32 arithmetic only (no fp8 conversion instructions), so
 the kernels give the torch reference's bytes and values bit for bit, on the GPU and in the
 interpreter alike. Used by `rope.norm_rope` (the decode ring store), `rope.compress_store` (the
-compressed entries) and `sparse_attn` (the gathers).
+compressed entries) and `sparse_attn` (the gathers). The FP8 indexer keys (`dsv4.quant.
+quant_index_keys`: e4m3 codes, one power-of-two scale per key) are written by `compress_store`
+(`store_index_keys`) and read by `indexer` (`decode_codes`).
 """
 
 from __future__ import annotations
@@ -122,11 +124,31 @@ def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.co
         mask=valid[:, None] & (blk * SCALE_BLOCK < nope)[None, :],
         other=127,
     ).to(tl.int32)  # S: the block's scale is 2^(S - 127), S >= 105
-    if DECODE == 1:
-        v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        v = _e4m3_decode(codes)
+    v = decode_codes(codes, DECODE)
     scale = (s << 23).to(tl.float32, bitcast=True)
     v = tl.reshape(tl.reshape(v, (BLOCK_N, NB, SB)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
     out = tl.where(is_nope[None, :], v, (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True))
     return out
+
+
+# ---- FP8 indexer keys (`dsv4.quant.quant_index_keys`): d e4m3 codes and one fp32 scale per key
+
+
+@triton.jit
+def store_index_keys(codes_ptr, scale_ptr, y, d, BLOCK_D: tl.constexpr):
+    # y: [1, BD] fp32 key of d channels (already rounded to the activation dtype) -> its codes at
+    # codes_ptr (the row's first code) and its scale (2^e, fp32) at scale_ptr
+    cols = tl.arange(0, BLOCK_D)
+    e = _scale_exponent(tl.max(tl.where((cols < d)[None, :], tl.abs(y), 0.0), axis=1))  # [1]
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    q = tl.minimum(tl.maximum(y * inv[:, None], -E4M3_MAX), E4M3_MAX)
+    tl.store(codes_ptr + cols[None, :], _e4m3_encode(q), mask=(cols < d)[None, :])
+    tl.store(scale_ptr + tl.zeros([1], tl.int32), ((e + 127) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def decode_codes(codes, DECODE: tl.constexpr = 0):
+    # uint8 e4m3 codes -> fp32, exactly (DECODE as `load_entries`)
+    if DECODE == 1:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3_decode(codes)

@@ -215,6 +215,7 @@ def compress_store(
     out: torch.Tensor,
     dest: torch.Tensor,
     rows: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows,
     # -1 = no store (a window that does not close: the static shapes of a CUDA-graph step)
@@ -225,13 +226,16 @@ def compress_store(
         empty = (rows < 0)[..., None]
         kv = kv[rows.clamp(min=0)].masked_fill(empty, 0.0)
         score = score[rows.clamp(min=0)].masked_fill(empty, float("-inf"))
-    # out uint8: FP8 entries (`dsv4.quant.quant_kv_entries`) of the value rounded as bf16
+    # out uint8: FP8 entries (`dsv4.quant.quant_kv_entries`) of the value rounded as bf16, or with
+    # out_scale [rows] fp32 FP8 indexer keys (`dsv4.quant.quant_index_keys`)
     act = torch.bfloat16 if out.dtype == torch.uint8 else out.dtype
     pooled = (kv * torch.softmax(score, dim=1)).sum(1).to(act)
     keep = dest >= 0
-    out[dest[keep]] = _to_rows(
-        norm_rope(pooled, weight, eps, cos, sin)[keep], out, 2 * cos.shape[-1]
-    )
+    y = norm_rope(pooled, weight, eps, cos, sin)[keep]
+    if out_scale is not None:
+        out[dest[keep]], out_scale[dest[keep]] = quant.quant_index_keys(y)
+    else:
+        out[dest[keep]] = _to_rows(y, out, 2 * cos.shape[-1])
 
 
 def index_topk(
@@ -240,12 +244,18 @@ def index_topk(
     keys: torch.Tensor,
     cand_idxs: torch.Tensor,
     topk: int,
+    key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, H, d] ; weights: [T, H] (already scaled) ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 =
     # not visible. score(t, c) = sum_h w_th * relu(q_th . k_c); returns [T, min(topk, C)] positions in
     # 0..C-1 (the compressed entry ids), -1 where fewer than topk entries are visible.
+    # key_scale [N] fp32: keys are FP8 indexer keys (uint8 e4m3 codes, `dsv4.quant.quant_index_keys`)
     valid = cand_idxs >= 0
-    k = keys[cand_idxs.clamp(min=0)].float()  # [T, C, d]
+    rows = cand_idxs.clamp(min=0)
+    if key_scale is not None:
+        k = quant.dequant_index_keys(keys[rows], key_scale[rows])
+    else:
+        k = keys[rows].float()  # [T, C, d]
     s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), k))
     s = (s * weights.float().unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
     top = stable_topk(s, min(topk, s.shape[-1]))

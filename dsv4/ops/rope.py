@@ -6,7 +6,7 @@ Three launchers with the signatures of `dsv4.ops.ref`:
                                             RMSNorm over d (fp32 stats), cast, then rotary ;
                                             store = (dst, rows) also writes dst[rows[t]] (decode's
                                             window ring, in the same launch)
-  compress_store(kv, score, weight, eps, cos, sin, out, dest, rows=None)
+  compress_store(kv, score, weight, eps, cos, sin, out, dest, rows=None, out_scale=None)
                                             out[dest] = norm_rope(softmax_slots(score) . kv),
                                             dest -1 = no store
 Every op is one launch that reads its inputs once and writes its output once; the statistics, the
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.kv_fp8 import round_bf16, store_entries
+from dsv4.ops.kv_fp8 import round_bf16, store_entries, store_index_keys
 from dsv4.quant import kv_entry_layout
 
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +319,9 @@ def _compress_store_kernel(
     w_ptr,  # [d] norm weight
     cos_ptr,  # [n, rd/2] fp32
     sin_ptr,  # [n, rd/2] fp32
-    out_ptr,  # [rows, d] bf16/fp32 paged store (ENTRIES: uint8 FP8 entries)
+    out_ptr,  # [rows, d] bf16/fp32 paged store (ENTRIES: uint8 FP8 entries; KEY_FP8: e4m3 codes)
     dest_ptr,  # [n] int rows of out, -1 = no store
+    scale_ptr,  # KEY_FP8: [rows] fp32 scales of out's rows
     slots,
     d,
     nope,
@@ -336,6 +337,7 @@ def _compress_store_kernel(
     HAS_WEIGHT: tl.constexpr,
     GATHER: tl.constexpr,
     ENTRIES: tl.constexpr,  # out holds FP8 entries of the bf16-rounded value
+    KEY_FP8: tl.constexpr,  # out holds FP8 indexer keys of it (codes here, scales at scale_ptr)
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -373,12 +375,13 @@ def _compress_store_kernel(
         m = m_new
     # [BD]; a channel whose slots are all empty gives NaN, as torch's softmax does
     pooled = acc / tl.where(col_ok, l_sum, 1.0)
-    x = _round_act(tl.reshape(pooled, (1, BLOCK_D)), out_ptr, ENTRIES)
+    BF16: tl.constexpr = ENTRIES or KEY_FP8  # FP8 forms quantize the bf16-rounded value
+    x = _round_act(tl.reshape(pooled, (1, BLOCK_D)), out_ptr, BF16)
     x = tl.where(col_ok[None, :], x, 0.0)
 
     # ---- RMSNorm (fp32 stats), cast to the store dtype, RoPE at the window's position
     x = _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT, BLOCK_D)
-    x = _round_act(x, out_ptr, ENTRIES)
+    x = _round_act(x, out_ptr, BF16)
     pairs = tl.arange(0, BLOCK_D // 2)
     pair_ok = ((pairs >= nope // 2) & (2 * pairs < d))[None, :]
     c_idx = pairs[None, :] - nope // 2
@@ -393,6 +396,9 @@ def _compress_store_kernel(
         row_off = tl.zeros([1], tl.int64) + row * stride_o0
         store_entries(out_ptr, row_off, _round_act(y, out_ptr, True), row_off >= 0, d, nope, 1,
                       BLOCK_D)  # fmt: skip
+    elif KEY_FP8:
+        if row >= 0:
+            store_index_keys(out_ptr + row * stride_o0, scale_ptr + row, round_bf16(y), d, BLOCK_D)
     elif row >= 0:
         tl.store(
             out_ptr + row * stride_o0 + cols[None, :],
@@ -418,11 +424,13 @@ def compress_store(
     out: torch.Tensor,
     dest: torch.Tensor,
     rows: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> None:
     # kv, score: [n, slots, d] fp32 (score -inf = empty slot), or with rows [n, slots] (-1 = empty
     # slot): [N, d] fp32 row sources, slot s of window i being row rows[i, s] (windows whose dest
     # is -1 are then skipped) ; cos/sin: [n, rd/2] ; dest: [n] rows of out, -1 = no store
-    # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)), in place
+    # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)), in place ; out uint8: FP8
+    # entries, or with out_scale [rows] fp32 FP8 indexer keys (`dsv4.quant.quant_index_keys`)
     gather = rows is not None
     if gather:
         assert kv.dim() == 2 and score.shape == kv.shape, (
@@ -444,8 +452,17 @@ def compress_store(
         f"kv/score must be fp32 (got {kv.dtype}, {score.dtype})"
     )
     assert kv.stride(-1) == 1 and score.stride(-1) == 1, "kv/score must be contiguous in d"
-    entries = out.dtype == torch.uint8  # FP8 entries
+    key_fp8 = out_scale is not None
+    entries = out.dtype == torch.uint8 and not key_fp8  # FP8 entries
     width = kv_entry_layout(d, 2 * cos.shape[-1])[2] if entries else d
+    if key_fp8:
+        assert out.dtype == torch.uint8 and out_scale.dtype == torch.float32, (
+            f"FP8 indexer keys: out must be uint8 codes, out_scale fp32 (got {out.dtype}, "
+            f"{out_scale.dtype})"
+        )
+        assert out_scale.shape == out.shape[:1] and out_scale.stride(0) == 1, (
+            f"out_scale must be [{out.shape[0]}] contiguous (got {tuple(out_scale.shape)})"
+        )
     assert out.dim() == 2 and out.shape[1] == width and out.stride(-1) == 1, (
         f"out must be [rows, {width}] contiguous in its last dim (got {tuple(out.shape)}, "
         f"strides {out.stride()})"
@@ -470,9 +487,10 @@ def compress_store(
     block_s, num_warps = _compress_config(slots, block_d)
     _compress_store_kernel[(n,)](
         kv, score, rows if gather else dest, kv if weight is None else weight, cos, sin, out, dest,
-        slots, d, d - rd, eps, *strides, cos.stride(0), sin.stride(0), out.stride(0),
+        out_scale if key_fp8 else kv, slots, d, d - rd, eps, *strides, cos.stride(0), sin.stride(0), out.stride(0),
         rows.stride(0) if gather else 0,
-        HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, BLOCK_S=block_s,
+        HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, KEY_FP8=key_fp8,
+        BLOCK_S=block_s,
         BLOCK_D=block_d,
         num_warps=num_warps,
     )  # fmt: skip

@@ -12,7 +12,7 @@ large (prefill) one program per token walks all its keys and writes o directly. 
 state entries (uint8, `--kv-cache-dtype fp8`): the gather decodes them exactly (`kv_fp8`).
 
 On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads over one kv source (the
-engine's decode form), the launcher hands over to the Gluon kernel in `sparse_attn_sm90`,
+engine's decode form; FP8 entries from SM90_MIN_TOKENS_FP8), the launcher hands over to the Gluon kernel in `sparse_attn_sm90`,
 which splits each key tile between the two warpgroups (Triton cannot express that layout).
 """
 
@@ -34,13 +34,16 @@ MIN_KEYS_PER_SPLIT = (
 FIXED_TILE_MAX_PROGRAMS = 2  # up to this many 64-head (token, head block)s: FEW_TOKENS_TILE
 FEW_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=16, KEYS_ON_M=False, PREFETCH=False,
                        num_warps=4, num_stages=2)  # fmt: skip
-# from this many tokens on an sm_90 GPU, one kv source of 64 x 512 bf16 heads: the Gluon kernel
-# (dsv4/ops/sparse_attn_sm90.py; H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5)
+# from this many tokens on an sm_90 GPU, one kv source of 64 x 512 heads: the Gluon kernel
+# (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5.
+# FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
 SM90_MIN_TOKENS = 32
+SM90_MIN_TOKENS_FP8 = 16
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
 # FP8 entries on a GPU: `kv_fp8.load_entries`' DECODE (None: `fp8_decode`'s choice)
 FP8_DECODE = None
-# FP8 entries from this many 64-head programs on a GPU: keys on the MMA rows (the decoded tile is
+# FP8 entries from this many 64-head programs on a GPU the Gluon kernel does not take (not sm_90,
+# several kv sources): keys on the MMA rows (the decoded tile is
 # operand A, and unlike the other tiles the gathers keep cp.async in the sm_90 PTX), the SMs
 # filled once (H200, T=64: 64.8 us with 2 splits, 110.4 with 1, autotuned 83.2; T=16 stays
 # autotuned: 28.5 vs 35.5)
@@ -543,7 +546,8 @@ def sparse_attn(
     )
 
     kv = _merge_adjacent(kv)
-    if config is None and num_splits is None and T >= SM90_MIN_TOKENS and len(kv) == 1:
+    sm90_min = SM90_MIN_TOKENS_FP8 if entries else SM90_MIN_TOKENS
+    if config is None and num_splits is None and T >= sm90_min and len(kv) == 1:
         from dsv4.ops import sparse_attn_sm90  # Gluon (no interpreter): Hopper GPUs only
 
         if sparse_attn_sm90.supported(q, kv, rope_dim):

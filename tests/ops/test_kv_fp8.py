@@ -1,5 +1,6 @@
 """FP8 state entries: the byte format (dsv4.quant) against the reference's FP8 simulation, and the
-Triton store / gather helpers (dsv4.ops.kv_fp8) through the ops that use them, byte for byte."""
+Triton store / gather helpers (dsv4.ops.kv_fp8) through the ops that use them, byte for byte. Then
+the FP8 indexer keys (codes + one scale per key) through compress_store and index_topk."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops import kv_fp8, ref, rope
+from dsv4.ops import indexer, kv_fp8, ref, rope
 from dsv4.ops.sparse_attn import sparse_attn
-from dsv4.quant import dequant_kv_entries, kv_entry_layout, quant_kv_entries
+from dsv4.quant import (
+    dequant_index_keys,
+    dequant_kv_entries,
+    index_key_bytes,
+    kv_entry_layout,
+    quant_index_keys,
+    quant_kv_entries,
+)
 
 
 def _ref_sim(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -191,6 +199,98 @@ def test_sparse_attn_rejects_mixed_sources():
         sparse_attn(q, (e,), torch.zeros(4), idx, 0.1, 8)
 
 
+# ---- FP8 indexer keys: d e4m3 codes and one power-of-two fp32 scale per key
+
+
+def test_index_keys_are_the_reference_rounding():
+    # act_quant over the whole key, written independently: s = 2^ceil(log2(max(amax, 1e-4) / 448))
+    assert index_key_bytes(128) == 132  # vLLM's FP8 indexer key
+    x = _rows(40, 128, seed=5)
+    codes, scale = quant_index_keys(x)
+    assert codes.dtype == torch.uint8 and codes.shape == (40, 128) and scale.shape == (40,)
+    amax = x.abs().amax(1, keepdim=True).clamp(min=1e-4).double()
+    s = torch.exp2(torch.ceil(torch.log2(amax / 448.0))).float()
+    want = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    assert torch.equal(scale, s[:, 0])
+    assert torch.equal(dequant_index_keys(codes, scale), want)
+    assert torch.equal(
+        dequant_index_keys(codes.view(4, 10, 128), scale.view(4, 10)), want.view(4, 10, 128)
+    )
+
+
+def test_bad_index_keys_are_named():
+    codes, scale = quant_index_keys(torch.randn(6, 32))
+    with pytest.raises(ValueError, match="uint8 codes and fp32 scales"):
+        dequant_index_keys(codes.float(), scale)
+    with pytest.raises(ValueError, match="do not match"):
+        dequant_index_keys(codes, scale[:5])
+    q, w, cand = torch.randn(1, 2, 32), torch.randn(1, 2), torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(AssertionError, match="need key_scale"):
+        indexer.index_topk(q, w, codes, cand, 2)
+    with pytest.raises(AssertionError, match="key_scale"):
+        indexer.index_topk(q, w, codes, cand, 2, scale[:5])
+    kv = torch.randn(1, 4, 32)
+    cs = torch.ones(1, 8)
+    with pytest.raises(AssertionError, match="uint8 codes, out_scale fp32"):
+        rope.compress_store(
+            kv,
+            kv,
+            None,
+            1e-6,
+            cs,
+            cs * 0,
+            torch.zeros(6, 32),
+            torch.zeros(1, dtype=torch.long),
+            None,
+            scale,
+        )
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_compress_store_writes_index_keys(gather: bool):
+    torch.manual_seed(3)
+    n, slots, d, rd = 5, 8, 128, 64
+    kv, score = torch.randn(n * slots, d) * 4, torch.randn(n * slots, d)
+    score[3] = float("-inf")
+    w = torch.rand(d) + 0.5
+    ang = torch.rand(n, rd // 2)
+    dest = torch.tensor([4, -1, 0, 6, 2])
+    got, want = (torch.zeros(8, d, dtype=torch.uint8) for _ in range(2))
+    got_s, want_s = torch.zeros(8), torch.zeros(8)
+    rows = torch.arange(n * slots).view(n, slots) if gather else None
+    if gather:
+        rows[0, :3] = -1
+        args = (kv, score, w, 1e-6, ang.cos(), ang.sin())
+    else:
+        args = (kv.view(n, slots, d), score.view(n, slots, d), w, 1e-6, ang.cos(), ang.sin())
+    rope.compress_store(*args, got, dest, rows, got_s)
+    ref.compress_store(*args, want, dest, rows, want_s)
+    assert torch.equal(got, want) and torch.equal(got_s, want_s)
+    assert torch.all(got[[1, 3, 5, 7]] == 0) and torch.all(got_s[[1, 3, 5, 7]] == 0)
+    # what is stored is the bf16 value store's rows as FP8 keys
+    vals = torch.zeros(8, d, dtype=torch.bfloat16)
+    ref.compress_store(*args, vals, dest, rows)
+    codes, scale = quant_index_keys(vals[[4, 0, 6, 2]])
+    assert torch.equal(got[[4, 0, 6, 2]], codes) and torch.equal(got_s[[4, 0, 6, 2]], scale)
+
+
+@pytest.mark.parametrize("select", ["levels", "hist"])
+@pytest.mark.parametrize("T,C,topk", [(3, 300, 64), (2, 40, 8)])
+def test_index_topk_reads_index_keys(select: str, T: int, C: int, topk: int):
+    # the positions of the reference over the decoded keys (the scale after the head sum is exact)
+    g = torch.Generator().manual_seed(C)
+    Hi, d, N = 16, 32, 2 * C + 3
+    q, w = torch.randn(T, Hi, d, generator=g), torch.randn(T, Hi, generator=g) * Hi**-0.5
+    keys = torch.randn(N, d, generator=g) * torch.logspace(-3, 3, N)[:, None]
+    codes, scale = quant_index_keys(keys)
+    cand = torch.stack([torch.randperm(N, generator=g)[:C] for _ in range(T)])
+    cand[torch.rand(T, C, generator=g) < 0.3] = -1
+    got = indexer.index_topk(q, w, codes, cand, topk, scale, select=select)
+    want = ref.index_topk(q, w, dequant_index_keys(codes, scale), cand, topk)
+    assert torch.equal(got, want)
+    assert torch.equal(ref.index_topk(q, w, codes, cand, topk, scale), want)
+
+
 # ---- GPU: Flash width (head_dim 512, rope 64), bytes exact against the reference
 
 
@@ -248,3 +348,35 @@ def test_gpu_flash_attention_over_entries(T: int):
     want = ref.sparse_attn(q.float(), (dequant_kv_entries(pool, 512, 64),), sink, idx, 512**-0.5)
     rel = float((o.float() - want).norm() / want.norm())
     assert o.dtype == torch.bfloat16 and rel < 1e-2, f"{rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_index_topk_over_fp8_keys(T: int):
+    # integer keys in [-2, 2] are exact as FP8 keys (scale 2^-7): the kernel's positions equal the
+    # reference's over the plain keys, tie rule included, at the decode size of 128K context
+    g = torch.Generator().manual_seed(T)
+    C, N = 32768, 40000
+    q = torch.randint(-2, 3, (T, 64, 128), generator=g).bfloat16().cuda()
+    w = (torch.randint(-2, 4, (T, 64), generator=g).float() * 0.5).cuda()
+    keys = torch.randint(-2, 3, (N, 128), generator=g).float()
+    codes, scale = quant_index_keys(keys.cuda())
+    cand = torch.stack([torch.randperm(N, generator=g)[:C] for _ in range(T)]).cuda()
+    cand[:, C - C // 8 :] = -1
+    got = indexer.index_topk(q, w, codes, cand, 512, scale)
+    assert torch.equal(got, ref.index_topk(q, w, keys.bfloat16().cuda(), cand, 512))
+
+
+@pytest.mark.gpu
+def test_gpu_compress_store_writes_index_keys():
+    torch.manual_seed(4)
+    n, slots, d = 16, 8, 128
+    kv, score = torch.randn(n, slots, d, device="cuda") * 4, torch.randn(n, slots, d, device="cuda")
+    w = torch.rand(d, device="cuda") + 0.5
+    ang = torch.rand(n, 32, device="cuda")
+    dest = torch.randperm(1000, device="cuda")[:n]
+    got, want = (torch.zeros(1000, d, dtype=torch.uint8, device="cuda") for _ in range(2))
+    got_s, want_s = (torch.zeros(1000, device="cuda") for _ in range(2))
+    rope.compress_store(kv, score, w, 1e-6, ang.cos(), ang.sin(), got, dest, None, got_s)
+    ref.compress_store(kv, score, w, 1e-6, ang.cos(), ang.sin(), want, dest, None, want_s)
+    assert torch.equal(got, want) and torch.equal(got_s, want_s)
