@@ -778,6 +778,41 @@ def probe_score_programs() -> None:
             )
 
 
+def probe_index_fp8() -> None:
+    # index scores at T=16, 128K over FP8 indexer keys (half the bytes of bf16): tiles and programs
+    # per SM (the bf16 default is bound by the bytes each SM has in flight, so the same tile over
+    # half-size keys reads at half the rate), against the bf16 default; then index_topk
+    from dsv4.quant import quant_index_keys
+
+    T = 16
+    q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+    codes, scale = quant_index_keys(keys)
+    nbytes = T * 32768 * 132
+    us(
+        "index scores T=16 bf16 default",
+        lambda: indexer._scores(q, w, keys, cand),
+        nbytes=2 * nbytes,
+    )
+    want = indexer._scores(q, w, codes, cand, key_scale=scale)
+    for bn, warps, stages, pps in ((64, 4, 3, 2), (128, 4, 3, 2), (128, 8, 3, 2), (256, 8, 3, 2),
+                                   (64, 4, 3, 4), (128, 4, 3, 4), (128, 8, 2, 2), (128, 4, 4, 2),
+                                   (256, 8, 2, 1), (128, 8, 3, 1)):  # fmt: skip
+        cfg = indexer.ScoreConfig(
+            block_n=bn, num_warps=warps, num_stages=stages, programs_per_sm=pps
+        )
+        name = f"index scores T=16 fp8 block_n={bn} warps={warps} stages={stages} programs/SM={pps}"
+        try:
+            got = indexer._scores(q, w, codes, cand, cfg, key_scale=scale)
+        except Exception as e:  # noqa: BLE001  (out of resources)
+            print(f"{name}: {type(e).__name__}")
+            continue
+        same = bool(torch.equal(got, want))
+        us(name, lambda c=cfg: indexer._scores(q, w, codes, cand, c, key_scale=scale),  # noqa: B023
+           nbytes=nbytes, note=f" (same scores as the default tile: {same})")  # fmt: skip
+    us("index_topk T=16 bf16", lambda: indexer.index_topk(q, w, keys, cand, 512))
+    us("index_topk T=16 fp8 keys", lambda: indexer.index_topk(q, w, codes, cand, 512, scale))
+
+
 def probe_select() -> None:
     # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -1083,7 +1118,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
