@@ -62,23 +62,6 @@ HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates u
 
 
 @triton.jit
-def _tile_rows(idx_row, n0, C, end, BLOCK_N: tl.constexpr):
-    # key rows of candidates n0 .. n0 + BLOCK_N - 1 (-1: hidden, or at / past min(C, end))
-    offs = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(idx_row + offs, mask=(offs < C) & (offs < end), other=-1)
-
-
-@triton.jit
-def _gather_keys(k_ptr, idx, stride_kn, offs_d, d_ok, KEY_FP8: tl.constexpr):
-    # key rows idx [BLOCK_N] (-1: zeros) -> [BLOCK_N, BLOCK_D] values, or (KEY_FP8) uint8 codes
-    at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
-    mask = (idx >= 0)[:, None] & d_ok[None, :]
-    if KEY_FP8:
-        return tl.load(at, mask=mask, other=0)
-    return tl.load(at, mask=mask, other=0.0)
-
-
-@triton.jit
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
     w_ptr,  # [T, Hi] any float dtype (already scaled)
@@ -108,7 +91,6 @@ def _index_score_kernel(
     PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
-    PREFETCH: tl.constexpr = False,  # tile i + 1's gathers in flight during tile i's math
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
@@ -142,23 +124,18 @@ def _index_score_kernel(
     coarse = tl.zeros([COARSE_BINS], tl.int32)
     row_t = t.to(tl.int64)
 
-    end = c0 + n_live * BLOCK_N  # past the last live tile
-    if PREFETCH:  # tile 0's rows and tile 1's indices before the loop
-        idx = _tile_rows(idx_row, c0, C, end, BLOCK_N)
-        kt = _gather_keys(k_ptr, idx, stride_kn, offs_d, d_ok, KEY_FP8)
-        idx_next = _tile_rows(idx_row, c0 + BLOCK_N, C, end, BLOCK_N)
     for i in range(0, n_live):
+        # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         in_c = offs_n < C
-        if PREFETCH:  # issue tile i + 1's gathers (and i + 2's index load) before tile i's math
-            kt_next = _gather_keys(k_ptr, idx_next, stride_kn, offs_d, d_ok, KEY_FP8)
-            idx_after = _tile_rows(idx_row, c0 + (i + 2) * BLOCK_N, C, end, BLOCK_N)
-        else:
-            idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
-            kt = _gather_keys(k_ptr, idx, stride_kn, offs_d, d_ok, KEY_FP8)
+        idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
         vis = idx >= 0
+        k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
         if KEY_FP8:  # e4m3 codes are exact in bf16 / fp16 (the scale, 2^e, comes after the sum)
-            kt = decode_codes(kt, DECODE).to(q.dtype)
+            kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
+            kt = kt.to(q.dtype)
+        else:
+            kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
         # ---- S^T = K . Q^T: [BLOCK_N, BLOCK_H] fp32 ; score = sum_h w_h relu(S_h). Keys on M
         # put the head sum along the accumulator's rows: a reduction inside each warp
         if UPCAST:
@@ -182,8 +159,6 @@ def _index_score_kernel(
             fine = hist_ptr + row_t * HIST_BINS + (u >> 16).to(tl.int32)
             tl.atomic_add(fine, 1, mask=vis, sem="relaxed")
             coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)
-        if PREFETCH:
-            idx, kt, idx_next = idx_next, kt_next, idx_after
 
     for i in range(n_live, TILES):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -547,7 +522,6 @@ class ScoreConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2
     keys_on_m: bool = True  # keys on the MMA rows: the head sum stays inside a warp
-    prefetch: bool = False  # the next tile's gathers issued before a tile's math (registers)
 
 
 def _scores(
@@ -586,7 +560,6 @@ def _scores(
         PDL=pdl(q.device),
         KEY_FP8=key_fp8,
         DECODE=1 if q.is_cuda else 0,
-        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -98,21 +98,6 @@ def test_index_topk_score_orientation(keys_on_m: bool) -> None:
     _check(*_inputs(4, 2, 16, 300, torch.float32, n_keys=7, integer=True), 64, score_config=cfg)
 
 
-@pytest.mark.parametrize("select", SELECTS)
-def test_index_topk_prefetch(select: str) -> None:
-    # the score loop with the next tile's gathers in flight: hidden rows, a ragged last tile, tiles
-    # past the last visible candidate, the causal prefill
-    cfg = indexer.ScoreConfig(block_n=16, prefetch=True)
-    _check(*_inputs(7, 16, 32, 300, torch.float32), 64, score_config=cfg, select=select)
-    q, w, keys, cand = _inputs(3, 2, 16, 200, torch.float32, p_hidden=0.0, integer=True, n_keys=9)
-    cand[:, 117:] = -1
-    _check(q, w, keys, cand, 16, score_config=cfg, select=select)
-    q, w, keys, _ = _inputs(40, 4, 16, 10, torch.float32)
-    causal = torch.arange(10).expand(40, 10).clone()
-    causal[causal >= (torch.arange(40)[:, None] + 1) // 4] = -1
-    _check(q, w, keys, causal, 4, score_config=cfg)
-
-
 def test_index_topk_strided_bf16_weights() -> None:
     # q a slice of a wider tensor (head stride 2d), weights in the activation dtype
     q, weights, keys, cand = _inputs(4, 16, 32, 300, torch.bfloat16)
