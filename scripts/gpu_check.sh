@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [kv_ab] [trace] [probe] [kernels] [sweep]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
-#   bench, KV_BATCH / KV_CONTEXT the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
+#   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
 #   the sweep, NCU=0 skips Nsight in kernels
 set -uo pipefail
 OUT=${OUT:-/tmp/dsv4-out}
@@ -49,7 +49,7 @@ for part in $PARTS; do
     kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)
       for kv in auto fp8; do
         python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
-          --batch ${KV_BATCH:-1,16,64} --context ${KV_CONTEXT:-4096} --prefill 0 --repeat 3 --graph --kv-cache-dtype $kv \
+          --batch ${KV_BATCH:-1,16,64} --context ${KV_CONTEXT:-4096} --prefill ${KV_PREFILL:-0} --repeat 3 --graph --kv-cache-dtype $kv \
           --json "$OUT/step_kv_$kv.json" 2>&1 | tee "$OUT/step_kv_$kv.txt"
       done ;;
     trace)  # every kernel of one decode step (3 layers + head) by device time: what to fuse next

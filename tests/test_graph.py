@@ -31,6 +31,7 @@ def _state_tensors(state: DecodeState) -> list[torch.Tensor]:
         for c in (layer.compressor, layer.indexer):
             if c is not None:
                 out += [c.kv_cache, c.kv_state, c.score_state]
+                out += [] if c.kv_scale is None else [c.kv_scale]
     return out
 
 

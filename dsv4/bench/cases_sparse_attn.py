@@ -6,7 +6,7 @@ token its window (ring slots + the new rows of its own chunk) and either `sel` d
 entries of its sequence's pool region (CSA top-k) or the first `sel` entries (HCA: all visible
 entries). The "one source" cases are the engine's decode form: the new K=V already in the ring,
 ring and pool one allocation. The "FP8" cases read the same rows as FP8 entries (`--kv-cache-dtype
-fp8`: 584 B per row at Flash width instead of 1024).
+fp8`: 584 B per row at Flash width instead of 1024; at prefill the new rows too).
 bytes = gathered key bytes (T * K_valid * row bytes) + q read + o written.
 """
 
@@ -101,7 +101,7 @@ def _case(
     one_source: bool = False,
     fp8: torch.Tensor | None = None,
 ) -> Case:
-    # fp8: ring | pool as FP8 entries (`_entries`), one source
+    # fp8: ring | pool as FP8 entries (`_entries`): one source, or with the new rows as entries too
     T, K = idx.shape
     q = torch.randn(T, dims.H, dims.D, device=device).to(torch.bfloat16)
     new = torch.randn(T, dims.D, device=device).to(torch.bfloat16)
@@ -110,6 +110,9 @@ def _case(
     if one_source:  # ring | pool as one allocation (the launcher merges the two views)
         both = torch.cat([ring, pool]) if fp8 is None else fp8
         kv = (both[: ring.shape[0]], both[ring.shape[0] :])
+    elif fp8 is not None:  # a prefill over FP8 state: the chunk's rows are entries as well
+        n = ring.shape[0]
+        kv = (fp8[:n], quant_kv_entries(new, dims.rope_dim), fp8[n:])
     elt = q.element_size()
     row = kv[0].shape[1] * kv[0].element_size()
     nbytes = int((idx >= 0).sum()) * row + 2 * q.numel() * elt  # keys + q + o
@@ -142,6 +145,8 @@ def cases(device: str, quick: bool) -> list[Case]:
             _case("T=3 K=16+24 one source FP8", dims, ring, pool,
                   _decode_idx_one_source(dims, 3, 24, device), device, one_source=True, fp8=fp8),
             _case("prefill T=20 K=16+24", dims, ring, pool, _prefill_idx(dims, 20, 24, False, device), device),
+            _case("prefill T=20 K=16+24 FP8", dims, ring, pool, _prefill_idx(dims, 20, 24, False, device),
+                  device, fp8=fp8),
         ]  # fmt: skip
     # Flash: H=64, D=512, window 128; 64 sequences x 32768 compressed entries (CSA at 128K)
     dims = _Dims(H=64, D=512, window=128, seqs=64, pool_per_seq=32768, rope_dim=64)
@@ -173,4 +178,6 @@ def cases(device: str, quick: bool) -> list[Case]:
               _prefill_idx(dims, 4096, 512, False, device), device),
         _case("prefill T=4096 K=128+1024 HCA", dims, ring, pool,
               _prefill_idx(dims, 4096, 1024, True, device), device),
+        _case("prefill T=4096 K=128+512 FP8", dims, ring, pool,
+              _prefill_idx(dims, 4096, 512, False, device), device, fp8=fp8),
     ]  # fmt: skip
