@@ -331,3 +331,49 @@ def test_index_topk_gpu_hist_graph(T: int, integer: bool) -> None:
         assert bad == 0, f"{bad} positions differ"
         for ws in indexer._hist_workspace(q.device):
             assert not ws.any(), ws.nonzero()[:4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,C,num_buf", [(1, 32768, 4), (16, 32768, 4), (16, 4000, 3), (3, 100, 6)])
+def test_gpu_sm90_scores(T: int, C: int, num_buf: int, fp8: bool, monkeypatch) -> None:  # noqa: ANN001
+    # the Gluon score kernel (off in the dispatch until this passes on a GPU) against the Triton
+    # one: integer inputs score exactly, so the keys and both histograms must be equal; hidden
+    # rows, a ragged last tile, tiles past the last visible candidate; then index_topk through it
+    from dsv4.ops import indexer_sm90 as sm90
+    from dsv4.quant import quant_index_keys
+
+    q, w, keys, cand = _inputs(T, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=True,
+                               device="cuda")  # fmt: skip
+    cand[:, C - C // 8 :] = -1
+    ks = None
+    if fp8:
+        keys, ks = quant_index_keys(keys)
+    if not sm90.supported(q, keys, ks):
+        pytest.skip("not an sm_90 GPU")
+    hists = [
+        (torch.zeros(T, 65536, dtype=torch.int32, device="cuda"),
+         torch.zeros(T, 256, dtype=torch.int32, device="cuda"))
+        for _ in range(2)
+    ]  # fmt: skip
+    want = indexer._scores(q, w, keys, cand, hist=hists[0], key_scale=ks)
+    got = torch.empty_like(want)
+    sm90.scores_sm90(q, w, keys, cand, got, hists[1], ks, num_buf=num_buf)
+    assert torch.equal(got, want)
+    assert torch.equal(hists[1][0], hists[0][0]) and torch.equal(hists[1][1], hists[0][1])
+    got2 = torch.empty_like(want)
+    sm90.scores_sm90(q, w, keys, cand, got2, None, ks, num_buf=num_buf)
+    assert torch.equal(got2, want)
+    monkeypatch.setattr(sm90, "SCORES", True)
+    out = indexer.index_topk(q, w, keys, cand, 512, ks)
+    kd = keys if ks is None else (keys.view(torch.float8_e4m3fn).float() * ks[:, None]).bfloat16()
+    assert torch.equal(out, ref.index_topk(q, w, kd, cand, 512))
+
+
+def test_sm90_scores_stay_off_the_cpu() -> None:
+    # the Gluon kernel has no interpreter: the CPU (and any non-sm_90 device) keeps the Triton one
+    from dsv4.ops import indexer_sm90 as sm90
+
+    q, w, keys, cand = _inputs(2, 64, 128, 70, torch.bfloat16)
+    assert not sm90.supported(q, keys)
+    _check(q, w, keys, cand, 16)
