@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from dsv4.ops import indexer
 from dsv4.ops.device import num_sms
+from dsv4.ops.sparse_attn_sm90 import _gather, _tile_idx  # rows by cp.async, indices
 
 SCORES = False  # indexer._scores dispatches here on sm_90 once test_gpu_sm90_scores has passed
 HEADS = 64  # the MMA's N: every indexer head of a token
@@ -36,21 +37,6 @@ DIM = 128  # the key width (K of the MMA)
 INT32_MIN = gl.constexpr(-(2**31))
 HIST_BINS = gl.constexpr(65536)  # as `indexer`: fine bins (top 16 bits), coarse bins (top 8)
 COARSE_BINS = gl.constexpr(256)
-
-
-@gluon.jit
-def _tile_idx(idx_row, n0, end, offs):  # noqa: ANN001, ANN202
-    # candidate rows n0 + offs (-1 at or past end)
-    n = n0 + offs
-    return gl.load(idx_row + n, mask=n < end, other=-1)
-
-
-@gluon.jit
-def _gather(buf, k_ptr, stride_kn, idx, offs_d):  # noqa: ANN001, ANN202
-    # key rows idx into buf by cp.async (-1: zeros), one commit group (FP8 keys: the raw codes)
-    rows = k_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn
-    cp.async_copy_global_to_shared(buf, rows[:, None] + offs_d[None, :], mask=(idx >= 0)[:, None])
-    cp.commit_group()
 
 
 @gluon.jit
