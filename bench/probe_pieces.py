@@ -780,8 +780,8 @@ def probe_score_programs() -> None:
 
 def probe_index_fp8() -> None:
     # index scores at T=16, 128K over FP8 indexer keys (half the bytes of bf16): tiles and programs
-    # per SM (the bf16 default is bound by the bytes each SM has in flight, so the same tile over
-    # half-size keys reads at half the rate), against the bf16 default; then index_topk
+    # per SM against the bf16 default; then index_topk (docs/PERF.md, eleventh session: half the
+    # bytes buy ~8%, the Triton loop waits out each tile's gathers)
     from dsv4.quant import quant_index_keys
 
     T = 16

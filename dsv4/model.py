@@ -255,8 +255,8 @@ class Indexer(nn.Module):
         q = self.ops.rotary(q, *rope)
         weights = self.weights_proj(x).float() * (self.softmax_scale * self.n_heads**-0.5)
         cand, _ = batch.visible_entries(self.compressor.ratio)
-        keys = ls.indexer
-        return self.ops.index_topk(q, weights, keys.kv_cache, cand, self.topk, keys.kv_scale)
+        keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
+        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale)
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ MXFP4_BLOCK = 32  # MXFP4 experts: one UE8M0 scale per 32 elements of a row
 NVFP4_BLOCK = 16  # NVFP4 experts: one E4M3 scale per 16 elements of a row
 
 E4M3_MAX = 448.0
+KV_AMAX_FLOOR = 1e-4  # the reference's act_quant floor on a block's amax (weights, KV, keys)
 E2M1_MAX = 6.0
 
 # e2m1 nibble code -> value; bit 3 is the sign, code 8 is -0.0
@@ -121,6 +122,15 @@ def _tile_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return x.view(x.shape[0] // br, br, x.shape[1] // bc, bc).amax(dim=(1, 3))
 
 
+def _e4m3_tiles(x: torch.Tensor, br: int, bc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # fp32 [R, C] -> (e4m3 codes, int32 exponents e per br x bc tile): the smallest 2^e with
+    # max(amax, 1e-4) <= 448 * 2^e, then e4m3(clamp(x * 2^-e)) (exact scaling, round to nearest even)
+    amax = _tile_amax(x.abs(), br, bc).clamp_(min=KV_AMAX_FLOOR)
+    e = _pow2_exponent_at_least(amax, E4M3_MAX)
+    q = _tile_mul(x, _exp2i(-e), br, bc).clamp_(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), e
+
+
 def _check_fp4_packed(packed: torch.Tensor, block: int, fmt: str) -> int:
     # returns the logical in-dimension
     _check(
@@ -188,12 +198,8 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 def quant_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> (e4m3 [out, in], e8m0 [ceil(out/128), ceil(in/128)]), UE8M0 scales."""
     _check_float_2d(w, "fp8 weight")
-    w = w.float()
-    amax = _tile_amax(w.abs(), FP8_BLOCK, FP8_BLOCK).clamp_(min=1e-4)
-    e = _pow2_exponent_at_least(amax, E4M3_MAX)  # smallest 2^e with amax <= 448 * 2^e
-    # w * 2^-e is exact; the e4m3 cast rounds to nearest even
-    q = _tile_mul(w, _exp2i(-e), FP8_BLOCK, FP8_BLOCK).clamp_(-E4M3_MAX, E4M3_MAX)
-    return q.to(torch.float8_e4m3fn), _e8m0_from_exponent(e)
+    q, e = _e4m3_tiles(w.float(), FP8_BLOCK, FP8_BLOCK)
+    return q, _e8m0_from_exponent(e)
 
 
 def dequant_fp8(
@@ -379,7 +385,6 @@ def mxfp4_to_fp8(
 # ---------------------------------------------------------------------------------------------
 
 KV_SCALE_BLOCK = 64  # nope channels per UE8M0 exponent
-KV_AMAX_FLOOR = 1e-4  # the reference's act_quant floor on a block's amax
 KV_QUANT_ROWS = 1 << 16  # quant_kv_entries works through this many rows at a time
 
 
@@ -406,10 +411,8 @@ def quant_kv_entries(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     out = torch.zeros(n, nbytes, dtype=torch.uint8, device=x.device)
     for i in range(0, n, KV_QUANT_ROWS):  # fp32 temporaries of a slab of rows at a time
         xf, o = x[i : i + KV_QUANT_ROWS].float(), out[i : i + KV_QUANT_ROWS]
-        amax = _tile_amax(xf[:, :nope].abs(), 1, KV_SCALE_BLOCK).clamp_(min=KV_AMAX_FLOOR)
-        e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [rows, n_scales]
-        y = _tile_mul(xf[:, :nope], _exp2i(-e), 1, KV_SCALE_BLOCK).clamp_(-E4M3_MAX, E4M3_MAX)
-        o[:, :nope] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        y, e = _e4m3_tiles(xf[:, :nope], 1, KV_SCALE_BLOCK)  # e: [rows, n_scales]
+        o[:, :nope] = y.view(torch.uint8)
         o[:, nope : nope + 2 * rope_dim] = xf[:, nope:].to(torch.bfloat16).view(torch.uint8)
         o[:, nope + 2 * rope_dim : nope + 2 * rope_dim + n_scales] = (e + 127).to(torch.uint8)
     return out
@@ -457,11 +460,8 @@ def quant_index_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(n, d, dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, dtype=torch.float32, device=x.device)
     for i in range(0, n, KV_QUANT_ROWS):  # fp32 temporaries of a slab of rows at a time
-        xf = x[i : i + KV_QUANT_ROWS].float()
-        amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=KV_AMAX_FLOOR)
-        e = _pow2_exponent_at_least(amax, E4M3_MAX)  # [rows, 1]
-        y = (xf * _exp2i(-e)).clamp_(-E4M3_MAX, E4M3_MAX)
-        codes[i : i + KV_QUANT_ROWS] = y.to(torch.float8_e4m3fn).view(torch.uint8)
+        y, e = _e4m3_tiles(x[i : i + KV_QUANT_ROWS].float(), 1, d)  # e: [rows, 1]
+        codes[i : i + KV_QUANT_ROWS] = y.view(torch.uint8)
         scale[i : i + KV_QUANT_ROWS] = _exp2i(e[:, 0])
     return codes, scale
 

@@ -27,16 +27,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from dsv4.ops import indexer
 from dsv4.ops.device import num_sms
+from dsv4.ops.indexer import COARSE_BINS, HIST_BINS, INT32_MIN, _score_tiles
 from dsv4.ops.sparse_attn_sm90 import _gather, _tile_idx  # rows by cp.async, indices
 
 SCORES = False  # indexer._scores dispatches here on sm_90 once test_gpu_sm90_scores has passed
 HEADS = 64  # the MMA's N: every indexer head of a token
 DIM = 128  # the key width (K of the MMA)
-INT32_MIN = gl.constexpr(-(2**31))
-HIST_BINS = gl.constexpr(65536)  # as `indexer`: fine bins (top 16 bits), coarse bins (top 8)
-COARSE_BINS = gl.constexpr(256)
 
 
 @gluon.jit
@@ -137,8 +134,7 @@ def _score_kernel(
         idx_s = idx_s_next
         idx_s_next = _tile_idx(idx_row, c0 + (i + 1) * BLOCK_N, end, offs_sn)
         if KEY_FP8:  # codes -> bf16 (exact), visible to the MMA ; the scale comes after the sum
-            d_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-            codes = raw_smem.index(i % NUM_BUF).load(d_layout)
+            codes = raw_smem.index(i % NUM_BUF).load(g_layout)
             kt = k_smem.index(0)
             kt.store(codes.to(gl.float8e4nv, bitcast=True).to(gl.float32).to(gl.bfloat16))
             fence_async_shared()
@@ -218,7 +214,7 @@ def scores_sm90(
     w = weights.float()
     block_n = 64
     n_tiles = triton.cdiv(C, block_n)
-    tiles = indexer._score_tiles(T, n_tiles, programs_per_sm * num_sms(q.device))
+    tiles = _score_tiles(T, n_tiles, programs_per_sm * num_sms(q.device))
     fine, coarse = hist if hist is not None else (skey, skey)
     _score_kernel[(triton.cdiv(n_tiles, tiles), T)](
         q, w, keys, key_scale if key_scale is not None else w, cand_idxs, skey, fine, coarse, C,

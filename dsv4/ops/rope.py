@@ -487,10 +487,8 @@ def compress_store(
     block_s, num_warps = _compress_config(slots, block_d)
     _compress_store_kernel[(n,)](
         kv, score, rows if gather else dest, kv if weight is None else weight, cos, sin, out, dest,
-        out_scale if key_fp8 else kv, slots, d, d - rd, eps, *strides, cos.stride(0), sin.stride(0), out.stride(0),
-        rows.stride(0) if gather else 0,
+        out_scale if key_fp8 else kv, slots, d, d - rd, eps, *strides, cos.stride(0),
+        sin.stride(0), out.stride(0), rows.stride(0) if gather else 0,
         HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, KEY_FP8=key_fp8,
-        BLOCK_S=block_s,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip

@@ -341,7 +341,7 @@ def test_gpu_sm90_scores(T: int, C: int, num_buf: int, fp8: bool, monkeypatch) -
     # one: integer inputs score exactly, so the keys and both histograms must be equal; hidden
     # rows, a ragged last tile, tiles past the last visible candidate; then index_topk through it
     from dsv4.ops import indexer_sm90 as sm90
-    from dsv4.quant import quant_index_keys
+    from dsv4.quant import dequant_index_keys, quant_index_keys
 
     q, w, keys, cand = _inputs(T, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=True,
                                device="cuda")  # fmt: skip
@@ -366,7 +366,7 @@ def test_gpu_sm90_scores(T: int, C: int, num_buf: int, fp8: bool, monkeypatch) -
     assert torch.equal(got2, want)
     monkeypatch.setattr(sm90, "SCORES", True)
     out = indexer.index_topk(q, w, keys, cand, 512, ks)
-    kd = keys if ks is None else (keys.view(torch.float8_e4m3fn).float() * ks[:, None]).bfloat16()
+    kd = keys if ks is None else dequant_index_keys(keys, ks).bfloat16()
     assert torch.equal(out, ref.index_topk(q, w, kd, cand, 512))
 
 
