@@ -813,45 +813,6 @@ def probe_index_fp8() -> None:
     us("index_topk T=16 fp8 keys", lambda: indexer.index_topk(q, w, codes, cand, 512, scale))
 
 
-def probe_index_sm90() -> None:
-    # the Gluon score kernel (dsv4/ops/indexer_sm90.py: gathers pipelined by cp.async) against the
-    # Triton one at 128K, with the hist select's counting as in decode, bf16 and FP8 keys; then
-    # index_topk through each
-    from dsv4.ops import indexer_sm90 as sm90
-    from dsv4.quant import quant_index_keys
-
-    for T in (16, 1):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        codes, scale = quant_index_keys(keys)
-        fine, coarse, _ = indexer._hist_workspace(q.device)
-        for fp8 in (False, True):
-            k, ks = (codes, scale) if fp8 else (keys, None)
-            kind = "fp8" if fp8 else "bf16"
-            nbytes = T * 32768 * (132 if fp8 else 256)
-            want = indexer._scores(q, w, k, cand, key_scale=ks)
-            us(f"index scores T={T} {kind} Triton", lambda k=k, ks=ks: indexer._scores(  # noqa: B023
-                q, w, k, cand, hist=(fine, coarse), key_scale=ks), nbytes=nbytes)  # noqa: B023  # fmt: skip
-            for nb, pps in ((3, 2), (4, 2), (6, 2), (4, 1), (4, 3), (6, 3)):
-                got = torch.empty_like(want)
-                name = f"index scores T={T} {kind} sm90 num_buf={nb} programs/SM={pps}"
-                try:
-                    sm90.scores_sm90(q, w, k, cand, got, None, ks, num_buf=nb, programs_per_sm=pps)
-                except Exception as e:  # noqa: BLE001  (out of resources)
-                    print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-                    continue
-                differ = int((got != want).sum())
-                us(name, lambda k=k, ks=ks, g=got, n=nb, p=pps: sm90.scores_sm90(  # noqa: B023
-                    q, w, k, cand, g, (fine, coarse), ks, num_buf=n, programs_per_sm=p),  # noqa: B023
-                   nbytes=nbytes, note=f" ({differ} keys differ from Triton's)")  # fmt: skip
-            fine.zero_()
-            coarse.zero_()
-            for on in (False, True):
-                sm90.SCORES = on
-                us(f"index_topk T={T} {kind} sm90 scores={on}",
-                   lambda k=k, ks=ks: indexer.index_topk(q, w, k, cand, 512, ks))  # noqa: B023  # fmt: skip
-            sm90.SCORES = False
-
-
 def probe_select() -> None:
     # one select program on one row of 4096 int32 score keys: first level vs final, sort or not
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -1157,7 +1118,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "index_sm90": probe_index_sm90}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -15,8 +15,6 @@ Kernels:
                         each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN);
                         for the hist select also count each key into its token's histograms of the
                         key's top 16 bits (global atomics) and top 8 bits (one flush per program).
-                        (`indexer_sm90`: the same in Gluon with the gathers pipelined; off until
-                        its GPU test has run, `indexer_sm90.SCORES`)
   _index_hist_select_kernel  (decode rows of <= HIST_MAX_TOKENS tokens longer than one segment)
                         per (segment, token): the bin of the k-th largest key from the counts, then
                         the segment's keys above that bin (winners) and in it (candidates) filed to
@@ -539,12 +537,6 @@ def _scores(
     coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
-    if q.is_cuda and cfg == ScoreConfig():
-        from dsv4.ops import indexer_sm90  # Gluon (no interpreter): Hopper GPUs only
-
-        if indexer_sm90.SCORES and indexer_sm90.supported(q, keys, key_scale):
-            indexer_sm90.scores_sm90(q, weights, keys, cand_idxs, skey, hist, key_scale)
-            return skey
     key_fp8 = key_scale is not None
     same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype
     tensor_core = q.is_cuda and same and q.dtype != torch.float32
