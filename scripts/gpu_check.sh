@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [kv_ab] [trace] [probe] [kernels] [sweep]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -74,6 +74,8 @@ for part in $PARTS; do
         done
         grep -E "^  _|Duration|Warp Cycles Per Issued|Registers Per|Block Size|Grid Size|Stall|Memory Throughput|Compute \(SM\)" "$OUT/ncu.txt" | head -90
       else echo "no ncu here"; fi ;;
+    dump)  # every compiled Triton kernel (TTIR + options + resources) for bench/kernel_targets.py
+      python3 bench/kernel_dump.py "$OUT/kernels.json.gz" 2>&1 | tee "$OUT/kernel_dump.txt" | tail -16 ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac
