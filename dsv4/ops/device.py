@@ -17,6 +17,24 @@ def num_sms(device: torch.device, interpreter: int = 4) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# opt-in shared memory per block by compute capability major (sm_80 163 KB, sm_90 / sm_100 227 KB,
+# sm_120: 99 KB), where torch does not report it
+SHARED_MEMORY = {8: 166912, 9: 232448, 10: 232448, 12: 101376}
+
+
+@functools.cache
+def shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on a CUDA device, in bytes (the opt-in limit per
+    block: 227 KB on sm_90 / sm_100, 99 KB on sm_120 workstation Blackwell). A launcher's fixed
+    tile must fit it: Triton does not shrink a config, the launch fails with OutOfResources.
+    The CPU (interpreter) has no limit."""
+    if device.type != "cuda":
+        return 1 << 30
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    return optin or SHARED_MEMORY.get(props.major, 101376)
+
+
 def split_reduction(
     length: int, block: int, programs: int, target: int, most: int
 ) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms, pdl
+from dsv4.ops.device import num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import load_entries
 from dsv4.quant import kv_entry_layout
 
@@ -34,6 +34,10 @@ MIN_KEYS_PER_SPLIT = (
 FIXED_TILE_MAX_PROGRAMS = 2  # up to this many 64-head (token, head block)s: FEW_TOKENS_TILE
 FEW_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=16, KEYS_ON_M=False, PREFETCH=False,
                        num_warps=4, num_stages=2)  # fmt: skip
+# Shared memory a fixed tile takes, bf16 rows / FP8 entries (the most of sm_90, sm_100 and sm_120
+# with Triton 3.6 and 3.9: tests/ops/test_targets.py compiles them). Triton does not shrink a
+# config to fit, so a GPU with less (sm_120: 99 KB) autotunes instead of failing to launch
+FEW_TOKENS_SHARED = (52 * 1024, 132 * 1024)  # 49.1 / 128.1 KB
 # from this many tokens on an sm_90 GPU, one kv source of 64 x 512 heads: the Gluon kernel
 # (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5.
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
@@ -50,8 +54,21 @@ FP8_DECODE = None
 FP8_MANY_TOKENS = 32
 FP8_MANY_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=64, KEYS_ON_M=True, PREFETCH=False,
                             num_warps=8, num_stages=3)  # fmt: skip
+FP8_MANY_TOKENS_SHARED = 180 * 1024  # sm_90 148.3 KB, sm_100 / sm_120 176.3 KB
 # finite "no key yet" running max: empty splits and all -1 rows stay NaN-free
 NEG = tl.constexpr(-1.0e30)
+
+
+# Tiles for GPUs with 99 KB of shared memory (sm_120): over FP8 entries every tile above takes
+# 114-344 KB there (the decoded [BN, 512] tile is staged in shared memory once per dot operand),
+# so without these an sm_120 GPU had no config to run FP8 state on. sm_120, Triton 3.9: 72 / 80 /
+# 96 / 64 KB over FP8 entries (tests/ops/test_targets.py); not timed on a GPU
+SMALL_SHARED_SHAPES = [
+    (16, 1, 16, 4, 2, False, False),
+    (32, 1, 16, 4, 1, False, False),
+    (16, 1, 64, 4, 1, False, False),
+    (32, 2, 16, 4, 1, False, False),
+]
 
 
 def _configs() -> list[triton.Config]:
@@ -93,6 +110,7 @@ def _configs() -> list[triton.Config]:
         (32, 2, 64, 4, 4, False, True),
         (32, 1, 16, 4, 4, False, True),
         (64, 1, 16, 4, 3, False, True),
+        *SMALL_SHARED_SHAPES,
     ]
     return [
         triton.Config(
@@ -431,17 +449,18 @@ def fp8_decode(q: torch.Tensor) -> int:
     return 1 if FP8_DECODE is None else FP8_DECODE
 
 
-def fixed_tile(programs: int, h_pad: int, entries: bool) -> dict | None:
-    """The tile for `programs` (token, 64-head block)s on a GPU where one was measured to beat
-    the autotuner's host-timed pick, else None (autotune):
+def fixed_tile(programs: int, h_pad: int, entries: bool, shared: int) -> dict | None:
+    """The tile for `programs` (token, 64-head block)s on a GPU with `shared` bytes of shared
+    memory per program (`device.shared_memory`) where one was measured to beat the autotuner's
+    host-timed pick, else None (autotune: configs that do not fit the GPU are skipped):
     - a few programs: FEW_TOKENS_TILE (H200, T=1: the autotuner chose BN 32 / DV 2 / 64 heads
-      at 9.99 us of device time; this tile measures 8.34);
+      at 9.99 us of device time; this tile measures 8.34), where it fits;
     - FP8 entries of 64 heads from FP8_MANY_TOKENS programs: FP8_MANY_TOKENS_TILE, one
-      program per split (the launcher then fills the SMs once)."""
+      program per split (the launcher then fills the SMs once), where it fits."""
     if programs <= FIXED_TILE_MAX_PROGRAMS:
-        return FEW_TOKENS_TILE
+        return FEW_TOKENS_TILE if shared >= FEW_TOKENS_SHARED[entries] else None
     if entries and h_pad >= 64 and programs >= FP8_MANY_TOKENS:
-        return FP8_MANY_TOKENS_TILE
+        return FP8_MANY_TOKENS_TILE if shared >= FP8_MANY_TOKENS_SHARED else None
     return None
 
 
@@ -560,7 +579,7 @@ def sparse_attn(
     H_PAD = max(16, triton.next_power_of_2(H))
     head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
     if config is None and q.is_cuda:  # measured fixed tiles where the autotuner picks badly
-        config = fixed_tile(T * head_blocks, H_PAD, entries)
+        config = fixed_tile(T * head_blocks, H_PAD, entries, shared_memory(q.device))
     if num_splits is None:
         per_split = 1 if config is FP8_MANY_TOKENS_TILE else PROGRAMS_PER_SPLIT
         num_splits = _default_splits(T * head_blocks, K, q.device, per_split)

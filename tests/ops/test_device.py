@@ -33,3 +33,16 @@ def test_arrival_counts_cuda_index() -> None:
     a = device.arrival_counts("test", torch.device("cuda"), 8)
     b = device.arrival_counts("test", torch.device("cuda", torch.cuda.current_device()), 8)
     assert a is b
+
+
+def test_shared_memory_cpu_unbounded() -> None:
+    # the interpreter has no shared-memory limit: launchers keep their fixed tiles there
+    assert device.shared_memory(torch.device("cpu")) >= 1 << 30
+
+
+@pytest.mark.gpu
+def test_shared_memory_of_the_gpu() -> None:
+    # the opt-in limit per block: 227 KB on sm_90 / sm_100, 99 KB on sm_120
+    props = torch.cuda.get_device_properties(0)
+    got = device.shared_memory(torch.device("cuda"))
+    assert got == device.SHARED_MEMORY.get(props.major, got), (props.major, got)

@@ -293,11 +293,33 @@ def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", range(len(sa_mod.SMALL_SHARED_SHAPES)))
+@pytest.mark.parametrize("T,num_splits", [(1, None), (64, None), (64, 1)])
+def test_gpu_small_shared_entries(T: int, num_splits: int | None, shape: int) -> None:
+    # the tiles that fit an sm_120 GPU's 99 KB over FP8 entries (the only ones there), run on
+    # this GPU through the Triton kernel: the fp32 reference over the decoded rows, three sources
+    from dsv4.quant import dequant_kv_entries, quant_kv_entries
+
+    n, dv, bh, w, st, km, pf = sa_mod.SMALL_SHARED_SHAPES[shape]
+    config = dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w,
+                  num_stages=st)  # fmt: skip
+    q, kv, sink, idx = _flash_inputs(T)
+    entries = tuple(quant_kv_entries(s, 64) for s in kv)
+    want = _want(q, tuple(dequant_kv_entries(e, 512, 64) for e in entries), sink, idx, 512**-0.5)
+    o = sparse_attn(q, entries, sink, idx, 512**-0.5, 64, num_splits=num_splits, config=config)
+    assert _rel(o, want) < TOL[torch.bfloat16], f"{_rel(o, want):.2e}"
+
+
 def test_fixed_tiles_where_measured():
-    # the GPU dispatch: the few-token tile, the FP8 many-token tile (64 heads), else autotune
-    assert sa_mod.fixed_tile(2, 64, False) is sa_mod.FEW_TOKENS_TILE
-    assert sa_mod.fixed_tile(2, 64, True) is sa_mod.FEW_TOKENS_TILE
-    assert sa_mod.fixed_tile(16, 64, False) is None and sa_mod.fixed_tile(64, 64, False) is None
-    assert sa_mod.fixed_tile(16, 64, True) is None
-    assert sa_mod.fixed_tile(64, 64, True) is sa_mod.FP8_MANY_TOKENS_TILE
-    assert sa_mod.fixed_tile(64, 16, True) is None  # 16 heads: not the 64-head tile
+    h200, sm120 = 232448, 101376  # shared memory per program
+    assert sa_mod.fixed_tile(2, 64, False, h200) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(2, 64, True, h200) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(1, 64, False, sm120) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(1, 64, True, sm120) is None  # 128 KB of shared memory: autotuned
+    assert sa_mod.fixed_tile(16, 64, False, h200) is None
+    assert sa_mod.fixed_tile(64, 64, False, h200) is None
+    assert sa_mod.fixed_tile(16, 64, True, h200) is None
+    assert sa_mod.fixed_tile(64, 64, True, h200) is sa_mod.FP8_MANY_TOKENS_TILE
+    assert sa_mod.fixed_tile(64, 64, True, sm120) is None  # 176 KB does not fit: autotuned
+    assert sa_mod.fixed_tile(64, 16, True, h200) is None  # 16 heads: not the 64-head tile
