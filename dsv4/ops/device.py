@@ -17,9 +17,9 @@ def num_sms(device: torch.device, interpreter: int = 4) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# opt-in shared memory per block by compute capability major (sm_80 163 KB, sm_90 / sm_100 227 KB,
-# sm_120: 99 KB), where torch does not report it
-SHARED_MEMORY = {8: 166912, 9: 232448, 10: 232448, 12: 101376}
+# opt-in shared memory per block by compute capability, where torch does not report it (sm_80
+# 163 KB, sm_90 / sm_100 227 KB; sm_86 / sm_89 / sm_120 99 KB, also assumed for any other)
+SHARED_MEMORY = {(8, 0): 166912, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
 
 
 @functools.cache
@@ -32,7 +32,7 @@ def shared_memory(device: torch.device) -> int:
         return 1 << 30
     props = torch.cuda.get_device_properties(device)
     optin = getattr(props, "shared_memory_per_block_optin", 0)
-    return optin or SHARED_MEMORY.get(props.major, 101376)
+    return optin or SHARED_MEMORY.get((props.major, props.minor), 101376)
 
 
 def split_reduction(

@@ -45,4 +45,4 @@ def test_shared_memory_of_the_gpu() -> None:
     # the opt-in limit per block: 227 KB on sm_90 / sm_100, 99 KB on sm_120
     props = torch.cuda.get_device_properties(0)
     got = device.shared_memory(torch.device("cuda"))
-    assert got == device.SHARED_MEMORY.get(props.major, got), (props.major, got)
+    assert got == device.SHARED_MEMORY.get((props.major, props.minor), got), (props.major, got)
