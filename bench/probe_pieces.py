@@ -615,6 +615,28 @@ def probe_attn_fp8() -> None:
     copy_floor("copy of 64 MiB (torch copy_)", 1 << 26)
 
 
+def probe_small_shared() -> None:
+    # decode attention over FP8 entries with the tiles that fit sm_120's 99 KB (the only ones an
+    # sm_120 GPU can run there), on this GPU, against this GPU's own dispatch: what they cost
+    # relative to the tiles they replace (not an sm_120 timing)
+    from dsv4.quant import quant_kv_entries
+
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    for T in (1, 16, 64):
+        q, kv, sink, idx = attn.tokens(T)
+        one8 = (quant_kv_entries(torch.cat(kv), 64),)
+        nb8 = T * idx.shape[1] * 584 + 4 * q.numel()
+        us(f"attn T={T} fp8 default", lambda: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64),  # noqa: B023
+           nbytes=nb8)  # fmt: skip
+        for i, (n, dv, bh, w, st, km, pf) in enumerate(sparse_attn.SMALL_SHARED_SHAPES):
+            cfg = dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w,
+                       num_stages=st)  # fmt: skip
+            us(f"attn T={T} fp8 SMALL_SHARED_SHAPES[{i}] bn{n} dv{dv} bh{bh} w{w} st{st}",
+               lambda c=cfg: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64, config=c),  # noqa: B023
+               nbytes=nb8)  # fmt: skip
+    copy_floor("copy of 64 MiB (torch copy_)", 1 << 26)
+
+
 def probe_attn() -> None:
     q, kv, sink, idx = AttnDecode(torch.Generator(device="cuda").manual_seed(0)).tokens(1)
     us("sparse_attn T=1 K=640 default", lambda: sparse_attn.sparse_attn(q, kv, sink, idx, 0.04))
@@ -1118,7 +1140,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

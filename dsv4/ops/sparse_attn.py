@@ -31,13 +31,18 @@ LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = (
     32  # measured on an H200: T=1, K=640 is fastest at 20 splits (13.3 vs 14.4 us at 10)
 )
-FIXED_TILE_MAX_PROGRAMS = 2  # up to this many 64-head (token, head block)s: FEW_TOKENS_TILE
+FIXED_TILE_MAX_PROGRAMS = 2  # up to this many 64-head (token, head block)s: FEW_TOKENS_TILE(_FP8)
 FEW_TOKENS_TILE = dict(BLOCK_N=32, DV_SPLIT=1, BLOCK_H=16, KEYS_ON_M=False, PREFETCH=False,
                        num_warps=4, num_stages=2)  # fmt: skip
-# Shared memory a fixed tile takes, bf16 rows / FP8 entries (the most of sm_90, sm_100 and sm_120
-# with Triton 3.6 and 3.9: tests/ops/test_targets.py compiles them). Triton does not shrink a
-# config to fit, so a GPU with less (sm_120: 99 KB) autotunes instead of failing to launch
-FEW_TOKENS_SHARED = (52 * 1024, 132 * 1024)  # 49.1 / 128.1 KB
+# over FP8 entries: the output channels split over two programs, no pipelining (H200, T=1: 9.39
+# us against 10.43 for FEW_TOKENS_TILE, which takes 128 KB of shared memory there)
+FEW_TOKENS_TILE_FP8 = dict(BLOCK_N=32, DV_SPLIT=2, BLOCK_H=16, KEYS_ON_M=False, PREFETCH=False,
+                           num_warps=4, num_stages=1)  # fmt: skip
+# Shared memory a fixed tile takes (the most of sm_90, sm_100 and sm_120 with Triton 3.6 and 3.9:
+# tests/ops/test_targets.py compiles them). Triton does not shrink a config to fit, so a GPU
+# with less (sm_120: 99 KB) autotunes instead of failing to launch
+FEW_TOKENS_SHARED = 52 * 1024  # 49.1 KB
+FEW_TOKENS_FP8_SHARED = 68 * 1024  # 64 KB
 # from this many tokens on an sm_90 GPU, one kv source of 64 x 512 heads: the Gluon kernel
 # (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5.
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
@@ -454,11 +459,16 @@ def fixed_tile(programs: int, h_pad: int, entries: bool, shared: int) -> dict | 
     memory per program (`device.shared_memory`) where one was measured to beat the autotuner's
     host-timed pick, else None (autotune: configs that do not fit the GPU are skipped):
     - a few programs: FEW_TOKENS_TILE (H200, T=1: the autotuner chose BN 32 / DV 2 / 64 heads
-      at 9.99 us of device time; this tile measures 8.34), where it fits;
+      at 9.99 us of device time; this tile measures 8.34), over FP8 entries FEW_TOKENS_TILE_FP8;
     - FP8 entries of 64 heads from FP8_MANY_TOKENS programs: FP8_MANY_TOKENS_TILE, one
       program per split (the launcher then fills the SMs once), where it fits."""
     if programs <= FIXED_TILE_MAX_PROGRAMS:
-        return FEW_TOKENS_TILE if shared >= FEW_TOKENS_SHARED[entries] else None
+        tile, need = (
+            (FEW_TOKENS_TILE_FP8, FEW_TOKENS_FP8_SHARED)
+            if entries
+            else (FEW_TOKENS_TILE, FEW_TOKENS_SHARED)
+        )
+        return tile if shared >= need else None
     if entries and h_pad >= 64 and programs >= FP8_MANY_TOKENS:
         return FP8_MANY_TOKENS_TILE if shared >= FP8_MANY_TOKENS_SHARED else None
     return None

@@ -28,8 +28,8 @@ OPTIONS = ("num_warps", "num_stages")
 ON_GPU = dict(UPCAST=False, PRECISION="tf32", FP8_DECODE=1, SPLIT=True, PDL=True, ALIGNED=True)
 # (name, tokens, FP8 entries, tile): T tokens of 64 heads x 512 channels, 128 + 512 keys
 TILES = [
-    ("FEW_TOKENS_TILE bf16", 1, False, sa.FEW_TOKENS_TILE),
-    ("FEW_TOKENS_TILE fp8", 1, True, sa.FEW_TOKENS_TILE),
+    ("FEW_TOKENS_TILE", 1, False, sa.FEW_TOKENS_TILE),
+    ("FEW_TOKENS_TILE_FP8", 1, True, sa.FEW_TOKENS_TILE_FP8),
     ("FP8_MANY_TOKENS_TILE", 64, True, sa.FP8_MANY_TOKENS_TILE),
 ] + [  # the autotuner's tiles for small shared memory, over FP8 entries
     (f"SMALL_SHARED_SHAPES[{i}] fp8", 64, True,

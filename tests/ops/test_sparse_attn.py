@@ -314,9 +314,10 @@ def test_gpu_small_shared_entries(T: int, num_splits: int | None, shape: int) ->
 def test_fixed_tiles_where_measured():
     h200, sm120 = 232448, 101376  # shared memory per program
     assert sa_mod.fixed_tile(2, 64, False, h200) is sa_mod.FEW_TOKENS_TILE
-    assert sa_mod.fixed_tile(2, 64, True, h200) is sa_mod.FEW_TOKENS_TILE
+    assert sa_mod.fixed_tile(2, 64, True, h200) is sa_mod.FEW_TOKENS_TILE_FP8
     assert sa_mod.fixed_tile(1, 64, False, sm120) is sa_mod.FEW_TOKENS_TILE
-    assert sa_mod.fixed_tile(1, 64, True, sm120) is None  # 128 KB of shared memory: autotuned
+    assert sa_mod.fixed_tile(1, 64, True, sm120) is sa_mod.FEW_TOKENS_TILE_FP8
+    assert sa_mod.fixed_tile(1, 64, True, 48 * 1024) is None  # too little shared memory
     assert sa_mod.fixed_tile(16, 64, False, h200) is None
     assert sa_mod.fixed_tile(64, 64, False, h200) is None
     assert sa_mod.fixed_tile(16, 64, True, h200) is None

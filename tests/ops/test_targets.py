@@ -15,12 +15,11 @@ from dsv4.ops import sparse_attn as sa
 
 # opt-in shared memory per program: H100 / H200, B200, RTX PRO 6000 (sm_120)
 LIMITS = {90: 232448, 100: 232448, 120: 101376}
-NEED = {  # what the launcher assumes each tile takes
-    "FEW_TOKENS_TILE bf16": sa.FEW_TOKENS_SHARED[False],
-    "FEW_TOKENS_TILE fp8": sa.FEW_TOKENS_SHARED[True],
+NEED = {  # each fixed tile (by its name in sparse_attn) and what the launcher assumes it takes
+    "FEW_TOKENS_TILE": sa.FEW_TOKENS_SHARED,
+    "FEW_TOKENS_TILE_FP8": sa.FEW_TOKENS_FP8_SHARED,
     "FP8_MANY_TOKENS_TILE": sa.FP8_MANY_TOKENS_SHARED,
 }
-TILE = {"FEW_TOKENS_TILE": sa.FEW_TOKENS_TILE, "FP8_MANY_TOKENS_TILE": sa.FP8_MANY_TOKENS_TILE}
 
 
 def _compile(only: str, arch: list[int]) -> dict:
@@ -57,12 +56,10 @@ def test_declared_needs_bound_the_compiled_tiles(shared: dict) -> None:
 @pytest.mark.parametrize("arch", sorted(LIMITS))
 @pytest.mark.parametrize("programs,entries", [(1, False), (1, True), (2, True), (64, True)])
 def test_chosen_tiles_fit(shared: dict, arch: int, programs: int, entries: bool) -> None:
-    # a tile fixed_tile picks for a GPU with this shared memory fits it there (sm_120: the FP8
-    # tiles do not, so they are autotuned: a launch of them would fail with OutOfResources)
+    # a tile fixed_tile picks for a GPU with this shared memory fits it there (sm_120:
+    # FP8_MANY_TOKENS_TILE does not, so it is autotuned there: its launch would fail)
     tile = sa.fixed_tile(programs, 64, entries, LIMITS[arch])
     if tile is None:
         return
-    name = next(n for n, t in TILE.items() if t is tile)
-    if name == "FEW_TOKENS_TILE":
-        name += " fp8" if entries else " bf16"
+    name = next(n for n in NEED if getattr(sa, n) is tile)
     assert shared[name][arch] <= LIMITS[arch], (name, arch, shared[name][arch])
