@@ -324,3 +324,13 @@ def test_fixed_tiles_where_measured():
     assert sa_mod.fixed_tile(64, 64, True, h200) is sa_mod.FP8_MANY_TOKENS_TILE
     assert sa_mod.fixed_tile(64, 64, True, sm120) is None  # 176 KB does not fit: autotuned
     assert sa_mod.fixed_tile(64, 16, True, h200) is None  # 16 heads: not the 64-head tile
+
+
+def test_small_shared_tiles_only_on_small_gpus(monkeypatch) -> None:  # noqa: ANN001
+    # the autotuner sees SMALL_SHARED_SHAPES only where shared memory is short (sm_120)
+    args = {"q_ptr": torch.zeros(1), "BLOCK_D": 512, "H_PAD": 64}
+    big = sa_mod._prune(_configs(), args)
+    assert not {sa_mod._shape(c) for c in big} & set(sa_mod.SMALL_SHARED_SHAPES)
+    monkeypatch.setattr(sa_mod, "shared_memory", lambda device: 101376)
+    small = {sa_mod._shape(c) for c in sa_mod._prune(_configs(), args)}
+    assert set(sa_mod.SMALL_SHARED_SHAPES) <= small and len(small) == len(big) + 4
