@@ -628,10 +628,9 @@ def probe_small_shared() -> None:
         nb8 = T * idx.shape[1] * 584 + 4 * q.numel()
         us(f"attn T={T} fp8 default", lambda: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64),  # noqa: B023
            nbytes=nb8)  # fmt: skip
-        for i, (n, dv, bh, w, st, km, pf) in enumerate(sparse_attn.SMALL_SHARED_SHAPES):
-            cfg = dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w,
-                       num_stages=st)  # fmt: skip
-            us(f"attn T={T} fp8 SMALL_SHARED_SHAPES[{i}] bn{n} dv{dv} bh{bh} w{w} st{st}",
+        for i, shape in enumerate(sparse_attn.SMALL_SHARED_SHAPES):
+            cfg = sparse_attn.shape_tile(shape)
+            us(f"attn T={T} fp8 SMALL_SHARED_SHAPES[{i}] {shape}",
                lambda c=cfg: sparse_attn.sparse_attn(q, one8, sink, idx, 0.04, 64, config=c),  # noqa: B023
                nbytes=nb8)  # fmt: skip
     copy_floor("copy of 64 MiB (torch copy_)", 1 << 26)

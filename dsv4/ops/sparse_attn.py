@@ -64,13 +64,12 @@ FP8_MANY_TOKENS_SHARED = 180 * 1024  # sm_90 148.3 KB, sm_100 / sm_120 176.3 KB
 NEG = tl.constexpr(-1.0e30)
 
 
-# Tiles for GPUs with 99 KB of shared memory (sm_120): over FP8 entries every tile above takes
-# 114-344 KB there (the decoded [BN, 512] tile is staged in shared memory once per dot operand),
-# so without these an sm_120 GPU had no config to run FP8 state on. sm_120, Triton 3.9: 72 / 80 /
-# 96 / 64 KB over FP8 entries (tests/ops/test_targets.py); not timed on a GPU
-SMALL_SHARED_ABOVE = (
-    200 * 1024
-)  # GPUs with this much shared memory per program autotune without them
+# Autotune tiles for GPUs with 99 KB of shared memory (sm_120): over FP8 entries every tile of
+# _configs takes 114-344 KB there (the decoded [BN, 512] tile is staged in shared memory once per
+# dot operand), so without these an sm_120 GPU had no config to run FP8 state on. sm_120, Triton
+# 3.9: 72 / 80 / 96 / 64 KB over FP8 entries (tests/ops/test_targets.py); not timed on sm_120.
+# GPUs with SMALL_SHARED_ABOVE bytes per program or more autotune without them (_prune)
+SMALL_SHARED_ABOVE = 200 * 1024
 SMALL_SHARED_SHAPES = [
     (16, 1, 16, 4, 2, False, False),
     (32, 1, 16, 4, 1, False, False),
@@ -128,6 +127,14 @@ def _configs() -> list[triton.Config]:
         )
         for n, dv, bh, w, st, km, pf in shapes
     ]
+
+
+def shape_tile(shape: tuple) -> dict:
+    """A row of _configs' shapes (BLOCK_N, DV_SPLIT, BLOCK_H, warps, stages, KEYS_ON_M, PREFETCH)
+    as a tile for `sparse_attn(..., config=)`."""
+    n, dv, bh, w, st, km, pf = shape
+    return dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w,
+                num_stages=st)  # fmt: skip
 
 
 def _shape(c: triton.Config) -> tuple:

@@ -1,4 +1,5 @@
-"""Compile `sparse_attn`'s fixed tiles (and its tiles for small shared memory) for GPUs this machine does not have (no GPU needed).
+"""Compile `sparse_attn`'s fixed tiles and its autotune tiles for small shared memory for GPUs
+this machine does not have (no GPU needed).
 
   python3 tests/ops/compile_tiles.py --arch 90 120 [--only NAME]  ->  JSON {tile: {arch: bytes}}
 
@@ -32,10 +33,9 @@ TILES = [
     ("FEW_TOKENS_TILE_FP8", 1, True, sa.FEW_TOKENS_TILE_FP8),
     ("FP8_MANY_TOKENS_TILE", 64, True, sa.FP8_MANY_TOKENS_TILE),
 ] + [  # the autotuner's tiles for small shared memory, over FP8 entries
-    (f"SMALL_SHARED_SHAPES[{i}] fp8", 64, True,
-     dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w, num_stages=st))
-    for i, (n, dv, bh, w, st, km, pf) in enumerate(sa.SMALL_SHARED_SHAPES)
-]  # fmt: skip
+    (f"SMALL_SHARED_SHAPES[{i}] fp8", 64, True, sa.shape_tile(shape))
+    for i, shape in enumerate(sa.SMALL_SHARED_SHAPES)
+]
 
 
 def capture(T: int, entries: bool, tile: dict) -> tuple[tuple, dict]:

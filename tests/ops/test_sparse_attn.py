@@ -301,9 +301,7 @@ def test_gpu_small_shared_entries(T: int, num_splits: int | None, shape: int) ->
     # this GPU through the Triton kernel: the fp32 reference over the decoded rows, three sources
     from dsv4.quant import dequant_kv_entries, quant_kv_entries
 
-    n, dv, bh, w, st, km, pf = sa_mod.SMALL_SHARED_SHAPES[shape]
-    config = dict(BLOCK_N=n, DV_SPLIT=dv, BLOCK_H=bh, KEYS_ON_M=km, PREFETCH=pf, num_warps=w,
-                  num_stages=st)  # fmt: skip
+    config = sa_mod.shape_tile(sa_mod.SMALL_SHARED_SHAPES[shape])
     q, kv, sink, idx = _flash_inputs(T)
     entries = tuple(quant_kv_entries(s, 64) for s in kv)
     want = _want(q, tuple(dequant_kv_entries(e, 512, 64) for e in entries), sink, idx, 512**-0.5)
