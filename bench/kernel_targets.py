@@ -69,7 +69,8 @@ def main() -> None:
         rows = [r for r in json.load(f) if ns.only in r["name"]]
     results, over = [], 0
     head = "".join(f" | sm_{a} KB regs spill" for a in ns.arch)
-    print(f"{'kernel':<36} warps stages | sm_{rows[0]['arch'] if rows else '?'} KB{head}")
+    here = rows[0]["arch"] if rows else "?"
+    print(f"{'kernel':<36} warps stages | sm_{here} KB regs spill{head}")
     for r in sorted(rows, key=lambda r: (r["name"], -r["shared"])):
         res = {a: compile_for(r, a) for a in ns.arch}
         results.append({"name": r["name"], "options": r["options"], "dumped": r["shared"],
@@ -86,7 +87,7 @@ def main() -> None:
             cells.append(f" | {x['shared'] / 1024:6.1f}{mark} {x['n_regs']:4d} {x['n_spills']:5d}")
         o = r["options"]
         print(f"{r['name'][:36]:<36} {o['num_warps']:5d} {o['num_stages']:6d} | "
-              f"{r['shared'] / 1024:6.1f}{''.join(cells)}")  # fmt: skip
+              f"{r['shared'] / 1024:6.1f}  {r['n_regs']:4d} {r['n_spills']:5d}{''.join(cells)}")  # fmt: skip
     print(
         f"{len(rows)} kernels; {over} (kernel, target) pairs over the shared-memory limit or failing"
     )
