@@ -10,8 +10,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
+from dsv4 import state
 from dsv4.config import CSA, HASH_MOE, HCA, SLIDING, ConfigError, ModelArgs, flash_args
-from dsv4.quant import index_key_bytes, kv_entry_layout
 
 
 @dataclass(frozen=True)
@@ -178,23 +180,22 @@ def param_counts(args: ModelArgs) -> dict[str, int]:
 # ---- decode state (spec 9.6) -----------------------------------------------------------------
 
 
+def _kv_format(state_dtype: str) -> str:
+    # the roofline's state names as the state's kv_format ("bf16" is the value form)
+    if state_dtype not in ("bf16", "fp8"):
+        raise ValueError(f"state_dtype must be 'bf16' or 'fp8', got {state_dtype!r}")
+    return "fp8" if state_dtype == "fp8" else "auto"
+
+
 def entry_bytes(args: ModelArgs, state_dtype: str) -> tuple[int, int]:
-    """Bytes of one (main KV, indexer key) state entry."""
-    if state_dtype == "bf16":
-        return 2 * args.head_dim, 2 * args.index_head_dim
-    if state_dtype == "fp8":  # FlashMLA MODEL1 entries; indexer keys e4m3 + one fp32 scale
-        main = kv_entry_layout(args.head_dim, args.rope_head_dim)[2]
-        return main, index_key_bytes(args.index_head_dim)
-    raise ValueError(f"state_dtype must be 'bf16' or 'fp8', got {state_dtype!r}")
+    """Bytes of one (main KV, indexer key) state entry: bf16 values, or FlashMLA MODEL1 entries
+    and FP8 indexer keys (`dsv4.state.entry_bytes`)."""
+    return state.entry_bytes(args, torch.bfloat16, _kv_format(state_dtype))
 
 
 def state_bytes_per_token(args: ModelArgs, state_dtype: str = "bf16") -> float:
     """Growth of one sequence's state per token (compressed entries; window rings are fixed)."""
-    main, idx = entry_bytes(args, state_dtype)
-    return sum(
-        (main + idx) / args.csa_ratio if t == CSA else main / args.hca_ratio if t == HCA else 0.0
-        for t in args.layer_types
-    )
+    return state.bytes_per_token(args, torch.bfloat16, _kv_format(state_dtype))
 
 
 def _query_reads(a: ModelArgs, ctx: int) -> tuple[int, int]:

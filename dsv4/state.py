@@ -58,22 +58,19 @@ def kv_row(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> tupl
     return args.head_dim, dtype
 
 
-def _kv_row_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str) -> int:
+def entry_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> tuple[int, int]:
+    """Bytes of one (attention K=V row, indexer key) of the state: head_dim / index_head_dim
+    values of `dtype`, or for kv_format "fp8" an FP8 entry and an FP8 indexer key (e4m3 codes and
+    one fp32 scale): 584 and 132 B at Flash width."""
     width, dt = kv_row(args, dtype, kv_format)
-    return width * torch.empty((), dtype=dt).element_size()
-
-
-def _index_key_bytes(args: ModelArgs, dtype: torch.dtype, kv_format: str) -> int:
-    # index_head_dim values of `dtype`, or (fp8) e4m3 codes and one fp32 scale (132 B for Flash)
     if kv_format == "fp8":
-        return index_key_bytes(args.index_head_dim)
-    return args.index_head_dim * torch.empty((), dtype=dtype).element_size()
+        return width * dt.itemsize, index_key_bytes(args.index_head_dim)
+    return width * dt.itemsize, args.index_head_dim * dtype.itemsize
 
 
 def bytes_per_token(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> float:
     """Growing state per token (all layers): compressed KV + indexer keys (spec 9.6)."""
-    main = _kv_row_bytes(args, dtype, kv_format)
-    index = _index_key_bytes(args, dtype, kv_format)
+    main, index = entry_bytes(args, dtype, kv_format)
     total = 0.0
     for kind in args.layer_types:
         if kind == CSA:
@@ -85,7 +82,7 @@ def bytes_per_token(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto"
 
 def bytes_per_seq(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> int:
     """Fixed state per sequence: window rings (main + MTP) and fp32 compressor partial state."""
-    main = _kv_row_bytes(args, dtype, kv_format)
+    main = entry_bytes(args, dtype, kv_format)[0]
     total = (args.n_layers + args.n_mtp_layers) * args.window_size * main
     for kind in args.layer_types:
         if kind == CSA:  # 2m slots x (kv + score) x 2 halves, main and indexer, fp32
@@ -121,7 +118,7 @@ class DecodeState:
     ) -> None:
         block_size = block_size or default_block_size(args)
         width, kv_dtype = kv_row(args, dtype, kv_format)  # attention rows: values or FP8 entries
-        self.kv_format, self.head_dim, self.rope_dim = kv_format, args.head_dim, args.rope_head_dim
+        self.args = args
         for m in {args.csa_ratio, args.hca_ratio}:
             if block_size % m:
                 raise ValueError(f"block_size={block_size} must be a multiple of ratio {m}")

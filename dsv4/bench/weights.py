@@ -13,7 +13,7 @@ import math
 import torch
 
 from dsv4.model import Linear, Transformer
-from dsv4.quant import E2M1_VALUES, quant_index_keys, quant_kv_entries
+from dsv4.quant import E2M1_VALUES, KV_QUANT_ROWS, quant_index_keys, quant_kv_entries
 from dsv4.state import DecodeState
 
 # RMS of one random value: FP8 e4m3 with exponent field 5..8, any sign/mantissa; e2m1 any code
@@ -110,16 +110,17 @@ def _fill_rows_(
     rows: torch.Tensor, state: DecodeState, g: torch.Generator, scale: torch.Tensor | None = None
 ) -> None:
     # unit-normal K=V rows, or (uint8) FP8 entries of such rows, or with `scale` FP8 indexer keys
-    # (codes in rows), in slabs of 64K rows
+    # (codes in rows), a slab of rows at a time
     if rows.dtype != torch.uint8:
         rows.normal_(generator=g)
         return
-    for i in range(0, rows.shape[0], 1 << 16):
-        part = rows[i : i + (1 << 16)]
-        width = part.shape[1] if scale is not None else state.head_dim
+    a = state.args
+    for i in range(0, rows.shape[0], KV_QUANT_ROWS):
+        part = rows[i : i + KV_QUANT_ROWS]
+        width = part.shape[1] if scale is not None else a.head_dim
         x = torch.randn(part.shape[0], width, generator=g, device=rows.device)
         if scale is not None:
             codes, scale[i : i + part.shape[0]] = quant_index_keys(x)
             part.copy_(codes)
         else:
-            part.copy_(quant_kv_entries(x, state.rope_dim))
+            part.copy_(quant_kv_entries(x, a.rope_head_dim))

@@ -44,7 +44,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import arrival_counts, num_sms, pdl
-from dsv4.ops.kv_fp8 import decode_codes
+from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
@@ -559,7 +559,7 @@ def _scores(
         HIST=hist is not None,
         PDL=pdl(q.device),
         KEY_FP8=key_fp8,
-        DECODE=1 if q.is_cuda else 0,
+        DECODE=decode_mode(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

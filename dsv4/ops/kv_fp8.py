@@ -14,6 +14,7 @@ quant_index_keys`: e4m3 codes, one power-of-two scale per key) are written by `c
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -62,6 +63,12 @@ def round_bf16(y):
 
 
 @triton.jit
+def _exp2i(e):
+    # int32 e (-126 <= e <= 127) -> fp32 2^e, exactly
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _scale_exponent(amax):
     # smallest e with max(amax, 1e-4) <= 448 * 2^e (= ceil(log2(amax / 448)), division-free: with
     # amax = m * 2^E, e = E - 8 + (m > 1.75))
@@ -81,7 +88,7 @@ def store_entries(
     is_nope = cols < nope
     a = tl.where(is_nope[None, :], tl.abs(y), 0.0)
     e = _scale_exponent(tl.max(tl.reshape(a, (BLOCK_R, NB, SB)), axis=2))  # [BR, NB]
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
+    inv = _exp2i(-e)
     inv = tl.reshape(tl.broadcast_to(inv[:, :, None], (BLOCK_R, NB, SB)), (BLOCK_R, BLOCK_D))
     q = tl.minimum(tl.maximum(y * inv, -E4M3_MAX), E4M3_MAX)
     base = dst_ptr + row_off
@@ -125,7 +132,7 @@ def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.co
         other=127,
     ).to(tl.int32)  # S: the block's scale is 2^(S - 127), S >= 105
     v = decode_codes(codes, DECODE)
-    scale = (s << 23).to(tl.float32, bitcast=True)
+    scale = _exp2i(s - 127)
     v = tl.reshape(tl.reshape(v, (BLOCK_N, NB, SB)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
     out = tl.where(is_nope[None, :], v, (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True))
     return out
@@ -140,10 +147,15 @@ def store_index_keys(codes_ptr, scale_ptr, y, d, BLOCK_D: tl.constexpr):
     # codes_ptr (the row's first code) and its scale (2^e, fp32) at scale_ptr
     cols = tl.arange(0, BLOCK_D)
     e = _scale_exponent(tl.max(tl.where((cols < d)[None, :], tl.abs(y), 0.0), axis=1))  # [1]
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-    q = tl.minimum(tl.maximum(y * inv[:, None], -E4M3_MAX), E4M3_MAX)
+    q = tl.minimum(tl.maximum(y * _exp2i(-e)[:, None], -E4M3_MAX), E4M3_MAX)
     tl.store(codes_ptr + cols[None, :], _e4m3_encode(q), mask=(cols < d)[None, :])
-    tl.store(scale_ptr + tl.zeros([1], tl.int32), ((e + 127) << 23).to(tl.float32, bitcast=True))
+    tl.store(scale_ptr + tl.zeros([1], tl.int32), _exp2i(e))
+
+
+def decode_mode(device: torch.device) -> int:
+    """The DECODE of `load_entries` / `decode_codes` for data on `device`: the GPU's e4m3
+    conversion (1) on a GPU, else the integer decode (0: the interpreter has no fp8 conversions)."""
+    return 1 if device.type == "cuda" else 0
 
 
 @triton.jit

@@ -394,8 +394,7 @@ def _compress_store_kernel(
     row = tl.load(dest_ptr + i).to(tl.int64)
     if ENTRIES:
         row_off = tl.zeros([1], tl.int64) + row * stride_o0
-        store_entries(out_ptr, row_off, _round_act(y, out_ptr, True), row_off >= 0, d, nope, 1,
-                      BLOCK_D)  # fmt: skip
+        store_entries(out_ptr, row_off, round_bf16(y), row_off >= 0, d, nope, 1, BLOCK_D)
     elif KEY_FP8:
         if row >= 0:
             store_index_keys(out_ptr + row * stride_o0, scale_ptr + row, round_bf16(y), d, BLOCK_D)

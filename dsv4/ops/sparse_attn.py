@@ -12,8 +12,9 @@ large (prefill) one program per token walks all its keys and writes o directly. 
 state entries (uint8, `--kv-cache-dtype fp8`): the gather decodes them exactly (`kv_fp8`).
 
 On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads over one kv source (the
-engine's decode form; FP8 entries from SM90_MIN_TOKENS_FP8), the launcher hands over to the Gluon kernel in `sparse_attn_sm90`,
-which splits each key tile between the two warpgroups (Triton cannot express that layout).
+engine's decode form; FP8 entries from SM90_MIN_TOKENS_FP8), the launcher hands over to the
+Gluon kernel in `sparse_attn_sm90`, which splits each key tile between the two warpgroups (Triton
+cannot express that layout).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import num_sms, pdl, shared_memory
-from dsv4.ops.kv_fp8 import load_entries
+from dsv4.ops.kv_fp8 import decode_mode, load_entries
 from dsv4.quant import kv_entry_layout
 
 LOG2E = 1.4426950408889634
@@ -471,11 +472,10 @@ def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def fp8_decode(q: torch.Tensor) -> int:
-    """How FP8 entries are decoded: the GPU's e4m3 conversion (1) on a GPU, else the integer
-    decode (0; the interpreter has no fp8 conversions)."""
-    if q.device.type != "cuda":
-        return 0
-    return 1 if FP8_DECODE is None else FP8_DECODE
+    """How FP8 entries are decoded: `kv_fp8.decode_mode`, or on a GPU FP8_DECODE when set."""
+    if FP8_DECODE is None or q.device.type != "cuda":
+        return decode_mode(q.device)
+    return FP8_DECODE
 
 
 def fixed_tile(programs: int, h_pad: int, entries: bool, shared: int) -> dict | None:
