@@ -1075,23 +1075,29 @@ def probe_moe_gemv() -> None:
 
 
 def probe_linear() -> None:
-    # FP8 projections: output tile rows x K splits at T = 1 and 16
-    from dsv4.bench.cases_linear import _fp8_weight
+    # FP8 projections at decode batches: the tensor-core form against the GEMV form (tile rows x
+    # K splits x scale blocks a step; default: the launcher's pick), GB/s on the weight bytes,
+    # beside a copy of the same bytes
+    from dsv4.bench.cases_linear import FLASH, _fp8_weight
     from dsv4.ops import linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, N, K in (("wq_a", 1024, 4096), ("wkv", 512, 4096), ("wo_b", 4096, 8192),
-                       ("wq_b", 32768, 1024)):  # fmt: skip
+    for name, N, K, G in FLASH:
         w, s = _fp8_weight(N, K, "cuda", g)
-        for T in (1, 16):
-            x = torch.randn(T, 1, K, device="cuda", dtype=torch.bfloat16)
-            us(f"linear {name} T={T} default", lambda: linear._fp8_grouped(x, w, s))  # noqa: B023
-            for bn in (16, 32, 64, 128):
+        copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
+        for T in (1, 2):
+            x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
+            for gemv in (False, True):
+                form = "gemv" if gemv else "dot"
+                run = lambda t=None, gv=gemv: linear._fp8_grouped(x, w, s, t, gv)  # noqa: B023, E731
+                us(f"linear {name} T={T} {form} default", run, nbytes=N * K)
+            for bn, step in ((16, 1), (32, 1), (64, 1), (16, 2), (32, 2), (64, 2), (16, 4),
+                             (32, 4), (8, 4), (8, 8)):  # fmt: skip
                 for sp in (1, 2, 4, 8):
-                    us(
-                        f"linear {name} T={T} block_n={bn} splits={sp}",
-                        lambda bn=bn, sp=sp: linear._fp8_grouped(x, w, s, (bn, sp)),  # noqa: B023
-                    )
+                    if (N // G) // bn * G * sp > 4096 or bn * step > 128 or T > 1:
+                        continue
+                    us(f"linear {name} T={T} gemv bn={bn} splits={sp} step={step}",
+                       lambda t=(bn, sp, step): run(t, True), nbytes=N * K)  # fmt: skip
 
 
 @contextlib.contextmanager

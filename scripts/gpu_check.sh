@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [linear_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -45,6 +45,13 @@ for part in $PARTS; do
           bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2,4,8 \
           --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_gemv$pairs.json" 2>&1 \
           | tee "$OUT/step_gemv$pairs.txt"
+      done ;;
+    linear_ab)  # decode step at batch 1-2: the FP8 projections' tensor-core form vs the GEMV form
+      for rows in 0 1; do
+        python3 -c "import sys, dsv4.ops.linear as m; m.GEMV_MAX_ROWS = $rows; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2 \
+          --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_linear$rows.json" 2>&1 \
+          | tee "$OUT/step_linear$rows.txt"
       done ;;
     kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)
       for kv in auto fp8; do

@@ -7,6 +7,10 @@ activation dtype (exact: an e4m3 value fits bf16's mantissa and exponent), takes
 with the activations in fp32 and scales the partial by its block scale 2^(s-127) (exact, a power
 of two). Same products as the reference, summed in fp32 in another order.
 
+Up to GEMV_MAX_ROWS rows (decode at small batch) the GEMV form reads the same tiles as [BLOCK_N,
+128] codes, decodes each code once to fp32 and meets each row of x in one fma; the tensor-core form
+converts every code into an MMA operand through shared memory for 16 rows that are mostly padding.
+
 `grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
 programs: each writes an fp32 partial and counts itself in (an atomic per output tile); the last
@@ -23,9 +27,38 @@ import triton.language as tl
 
 from dsv4.ops import ref
 from dsv4.ops.device import arrival_counts, num_sms, split_reduction
+from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
+GEMV_MAX_ROWS = 1  # rows up to which the GEMV form runs (one fp32 fma per code)
+# the GEMV form's (output rows per program, scale blocks of K a step): from GEMV_TILES[0][0]
+# weight rows on, the first; below, the second (H200, bench/probe_pieces.py linear, T=1 against
+# the tensor-core form: wq_b 15.8 vs 17.5 us and wo_a 16.8 vs 19.0 at 64 x 1; wo_b 17.3 vs 19.2,
+# wq_a 6.2 vs 6.7, wkv 4.9 vs 5.7, shared w1 7.7 vs 8.6 at 8 x 8. At T=2 a row per program
+# is slower than the tensor-core form: 5.9-33.7 vs 5.8-18.9 us)
+GEMV_TILES = ((8192, (64, 1)), (0, (8, 8)))
+
+
+@triton.jit
+def _block_scale(s_rows, k0, r_ok):
+    # the block scales 2^(s - 127) of the rows' 128-blocks at column k0: fp32 bits s << 23
+    # (s in 1..254)
+    s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
+    return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_step(w_at, x_at, s_at, k0, k_end, r_ok, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
+    # the GEMV form's loads for the step at k0 (nothing past k_end): codes [BLOCK_N, STEP,
+    # BLOCK_K] uint8, x [STEP, BLOCK_K], scale exponents [BLOCK_N, STEP] int32
+    col = tl.arange(0, STEP)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    k_ok = k0 + col < k_end
+    w = tl.load(w_at + k0, mask=r_ok[:, None, None] & k_ok[None, :, :], other=0)
+    x = tl.load(x_at + k0, mask=k_ok, other=0.0)
+    block_ok = k0 + tl.arange(0, STEP) * BLOCK_K < k_end
+    s = tl.load(s_at + k0 // BLOCK_K, mask=r_ok[:, None] & block_ok[None, :], other=127)
+    return w, x, s.to(tl.int32)
 
 
 @triton.jit
@@ -52,6 +85,9 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr,  # = 128: one scale column per step
     UPCAST: tl.constexpr,  # the CPU interpreter: fp32 operands (it mis-computes bf16 dots)
     PRECISION: tl.constexpr,  # "ieee" for fp32 activations
+    GEMV: tl.constexpr = False,  # the GEMV form (w_ptr: the codes as uint8)
+    STEP: tl.constexpr = 1,  # GEMV: scale blocks (BLOCK_K each) of K a step
+    DECODE: tl.constexpr = 0,  # GEMV: `kv_fp8.decode_codes` (1: the GPU's conversion)
 ):
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
     # write BLOCK_M * BLOCK_N outputs (with splits: fp32 partials, and the tile's last split
@@ -74,20 +110,36 @@ def _fp8_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        else:
-            w = w.to(x.dtype)
-        part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-        # block scale 2^(s - 127) of (row block, k0 // 128): fp32 bits s << 23 (s in 1..254)
-        s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
-        acc += part * (s << 23).to(tl.float32, bitcast=True)[None, :]
+    if GEMV:  # one row of x (BLOCK_M = 1): each code decoded once and met in one fp32 fma
+        offs_j = tl.arange(0, STEP)  # STEP scale blocks of K a step
+        col = offs_j[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]  # [STEP, BLOCK_K]
+        w_at = w_ptr + rows[:, None, None] * stride_wn + col[None, :, :]  # [BLOCK_N, STEP, BLOCK_K]
+        x_at = x_ptr + pid_m.to(tl.int64) * stride_xm + g * stride_xg + col
+        s_at = s_rows[:, None] + offs_j[None, :]  # [BLOCK_N, STEP]
+        w_next, x_next, s_next = _gemv_step(w_at, x_at, s_at, k_start, k_end, r_ok, BLOCK_K, STEP)
+        for k0 in range(k_start, k_end, BLOCK_K * STEP):
+            # the next step's codes, x and scales load before this step's math: no load waits
+            # behind the math, and twice the codes are in flight
+            w = decode_codes(w_next, DECODE)
+            xk = x_next.to(tl.float32)
+            scale = (s_next << 23).to(tl.float32, bitcast=True)
+            w_next, x_next, s_next = _gemv_step(
+                w_at, x_at, s_at, k0 + BLOCK_K * STEP, k_end, r_ok, BLOCK_K, STEP
+            )
+            acc += tl.sum(tl.sum(w * xk[None, :, :], axis=2) * scale, axis=1)[None, :]
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + offs_k[:, None], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            else:
+                w = w.to(x.dtype)
+            part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+            acc += part * _block_scale(s_rows, k0, r_ok)[None, :]
 
     mask = m_ok[:, None] & r_ok[None, :]
     tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]  # [M, G, R] offsets
@@ -120,10 +172,12 @@ def _fp8_grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
-    tiles: tuple[int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
+    gemv: bool | None = None,
 ) -> torch.Tensor:
     """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
-    tiles: force (BLOCK_N, K splits) instead of the heuristic (bench/probe_pieces.py linear)."""
+    tiles: force (BLOCK_N, K splits[, GEMV step]) instead of the heuristic; gemv: force the GEMV form on or
+    off (default: up to GEMV_MAX_ROWS rows) -- knobs for bench/probe_pieces.py linear."""
     M, G, K = x.shape
     N = weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
@@ -141,32 +195,39 @@ def _fp8_grouped(
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
-    tiles_m = triton.cdiv(M, block_m)
+    gemv = M <= GEMV_MAX_ROWS if gemv is None else gemv
     sms = num_sms(x.device)
-    # output tiles of 128 rows down to 32 until the grid covers the SMs twice, then up to 8 K
-    # splits toward 4 programs per SM (H200 sweep, bench/probe_pieces.py linear, T=1: wq_a 9.0 us,
-    # wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4 splits; 16-row tiles or 1 split 12-33 us; wq_b 17.6
-    # at 64 rows, 1 split)
-    block_n = min(128, max(16, triton.next_power_of_2(R)))
-    while block_n > 32 and triton.cdiv(R, block_n) * tiles_m * G < 2 * sms:
-        block_n //= 2
+    if gemv:  # a row of x per program; tiles: GEMV_TILES by the weight's rows
+        block_m = 1
+        block_n, step = GEMV_TILES[0][1] if N >= GEMV_TILES[0][0] else GEMV_TILES[1][1]
+    else:
+        # output tiles of 128 rows down to 32 until the grid covers the SMs twice (H200 sweep,
+        # bench/probe_pieces.py linear, T=1: wq_a 9.0 us, wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4
+        # splits; 16-row tiles or 1 split 12-33 us; wq_b 17.6 at 64 rows, 1 split)
+        block_m, step = min(64, max(16, triton.next_power_of_2(M))), 1
+        block_n = min(128, max(16, triton.next_power_of_2(R)))
+        while block_n > 32 and triton.cdiv(R, block_n) * triton.cdiv(M, block_m) * G < 2 * sms:
+            block_n //= 2
+    tiles_m = triton.cdiv(M, block_m)
     if tiles is not None:
-        block_n = tiles[0]
+        block_n, step = tiles[0], tiles[2] if gemv and len(tiles) > 2 else step
+    # then up to 8 K splits toward 4 programs per SM
     programs = triton.cdiv(R, block_n) * tiles_m * G
     most, target = (8, 4 * sms) if tiles is None else (tiles[1], tiles[1] * programs)
-    k_per_split, splits = split_reduction(K, FP8_BLOCK, programs, target, most)
+    k_per_split, splits = split_reduction(K, FP8_BLOCK * step, programs, target, most)
     y = torch.empty((M, G, R), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
     assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
     _fp8_linear_kernel[grid](
-        x, weight, scale.view(torch.uint8), y, ws, _tile_counters(x.device), M, R, K, k_per_split,
+        x, weight.view(torch.uint8) if gemv else weight, scale.view(torch.uint8), y, ws,
+        _tile_counters(x.device), M, R, K, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), scale.stride(0),
         y.stride(0), y.stride(1), ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
         PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
-        num_warps=4, num_stages=4 if on_gpu else 1,
+        GEMV=gemv, STEP=step, DECODE=decode_mode(x.device),
+        num_warps=4, num_stages=4 if on_gpu and not gemv else 1,
     )  # fmt: skip
     return y
 

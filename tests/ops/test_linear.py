@@ -60,6 +60,51 @@ def test_fp8_grouped_linear_matches_reference(T, G, R, K, dtype) -> None:  # noq
     assert _rel(y, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize(
+    "M,G,R,K,tiles",
+    [
+        (1, 1, 200, 384, None),
+        (3, 2, 48, 300, (16, 2)),
+        (4, 1, 64, 1024, (32, 8)),
+        (2, 1, 130, 256, None),
+        (1, 1, 200, 384, (16, 1, 2)),  # GEMV steps of two scale blocks, the last one half full
+        (2, 2, 64, 1100, (32, 2, 4)),  # four blocks a step, two splits, a partial block
+    ],
+)
+def test_gemv_and_dot_forms_match_the_reference(M, G, R, K, tiles, gemv) -> None:  # noqa: ANN001
+    # both forms at the same shapes: ragged rows and K, groups, K splits
+    wq, s = _fp8(G * R, K, seed=7)
+    x = torch.randn(M, G, K, generator=torch.Generator().manual_seed(8))
+    y = linear._fp8_grouped(x, wq, s, tiles, gemv)
+    want = ref.grouped_linear(x, wq, "fp8", s)
+    assert y.shape == (M, G, R)
+    assert _rel(y, want) < TOL[torch.float32]
+
+
+def test_gemv_form_is_the_default_at_few_rows(monkeypatch) -> None:  # noqa: ANN001
+    seen = []
+    kernel = linear._fp8_linear_kernel
+    monkeypatch.setattr(linear, "_fp8_linear_kernel", _Spy(kernel, seen))
+    wq, s = _fp8(64, 128)
+    for rows in (1, linear.GEMV_MAX_ROWS, linear.GEMV_MAX_ROWS + 1):
+        linear.linear(torch.randn(rows, 128), wq, "fp8", s)
+    assert seen == [True, True, False]
+
+
+class _Spy:
+    # records the GEMV flag of each launch, then launches
+    def __init__(self, kernel, seen: list) -> None:  # noqa: ANN001
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.seen.append(kwargs["GEMV"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
 def test_a_wrong_scale_or_dtype_is_named() -> None:
     wq, s = _fp8(128, 256)
     x = torch.randn(1, 256)
@@ -109,7 +154,7 @@ def test_split_k_fixup_on_gpu_repeated() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 64])
 @pytest.mark.parametrize(
     "N,K,G", [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)]
 )
