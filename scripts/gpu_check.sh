@@ -18,6 +18,18 @@ PARTS=${*:-tests ops step}
   git log --oneline -1 2>/dev/null
 } 2>&1 | tee "$OUT/env.txt"
 
+# decode steps at Flash width, one per value of a module constant (a kernel switch A/B in one call)
+#   step_ab MODULE CONSTANT "VALUES" BATCHES CONTEXT TAG  ->  $OUT/step_TAG<value>.{json,txt}
+step_ab() {
+  local v
+  for v in $3; do
+    python3 -c "import sys, $1 as m; m.$2 = $v; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+      bench step --preset flash --ops triton --layers sliding,csa,hca --batch "$4" \
+      --context "$5" --prefill 0 --repeat 3 --graph --json "$OUT/step_$6$v.json" 2>&1 \
+      | tee "$OUT/step_$6$v.txt"
+  done
+}
+
 for part in $PARTS; do
   case $part in
     tests)
@@ -33,26 +45,11 @@ for part in $PARTS; do
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
     select_ab)  # decode step at 128K context: the indexer's levels select (hist off) vs the default
-      for hist in 0 16; do
-        python3 -c "import sys, dsv4.ops.indexer as i; i.HIST_MAX_TOKENS = $hist; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
-          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,16 \
-          --context 131072 --prefill 0 --repeat 3 --graph --json "$OUT/step_hist$hist.json" 2>&1 \
-          | tee "$OUT/step_hist$hist.txt"
-      done ;;
+      step_ab dsv4.ops.indexer HIST_MAX_TOKENS "0 16" 1,16 131072 hist ;;
     gemv_ab)  # decode step at batch 1-8: the experts' dot form (GEMV off) vs the default
-      for pairs in 0 48; do
-        python3 -c "import sys, dsv4.ops.moe as m; m.GEMV_MAX_PAIRS = $pairs; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
-          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2,4,8 \
-          --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_gemv$pairs.json" 2>&1 \
-          | tee "$OUT/step_gemv$pairs.txt"
-      done ;;
+      step_ab dsv4.ops.moe GEMV_MAX_PAIRS "0 48" 1,2,4,8 4096 gemv ;;
     linear_ab)  # decode step at batch 1-2: the FP8 projections' tensor-core form vs the GEMV form
-      for rows in 0 1; do
-        python3 -c "import sys, dsv4.ops.linear as m; m.GEMV_MAX_ROWS = $rows; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
-          bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1,2 \
-          --context 4096 --prefill 0 --repeat 3 --graph --json "$OUT/step_linear$rows.json" 2>&1 \
-          | tee "$OUT/step_linear$rows.txt"
-      done ;;
+      step_ab dsv4.ops.linear GEMV_MAX_ROWS "0 1" 1,2 4096 linear ;;
     kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)
       for kv in auto fp8; do
         python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
