@@ -7,9 +7,10 @@ activation dtype (exact: an e4m3 value fits bf16's mantissa and exponent), takes
 with the activations in fp32 and scales the partial by its block scale 2^(s-127) (exact, a power
 of two). Same products as the reference, summed in fp32 in another order.
 
-Up to GEMV_MAX_ROWS rows (decode at small batch) the GEMV form reads the same tiles as [BLOCK_N,
-128] codes, decodes each code once to fp32 and meets each row of x in one fma; the tensor-core form
-converts every code into an MMA operand through shared memory for 16 rows that are mostly padding.
+One row of x (batch-1 decode, GEMV_MAX_ROWS) takes the GEMV form: it reads the codes as [BLOCK_N,
+STEP, 128] tiles, decodes each once to fp32 and meets x in one fma, and loads the next step before
+this step's math. The tensor-core form would convert every code into an MMA operand through shared
+memory for a 16-row tile holding one real row.
 
 `grouped_linear` (the attention output's wo_a: group g of x times rows g*R..g*R+R-1) is the same
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
@@ -41,11 +42,15 @@ GEMV_TILES = ((8192, (64, 1)), (0, (8, 8)))
 
 
 @triton.jit
-def _block_scale(s_rows, k0, r_ok):
-    # the block scales 2^(s - 127) of the rows' 128-blocks at column k0: fp32 bits s << 23
-    # (s in 1..254)
-    s = tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32)
+def _e8m0(s):
+    # UE8M0 scale bytes (as int32, 1..254) -> fp32 2^(s - 127): the fp32 bits s << 23
     return (s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _block_scale(s_rows, k0, r_ok):
+    # the block scales of the rows' 128-blocks at column k0
+    return _e8m0(tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32))
 
 
 @triton.jit
@@ -122,7 +127,7 @@ def _fp8_linear_kernel(
             # behind the math, and twice the codes are in flight
             w = decode_codes(w_next, DECODE)
             xk = x_next.to(tl.float32)
-            scale = (s_next << 23).to(tl.float32, bitcast=True)
+            scale = _e8m0(s_next)
             w_next, x_next, s_next = _gemv_step(
                 w_at, x_at, s_at, k0 + BLOCK_K * STEP, k_end, r_ok, BLOCK_K, STEP
             )
@@ -176,8 +181,8 @@ def _fp8_grouped(
     gemv: bool | None = None,
 ) -> torch.Tensor:
     """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
-    tiles: force (BLOCK_N, K splits[, GEMV step]) instead of the heuristic; gemv: force the GEMV form on or
-    off (default: up to GEMV_MAX_ROWS rows) -- knobs for bench/probe_pieces.py linear."""
+    tiles: force (BLOCK_N, K splits[, GEMV step]) instead of the heuristic; gemv: force the GEMV
+    form on or off (default: up to GEMV_MAX_ROWS rows) -- knobs for bench/probe_pieces.py linear."""
     M, G, K = x.shape
     N = weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (

@@ -82,7 +82,7 @@ def test_gemv_and_dot_forms_match_the_reference(M, G, R, K, tiles, gemv) -> None
     assert _rel(y, want) < TOL[torch.float32]
 
 
-def test_gemv_form_is_the_default_at_few_rows(monkeypatch) -> None:  # noqa: ANN001
+def test_gemv_form_is_the_default_for_one_row(monkeypatch) -> None:  # noqa: ANN001
     seen = []
     kernel = linear._fp8_linear_kernel
     monkeypatch.setattr(linear, "_fp8_linear_kernel", _Spy(kernel, seen))
