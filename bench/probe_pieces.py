@@ -1042,36 +1042,31 @@ def probe_moe_tiles() -> None:
 
 
 def probe_moe_gemv() -> None:
-    # batch 1 (6 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA cores)
-    # at several tiles against the dot forms
+    # batch 1-8 (6-48 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA
+    # cores) at several tiles, with and without the next step's loads ahead of the math, against
+    # the dot form
     from dsv4.ops import moe
 
+    def run(cfg, ds, gv, prefetch):  # noqa: ANN001, ANN202
+        moe.GEMV_PREFETCH = prefetch
+        return moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds, gemv=gv)
+
     experts = _moe_experts()
-    for T in (1, 2, 3, 4, 6, 8):
+    copy_floor("copy_ 128 MiB", 128 << 20)
+    for T in (1, 2, 4, 8):
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
-        variants = [("dot, autotuned", None, False, False)]
-        for bn, bk, w in ((32, 256, 4), (32, 128, 4), (64, 128, 8), (16, 256, 4)):
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 3}
-            variants.append((f"gemv {cfg}", cfg, False, True))
-        for _ in range(1):
-            for name, cfg, ds, gv in variants:
-                got = moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds, gemv=gv)
-                err = float((got - want).norm() / want.norm())
-                us(
-                    f"moe T={T} {name}",
-                    lambda c=cfg, d=ds, v=gv: moe.moe_experts(  # noqa: B023
-                        x,
-                        weights,
-                        idx,
-                        experts,
-                        config=c,
-                        dot_scaled=d,
-                        gemv=v,  # noqa: B023
-                    ),
-                    nbytes=nbytes,
-                    note=f" of expert bytes, rel err vs ref {err:.1e}",
-                )
+        variants = [("dot, autotuned", None, False, False, True)]
+        for bn, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (16, 1024)):
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}
+            for prefetch in (False, True):
+                variants.append((f"gemv {bn}x{bk} prefetch={prefetch}", cfg, False, True, prefetch))
+        for name, cfg, ds, gv, pf in variants:
+            got = run(cfg, ds, gv, pf)
+            err = float((got - want).norm() / want.norm())
+            us(f"moe T={T} {name}", lambda a=(cfg, ds, gv, pf): run(*a), nbytes=nbytes,  # noqa: B023
+               note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+    moe.GEMV_PREFETCH = True
 
 
 def probe_linear() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [linear_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [prefetch_ab] [linear_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -48,6 +48,8 @@ for part in $PARTS; do
       step_ab dsv4.ops.indexer HIST_MAX_TOKENS "0 16" 1,16 131072 hist ;;
     gemv_ab)  # decode step at batch 1-8: the experts' dot form (GEMV off) vs the default
       step_ab dsv4.ops.moe GEMV_MAX_PAIRS "0 48" 1,2,4,8 4096 gemv ;;
+    prefetch_ab)  # decode step at batch 1-8: the experts' GEMV form without / with loads ahead
+      step_ab dsv4.ops.moe GEMV_PREFETCH "False True" 1,2,4,8 4096 prefetch ;;
     linear_ab)  # decode step at batch 1-2: the FP8 projections' tensor-core form vs the GEMV form
       step_ab dsv4.ops.linear GEMV_MAX_ROWS "0 1" 1,2 4096 linear ;;
     kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)

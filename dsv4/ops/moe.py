@@ -59,6 +59,7 @@ DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages"
 GEMV_MAX_PAIRS = 48
 GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
 GEMV_CONFIG_ONE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # <= 8 pairs
+GEMV_PREFETCH = True  # the GEMV form loads the next step's codes and x before this step's math
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
@@ -199,30 +200,46 @@ def _e2m1_words(words, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_gemv(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, v_ptr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scales + BLOCK_K v
-    # -> sum_k W[n, k] v[k] per scale group of k0..k0+BLOCK_K: fp32 [BLOCK_N, BLOCK_K / 32].
-    # Each code is decoded once and meets its v in one fma; the scale multiplies a group's sum
-    NW: tl.constexpr = BLOCK_K // 8  # words per row
-    offs_w = k0 // 8 + tl.arange(0, NW)
+def _gemv_x(v_ptr, k0, BLOCK_K: tl.constexpr):
+    # the GEMV form's x for k0..k0+BLOCK_K as 8 fp32 [BLOCK_K / 8] tensors: column 8j + i in the
+    # i-th (the order of the codes in a word)
+    v_at = v_ptr + k0 + 8 * tl.arange(0, BLOCK_K // 8)
+    return (tl.load(v_at).to(tl.float32), tl.load(v_at + 1).to(tl.float32),
+            tl.load(v_at + 2).to(tl.float32), tl.load(v_at + 3).to(tl.float32),
+            tl.load(v_at + 4).to(tl.float32), tl.load(v_at + 5).to(tl.float32),
+            tl.load(v_at + 6).to(tl.float32), tl.load(v_at + 7).to(tl.float32))  # fmt: skip
+
+
+@triton.jit
+def _gemv_codes(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_K: tl.constexpr):
+    # read BLOCK_N * BLOCK_K / 2 packed bytes + BLOCK_N * BLOCK_K / 32 scales: the codes as int32
+    # words of 8 [BLOCK_N, BLOCK_K / 8] and the scale bytes [BLOCK_N, BLOCK_K / 32]
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(
         w_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (stride_w // 4) + offs_w[None, :],
         mask=n_ok[:, None],
         other=0,
     )
-    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_words(words, ASM)
-    v_at = v_ptr + k0 + 8 * tl.arange(0, NW)
-    t = c0 * tl.load(v_at).to(tl.float32)[None, :]
-    t += c1 * tl.load(v_at + 1).to(tl.float32)[None, :]
-    t += c2 * tl.load(v_at + 2).to(tl.float32)[None, :]
-    t += c3 * tl.load(v_at + 3).to(tl.float32)[None, :]
-    t += c4 * tl.load(v_at + 4).to(tl.float32)[None, :]
-    t += c5 * tl.load(v_at + 5).to(tl.float32)[None, :]
-    t += c6 * tl.load(v_at + 6).to(tl.float32)[None, :]
-    t += c7 * tl.load(v_at + 7).to(tl.float32)[None, :]
     offs_g = k0 // MXFP4_BLOCK + tl.arange(0, BLOCK_K // MXFP4_BLOCK)
     sc = tl.load(s_ptr + offs_n[:, None] * stride_s + offs_g[None, :], mask=n_ok[:, None], other=0)
+    return words, sc
+
+
+@triton.jit
+def _mxfp4_gemv(codes, v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    # codes (`_gemv_codes`) and v (`_gemv_x`) of one step -> sum_k W[n, k] v[k] per scale group:
+    # fp32 [BLOCK_N, BLOCK_K / 32]. Each code is decoded once and meets its v in one fma; the
+    # scale multiplies a group's sum
+    words, sc = codes
+    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_words(words, ASM)
+    t = c0 * v[0][None, :]
+    t += c1 * v[1][None, :]
+    t += c2 * v[2][None, :]
+    t += c3 * v[3][None, :]
+    t += c4 * v[4][None, :]
+    t += c5 * v[5][None, :]
+    t += c6 * v[6][None, :]
+    t += c7 * v[7][None, :]
     scale = _e8m0_scale(sc.to(tl.uint8, bitcast=True))
     t = tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK // 8)), 2)
     return t * scale
@@ -313,6 +330,7 @@ def _moe_gate_up_kernel(
     X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
+    PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -346,12 +364,24 @@ def _moe_gate_up_kernel(
     part_u = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * stride_xt
     x_one = x_ptr + (tl.load(rows_ptr + pid_m) // TOPK).to(tl.int64) * stride_xt  # GEMV's x row
+    # GEMV: the one pair's x row against the [BLOCK_N, BLOCK_K] codes, on the CUDA cores; with
+    # PREFETCH the next step's codes and x load before this step's math (the last step reloads
+    # its own, from L1 / L2)
+    if GEMV:
+        xv = _gemv_x(x_one, 0, BLOCK_K)
+        cg = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
+        cu = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        if GEMV:  # the one pair's x row against the [BLOCK_N, BLOCK_K] codes, on the CUDA cores
-            part_g += _mxfp4_gemv(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, x_one,
-                                  BLOCK_N, BLOCK_K, ASM)  # fmt: skip
-            part_u += _mxfp4_gemv(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, x_one,
-                                  BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+        if GEMV:
+            kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) if PREFETCH else k0
+            xv_k, cg_k, cu_k = xv, cg, cu
+            xv = _gemv_x(x_one, kn, BLOCK_K)
+            cg = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+            cu = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+            if not PREFETCH:
+                xv_k, cg_k, cu_k = xv, cg, cu
+            part_g += _mxfp4_gemv(cg_k, xv_k, BLOCK_N, BLOCK_K, ASM)
+            part_u += _mxfp4_gemv(cu_k, xv_k, BLOCK_N, BLOCK_K, ASM)
         elif DOT_SCALED:  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             bg, sg = _mxfp4_raw(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
@@ -416,6 +446,7 @@ def _moe_down_kernel(
     X_FMT: tl.constexpr,  # x's format for tl.dot_scaled: "bf16" / "fp16"
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
+    PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -444,10 +475,18 @@ def _moe_down_kernel(
     part = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
     h_rows = h_ptr + pair[:, None] * stride_ht
     h_one = h_ptr + tl.load(rows_ptr + pid_m).to(tl.int64) * stride_ht  # GEMV's h row
+    if GEMV:  # as in the gate-up kernel
+        hv = _gemv_x(h_one, 0, BLOCK_K)
+        c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if GEMV:
-            part += _mxfp4_gemv(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, h_one,
-                                BLOCK_N, BLOCK_K, ASM)  # fmt: skip
+            kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) if PREFETCH else k0
+            hv_k, c2_k = hv, c2
+            hv = _gemv_x(h_one, kn, BLOCK_K)
+            c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+            if not PREFETCH:
+                hv_k, c2_k = hv, c2
+            part += _mxfp4_gemv(c2_k, hv_k, BLOCK_N, BLOCK_K, ASM)
         elif DOT_SCALED:
             h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
             b, sc = _mxfp4_raw(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N,
@@ -715,7 +754,7 @@ def moe_experts(
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                  GEMV=gemv, ASM=gemv and x.is_cuda)  # fmt: skip
+                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=GEMV_PREFETCH)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 
