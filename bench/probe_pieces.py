@@ -1047,8 +1047,7 @@ def probe_moe_gemv() -> None:
     # the dot form
     from dsv4.ops import moe
 
-    def run(cfg, ds, gv, prefetch):  # noqa: ANN001, ANN202
-        moe.GEMV_PREFETCH = prefetch
+    def run(cfg, ds, gv):  # noqa: ANN001, ANN202
         return moe.moe_experts(x, weights, idx, experts, config=cfg, dot_scaled=ds, gemv=gv)
 
     experts = _moe_experts()
@@ -1056,17 +1055,22 @@ def probe_moe_gemv() -> None:
     for T in (1, 2, 4, 8):
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
-        variants = [("dot, autotuned", None, False, False, True)]
-        for bn, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (16, 1024)):
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 3}
-            for prefetch in (False, True):
-                variants.append((f"gemv {bn}x{bk} prefetch={prefetch}", cfg, False, True, prefetch))
-        for name, cfg, ds, gv, pf in variants:
-            got = run(cfg, ds, gv, pf)
+        variants = [("dot, autotuned", None, False, False), ("gemv default", None, False, True)]
+        for bn, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (16, 1024), (32, 1024)):
+            for pf in (False, True):
+                cfg = {
+                    "BLOCK_N": bn,
+                    "BLOCK_K": bk,
+                    "num_warps": 4,
+                    "num_stages": 3,
+                    "PREFETCH": pf,
+                }
+                variants.append((f"gemv {bn}x{bk} prefetch={pf}", cfg, False, True))
+        for name, cfg, ds, gv in variants:
+            got = run(cfg, ds, gv)
             err = float((got - want).norm() / want.norm())
-            us(f"moe T={T} {name}", lambda a=(cfg, ds, gv, pf): run(*a), nbytes=nbytes,  # noqa: B023
+            us(f"moe T={T} {name}", lambda a=(cfg, ds, gv): run(*a), nbytes=nbytes,  # noqa: B023
                note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
-    moe.GEMV_PREFETCH = True
 
 
 def probe_linear() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [prefetch_ab] [linear_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [moe_tiles_ab] [linear_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -18,16 +18,18 @@ PARTS=${*:-tests ops step}
   git log --oneline -1 2>/dev/null
 } 2>&1 | tee "$OUT/env.txt"
 
-# decode steps at Flash width, one per value of a module constant (a kernel switch A/B in one call)
-#   step_ab MODULE CONSTANT "VALUES" BATCHES CONTEXT TAG  ->  $OUT/step_TAG<value>.{json,txt}
+# one decode step at Flash width after a python setup statement (a kernel switch A/B in one call)
+#   step_run "SETUP" BATCHES CONTEXT NAME  ->  $OUT/step_NAME.{json,txt}
+step_run() {
+  python3 -c "import sys; $1; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+    bench step --preset flash --ops triton --layers sliding,csa,hca --batch "$2" \
+    --context "$3" --prefill 0 --repeat 3 --graph --json "$OUT/step_$4.json" 2>&1 \
+    | tee "$OUT/step_$4.txt"
+}
+# one step per value of a module constant: step_ab MODULE CONSTANT "VALUES" BATCHES CONTEXT TAG
 step_ab() {
   local v
-  for v in $3; do
-    python3 -c "import sys, $1 as m; m.$2 = $v; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
-      bench step --preset flash --ops triton --layers sliding,csa,hca --batch "$4" \
-      --context "$5" --prefill 0 --repeat 3 --graph --json "$OUT/step_$6$v.json" 2>&1 \
-      | tee "$OUT/step_$6$v.txt"
-  done
+  for v in $3; do step_run "import $1 as m; m.$2 = $v" "$4" "$5" "$6$v"; done
 }
 
 for part in $PARTS; do
@@ -48,8 +50,10 @@ for part in $PARTS; do
       step_ab dsv4.ops.indexer HIST_MAX_TOKENS "0 16" 1,16 131072 hist ;;
     gemv_ab)  # decode step at batch 1-8: the experts' dot form (GEMV off) vs the default
       step_ab dsv4.ops.moe GEMV_MAX_PAIRS "0 48" 1,2,4,8 4096 gemv ;;
-    prefetch_ab)  # decode step at batch 1-8: the experts' GEMV form without / with loads ahead
-      step_ab dsv4.ops.moe GEMV_PREFETCH "False True" 1,2,4,8 4096 prefetch ;;
+    moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
+      # 256-wide tiles (0) vs the default (1)
+      step_run "import dsv4.ops.moe as m; m.GEMV_CONFIG_ONE = dict(m.GEMV_CONFIG_ONE, BLOCK_K=256, PREFETCH=False); m.GEMV_CONFIG = dict(m.GEMV_CONFIG, BLOCK_N=32, BLOCK_K=256)" 1,2,4,8 4096 moe_tiles0
+      step_run "pass" 1,2,4,8 4096 moe_tiles1 ;;
     linear_ab)  # decode step at batch 1-2: the FP8 projections' tensor-core form vs the GEMV form
       step_ab dsv4.ops.linear GEMV_MAX_ROWS "0 1" 1,2 4096 linear ;;
     kv_ab)  # decode step: bf16 attention state vs FP8 entries (--kv-cache-dtype fp8)

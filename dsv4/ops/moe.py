@@ -57,9 +57,12 @@ DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages"
 # 4, 8: 78.6 vs 83.6, 120.5 vs 150.1, 205.4 vs 275.0, 358-375 vs 478.4 us for the dot form.
 # It reads an expert's weights once per pair, so experts shared by several tokens are read again
 GEMV_MAX_PAIRS = 48
-GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
-GEMV_CONFIG_ONE = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}  # <= 8 pairs
-GEMV_PREFETCH = True  # the GEMV form loads the next step's codes and x before this step's math
+# Its tiles: 1024-wide steps; up to 8 pairs the next step's codes and x load before this step's
+# math (PREFETCH). H200 (bench/probe_pieces.py moe_gemv, thirteenth session), T = 1 / 2 / 4 / 8:
+# 57.6 / 95.5 / 166 / 302 us against 77.5 / 118.8 / 203 / 371 for the earlier 256-wide tiles;
+# PREFETCH gains 4 us at T=1 and loses 1-14 us at T = 2-8
+GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "PREFETCH": False}
+GEMV_CONFIG_ONE = {**GEMV_CONFIG, "PREFETCH": True}  # <= 8 pairs
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
@@ -754,7 +757,7 @@ def moe_experts(
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=GEMV_PREFETCH)  # fmt: skip
+                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 
@@ -782,6 +785,6 @@ def moe_experts(
         bk = 32 if x.device.type != "cuda" else 128
         cfg = {"BLOCK_N": 64, "BLOCK_K": bk, "num_warps": 4, "num_stages": 1} | (config or {})
         assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
-        _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **consts, **cfg)
-        _moe_down_kernel[grid(D)](*args2, **consts, **cfg)
+        _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **(consts | cfg))
+        _moe_down_kernel[grid(D)](*args2, **(consts | cfg))
     return out.view(T, k, D).float().sum(1)

@@ -99,15 +99,27 @@ def test_moe_experts_dot_scaled(D: int, I: int, E: int, k: int, T: int, skew: bo
     assert _rel(y, y0) < TOL[torch.bfloat16], _rel(y, y0)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D,I,E,k,T,skew", [SHAPES[0], SHAPES[1], SHAPES[3]])
-def test_moe_experts_gemv(D: int, I: int, E: int, k: int, T: int, skew: bool, dtype) -> None:  # noqa: E741, ANN001
+def test_moe_experts_gemv(
+    D: int,
+    I: int,  # noqa: E741
+    E: int,
+    k: int,
+    T: int,
+    skew: bool,
+    dtype,  # noqa: ANN001
+    prefetch: bool,
+) -> None:
     # one pair per row-block, products summed on the CUDA cores (the GPU's batch-1 path): the same
-    # cast points, so the same tolerance against the reference and the dot path
+    # cast points, so the same tolerance against the reference and the dot path; with PREFETCH
+    # the next step's loads come first (several 32-wide steps here: the last one reloads itself)
     experts = _experts(D, I, E, seed=D + I + E)
     weights, idx = _routing(T, k, E, skew, seed=T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
-    y = moe.moe_experts(x, weights, idx, experts, gemv=True)
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": prefetch}
+    y = moe.moe_experts(x, weights, idx, experts, config=cfg, gemv=True)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < TOL[dtype], _rel(y, want)
     y0 = moe.moe_experts(x, weights, idx, experts, gemv=False)
@@ -120,8 +132,8 @@ def test_gemv_config(D: int, I: int, pairs: int) -> None:  # noqa: E741
     # the GEMV tiles' reduction step divides both widths (the kernels' loops have no tail)
     cfg = moe.gemv_config(pairs, D, I)
     assert cfg["BLOCK_K"] >= 32 and D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, cfg
-    assert cfg["BLOCK_N"] == (16 if pairs <= 8 else 32)
-    assert moe.gemv_config(pairs, 4096, 2048)["BLOCK_K"] == 256
+    assert cfg["BLOCK_N"] == 16 and cfg["PREFETCH"] == (pairs <= 8)
+    assert moe.gemv_config(pairs, 4096, 2048)["BLOCK_K"] == 1024
 
 
 def test_moe_experts_strided_x_and_limit() -> None:
