@@ -118,7 +118,7 @@ def test_moe_experts_gemv(
     experts = _experts(D, I, E, seed=D + I + E)
     weights, idx = _routing(T, k, E, skew, seed=T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
-    cfg = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": prefetch}
+    cfg = {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "PREFETCH": prefetch}
     y = moe.moe_experts(x, weights, idx, experts, config=cfg, gemv=True)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < TOL[dtype], _rel(y, want)
