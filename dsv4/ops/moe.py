@@ -54,13 +54,12 @@ DOT_SCALED_MIN_PAIRS = 64
 DOT_SCALED_CONFIG = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 # the GEMV form (one pair per row-block, products summed on the CUDA cores) up to this many pairs
 # on a GPU: batch <= 8 at k=6. H200 (bench/probe_pieces.py moe_gemv), routed experts at T = 1, 2,
-# 4, 8: 78.6 vs 83.6, 120.5 vs 150.1, 205.4 vs 275.0, 358-375 vs 478.4 us for the dot form.
+# 4, 8: 57.2 vs 85.5, 95.6 vs 148.8, 166.5 vs 269.7, 301.7 vs 469.2 us for the dot form.
 # It reads an expert's weights once per pair, so experts shared by several tokens are read again
 GEMV_MAX_PAIRS = 48
-# Its tiles: 1024-wide steps; up to 8 pairs the next step's codes and x load before this step's
-# math (PREFETCH). H200 (bench/probe_pieces.py moe_gemv, thirteenth session), T = 1 / 2 / 4 / 8:
-# 57.6 / 95.5 / 166 / 302 us against 77.5 / 118.8 / 203 / 371 for the earlier 256-wide tiles;
-# PREFETCH gains 4 us at T=1 and loses 1-14 us at T = 2-8
+# its tiles: 1024-wide steps (the 256-wide ones of the ninth session took 77.5 / 118.8 / 203 /
+# 371 us); up to 8 pairs the next step's codes and x load before this step's math (PREFETCH:
+# -4 us at T=1, +1-14 us at T = 2-8)
 GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "PREFETCH": False}
 GEMV_CONFIG_ONE = {**GEMV_CONFIG, "PREFETCH": True}  # <= 8 pairs
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
@@ -370,19 +369,22 @@ def _moe_gate_up_kernel(
     # GEMV: the one pair's x row against the [BLOCK_N, BLOCK_K] codes, on the CUDA cores; with
     # PREFETCH the next step's codes and x load before this step's math (the last step reloads
     # its own, from L1 / L2)
-    if GEMV:
+    if GEMV and PREFETCH:
         xv = _gemv_x(x_one, 0, BLOCK_K)
         cg = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
         cu = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if GEMV:
-            kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) if PREFETCH else k0
-            xv_k, cg_k, cu_k = xv, cg, cu
-            xv = _gemv_x(x_one, kn, BLOCK_K)
-            cg = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
-            cu = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
-            if not PREFETCH:
+            if PREFETCH:
+                kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
                 xv_k, cg_k, cu_k = xv, cg, cu
+                xv = _gemv_x(x_one, kn, BLOCK_K)
+                cg = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+                cu = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+            else:
+                xv_k = _gemv_x(x_one, k0, BLOCK_K)
+                cg_k = _gemv_codes(w1_ptr, s1_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_K)
+                cu_k = _gemv_codes(w3_ptr, s3_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_K)
             part_g += _mxfp4_gemv(cg_k, xv_k, BLOCK_N, BLOCK_K, ASM)
             part_u += _mxfp4_gemv(cu_k, xv_k, BLOCK_N, BLOCK_K, ASM)
         elif DOT_SCALED:  # the compiler's e2m1 decode and scale (exact in bf16), then the dot
@@ -478,17 +480,19 @@ def _moe_down_kernel(
     part = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
     h_rows = h_ptr + pair[:, None] * stride_ht
     h_one = h_ptr + tl.load(rows_ptr + pid_m).to(tl.int64) * stride_ht  # GEMV's h row
-    if GEMV:  # as in the gate-up kernel
+    if GEMV and PREFETCH:  # as in the gate-up kernel
         hv = _gemv_x(h_one, 0, BLOCK_K)
         c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         if GEMV:
-            kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K) if PREFETCH else k0
-            hv_k, c2_k = hv, c2
-            hv = _gemv_x(h_one, kn, BLOCK_K)
-            c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
-            if not PREFETCH:
+            if PREFETCH:
+                kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
                 hv_k, c2_k = hv, c2
+                hv = _gemv_x(h_one, kn, BLOCK_K)
+                c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, kn, stride_w, stride_s, BLOCK_K)
+            else:
+                hv_k = _gemv_x(h_one, k0, BLOCK_K)
+                c2_k = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_K)
             part += _mxfp4_gemv(c2_k, hv_k, BLOCK_N, BLOCK_K, ASM)
         elif DOT_SCALED:
             h = tl.load(h_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None], other=0.0)
