@@ -22,8 +22,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
-# opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+from dsv4.ops.device import shared_memory_of  # opt-in shared memory per block
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -81,7 +80,7 @@ def main() -> None:
                 cells.append(f" | {x['error'][:40]}")
                 over += 1
                 continue
-            bad = x["shared"] > SHARED_LIMIT[a]
+            bad = x["shared"] > shared_memory_of(divmod(a, 10))
             over += bad
             mark = "!" if bad else " "
             cells.append(f" | {x['shared'] / 1024:6.1f}{mark} {x['n_regs']:4d} {x['n_spills']:5d}")

@@ -22,6 +22,12 @@ def num_sms(device: torch.device, interpreter: int = 4) -> int:
 SHARED_MEMORY = {(8, 0): 166912, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
 
 
+def shared_memory_of(capability: tuple[int, int]) -> int:
+    """Opt-in shared memory per block of a compute capability (major, minor): SHARED_MEMORY,
+    99 KB for any other."""
+    return SHARED_MEMORY.get(capability, 101376)
+
+
 @functools.cache
 def shared_memory(device: torch.device) -> int:
     """Shared memory one program may use on a CUDA device, in bytes (the opt-in limit per
@@ -32,7 +38,7 @@ def shared_memory(device: torch.device) -> int:
         return 1 << 30
     props = torch.cuda.get_device_properties(device)
     optin = getattr(props, "shared_memory_per_block_optin", 0)
-    return optin or SHARED_MEMORY.get((props.major, props.minor), 101376)
+    return optin or shared_memory_of((props.major, props.minor))
 
 
 def split_reduction(

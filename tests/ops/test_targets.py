@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from dsv4.ops import sparse_attn as sa
+from dsv4.ops.device import shared_memory_of
 
 # opt-in shared memory per program: H100 / H200, B200, RTX PRO 6000 (sm_120)
-LIMITS = {90: 232448, 100: 232448, 120: 101376}
+LIMITS = {arch: shared_memory_of(divmod(arch, 10)) for arch in (90, 100, 120)}
 NEED = {  # each fixed tile (by its name in sparse_attn) and what the launcher assumes it takes
     "FEW_TOKENS_TILE": sa.FEW_TOKENS_SHARED,
     "FEW_TOKENS_TILE_FP8": sa.FEW_TOKENS_FP8_SHARED,
