@@ -1070,6 +1070,37 @@ def probe_moe_gemv() -> None:
                note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
 
 
+def probe_moe_sm90() -> None:
+    # the Gluon sm_90 experts (codes decoded into the wgmma register operand) against tl.dot_scaled
+    # and the GEMV form, T = 1..64, at the default tiles and a few others; GB/s on the routed
+    # experts' bytes, error against the reference
+    from dsv4.ops import moe, moe_sm90
+
+    experts = _moe_experts()
+    copy_floor("copy_ 128 MiB", 128 << 20)
+    default = dict(moe_sm90.CONFIG)
+    tiles = [default, {**default, "BLOCK_K": 128}, {**default, "NUM_BUF": 2},
+             {**default, "NUM_BUF": 4}, {**default, "BLOCK_M": 8},
+             {**default, "BLOCK_N": 128, "num_warps": 8}]  # fmt: skip
+    for T in (1, 2, 4, 8, 16, 32, 64):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        variants = [("dot_scaled", dict(dot_scaled=True), None)]
+        if T * 6 <= 64:
+            variants.append(("gemv", dict(gemv=True), None))
+        variants += [(f"sm90 {t}", dict(sm90=True), t) for t in tiles]
+        for name, kw, tile in variants:
+            moe_sm90.CONFIG = dict(tile or default)
+            try:
+                got = moe.moe_experts(x, weights, idx, experts, **kw)
+                err = float((got - want).norm() / want.norm())
+                us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
+                   nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+            except Exception as e:  # noqa: BLE001  (a tile that does not compile / fit)
+                print(f"moe T={T} {name}: {type(e).__name__} {str(e)[:120]}", flush=True)
+    moe_sm90.CONFIG = default
+
+
 def probe_linear() -> None:
     # FP8 projections at decode batches: the tensor-core form against the GEMV form (tile rows x
     # K splits x scale blocks a step; default: the launcher's pick), GB/s on the weight bytes,
@@ -1143,7 +1174,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -696,6 +696,18 @@ def gemv_config(pairs: int, D: int, I: int) -> dict:  # noqa: E741
     return config
 
 
+def _sm90(x: torch.Tensor, pairs: int, D: int, I: int, table: ExpertTable,  # noqa: E741
+          experts: torch.nn.ModuleList) -> bool:  # fmt: skip
+    # the Gluon kernels of `moe_sm90` apply (checked cheaply first; the scales once per expert set)
+    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
+        return False
+    from dsv4.ops import moe_sm90
+
+    return moe_sm90.supported(x, pairs, D, I, table.unit) and moe_sm90.scales_in_range(
+        experts, _probe(experts)
+    )
+
+
 def _fp4(experts: torch.nn.ModuleList) -> bool:
     e0 = experts[0]
     return all(getattr(e0, n).fmt == "fp4" for n in ("w1", "w3", "w2"))
@@ -714,12 +726,14 @@ def moe_experts(
     config: dict | None = None,
     dot_scaled: bool | None = None,
     gemv: bool | None = None,
+    sm90: bool | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
-    # on a GPU -- knobs for bench/probe_pieces.py and the tests)
+    # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
+    # knob is given -- knobs for bench/probe_pieces.py and the tests)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
         return ref.moe_experts(x, weights, idx, experts)
 
@@ -742,6 +756,20 @@ def moe_experts(
     P = T * k
     if P == 0:
         return torch.zeros((T, D), dtype=torch.float32, device=x.device)
+    rw = weights.reshape(-1).float().contiguous()  # [P] fp32
+    if sm90 is None:
+        sm90 = (
+            config is None
+            and dot_scaled is None
+            and gemv is None
+            and _sm90(x, P, D, I, table, experts)
+        )
+    if sm90:
+        from dsv4.ops import moe_sm90  # Gluon (no interpreter): Hopper GPUs only
+
+        rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
+        out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
+        return out.view(T, k, D).float().sum(1)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
@@ -749,7 +777,6 @@ def moe_experts(
     block_m = 1 if gemv else 16 if P < 2048 else 64
     rows, blk = align_rows(idx, E, block_m)
     NB = blk.numel()
-    rw = weights.reshape(-1).float().contiguous()  # [P] fp32
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
     out = torch.empty((P, D), dtype=x.dtype, device=x.device)
 

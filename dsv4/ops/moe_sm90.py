@@ -1,0 +1,363 @@
+"""Routed experts for Hopper (sm_90) in Gluon: MXFP4 weights decoded in registers straight into the
+wgmma A operand.
+
+  experts(x, rw, rows, blk, experts, table, topk) -> out [T*k, D] x.dtype, each pair's w2 output
+  (the launcher `dsv4.ops.moe.moe_experts` sums the k slots; `supported` says when this applies)
+
+Why a second kernel: `tl.dot_scaled` and the Triton kernels' own decode spend ~8 instructions per
+weight turning e2m1 codes into a tensor-core operand (docs/PERF.md, eighth session), and at decode
+batches every weight meets only a few rows, so the experts are bound by instruction issue at ~1.4
+TB/s. Triton cannot keep a decoded operand in the registers wgmma reads (it goes through shared
+memory); Gluon states the layout.
+
+Swap AB: out^T [BN, BM] = W [BN, K] . x^T [K, BM]. The BN weight rows of one expert are the
+register operand A (DotOperandLayout of the wgmma layout, so each thread loads exactly the words
+it decodes); the row-block's BM (token, slot) pairs are operand B, gathered by cp.async into
+shared memory NUM_BUF - 1 steps ahead.
+
+Decode. The checkpoint packs column c of a weight row as nibble c % 8 of 32-bit word c // 8 (low
+nibble first). Two words (w, w+1) sit in one thread's consecutive registers; one inline-PTX block
+makes, for i = 0..7, a bf16x2 of code i of both: the sign to bit 15 and e1 e0 m to bits 8..6, which
+is the e2m1 value times 2^-126 (the code 0.5 lands on a bf16 subnormal), times 2^(S - 64) for the
+words' e8m0 scale S (words w, w+1 share their 32-column group). That is the weight times 2^-63,
+exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by 2^63. About 2.7
+instructions per weight (2 shifts, 2 masks, 1 multiply per two weights, plus the byte shuffles).
+
+The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
+permuted once per call within each BK-column block (`permute_columns`: column 8w + i moves to
+i * BK/8 + w) and operand B of A_i is one contiguous [BM, BK/8] slice. The gate-up kernel writes
+h in the down kernel's permuted order, so the down kernel gathers plain rows.
+
+No CPU path: Gluon has no interpreter. `tests/ops/test_moe.py` checks the column permutations and a
+torch model of the decode's bit arithmetic on the CPU, and the kernels against the reference on
+the GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
+# BLOCK_M pairs per row-block (wgmma N), NUM_BUF x tiles in shared memory (NUM_BUF - 1 in flight)
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 16, "NUM_BUF": 3, "num_warps": 4}
+# the pair counts this kernel takes (below: the GEMV form; above: prefill, tl.dot_scaled)
+MIN_PAIRS = 1
+MAX_PAIRS = 2047
+# e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
+# exact in bf16: experts with a scale outside are left to the Triton kernels
+SCALE_MIN, SCALE_MAX = 58, 191
+W1, W3, W2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # rows of the address table
+S1, S3, S2 = gl.constexpr(3), gl.constexpr(4), gl.constexpr(5)
+TWO_63 = gl.constexpr(9.223372036854775808e18)  # 2^63: undoes the decode's 2^-63
+
+
+def _decode_asm() -> str:
+    # $8, $9: words w, w+1 ; $10: their e8m0 scale (int32; $11 is the same) -> $0..$7: bf16x2 of
+    # code i of word w (low half) and of word w+1 (high half), times 2^(S - 64)
+    lines = [
+        "{",
+        ".reg .b32 lo, hi, u, v, f;",
+        "prmt.b32 lo, $8, $9, 0x5410;",  # codes 0..3 of w | codes 0..3 of w+1
+        "prmt.b32 hi, $8, $9, 0x7632;",  # codes 4..7
+        "add.u32 f, $10, 63;",  # bf16 2^(S - 64): exponent field S + 63
+        "shl.b32 f, f, 7;",
+        "prmt.b32 f, f, f, 0x1010;",  # in both halves
+    ]
+    for i in range(8):
+        src, j = ("lo" if i < 4 else "hi"), i % 4
+        to_sign, to_mag = 12 - 4 * j, 6 - 4 * j  # bit 4j+3 -> 15 ; bits 4j..4j+2 -> 6..8
+        lines += [
+            f"shl.b32 u, {src}, {to_sign};" if to_sign else f"mov.b32 u, {src};",
+            f"shl.b32 v, {src}, {to_mag};" if to_mag > 0 else f"shr.b32 v, {src}, {-to_mag};",
+            "and.b32 u, u, 0x80008000;",
+            "and.b32 v, v, 0x01C001C0;",
+            "or.b32 u, u, v;",
+            f"mul.rn.bf16x2 ${i}, u, f;",
+        ]
+    return "\n".join(lines + ["}"])
+
+
+DECODE_ASM = gl.constexpr(_decode_asm())
+
+
+@gluon.jit
+def _codes(w_row, s_row, k8, offs_w):  # noqa: ANN001, ANN202
+    # one step's words [BN, BK/8] int32 and each word's e8m0 scale (int32), in the A layout
+    words = gl.load(w_row + (k8 + offs_w)[None, :])
+    sc = gl.load(s_row + ((k8 + offs_w) // 4)[None, :]).to(gl.int32)
+    return words, sc
+
+
+@gluon.jit
+def _mma_step(codes, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
+    # acc += W x^T over one step: the 8 decoded code planes against their x slices (async; the
+    # planes are returned to stay alive until the wait)
+    words, sc = codes
+    a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
+        DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [words, sc], dtype=(gl.bfloat16,) * 8,
+        is_pure=True, pack=2,
+    )  # fmt: skip
+    acc = warpgroup_mma(a0, xs.slice(0 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a1, xs.slice(1 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a2, xs.slice(2 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a3, xs.slice(3 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a4, xs.slice(4 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a5, xs.slice(5 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a6, xs.slice(6 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a7, xs.slice(7 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    return acc, (a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@gluon.jit
+def _wait(acc, p):  # noqa: ANN001, ANN202
+    # the MMAs of a step done; the code planes they read stay alive until then
+    return warpgroup_mma_wait(0, deps=[acc, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]])[0]
+
+
+@gluon.jit
+def _round_bf16(v):  # noqa: ANN001, ANN202
+    return v.to(gl.bfloat16).to(gl.float32)
+
+
+@gluon.jit
+def _experts_kernel(
+    x_ptr,  # gate-up: x [T, K] bf16 with permuted columns ; down: h [P, K] (permuted by gate-up)
+    rw_ptr,  # [P] fp32 routing weights (gate-up)
+    rows_ptr,  # [NB * BLOCK_M] int32 pair ids per row-block, -1 = padding
+    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count
+    tbl_ptr,  # [6, E] int64 offsets in 16-byte units (`moe.expert_table`)
+    wbase_ptr,  # int8: expert 0's w1 weight
+    sbase_ptr,  # uint8: expert 0's w1 scale
+    out_ptr,  # gate-up: h [P, N] bf16, columns permuted for the down kernel ; down: out [P, N]
+    N,
+    K,
+    E,
+    limit,
+    stride_xt,
+    stride_ot,
+    GATE_UP: gl.constexpr,  # W1 and W3 with the SwiGLU epilogue, else W2
+    TOPK: gl.constexpr,  # gate-up: pair p reads x row p // TOPK
+    H_BK: gl.constexpr,  # gate-up: the down kernel's BLOCK_K (h's column order)
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+):
+    # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
+    # BLOCK_M x BLOCK_N
+    NW: gl.constexpr = gl.num_warps()
+    BK8: gl.constexpr = BLOCK_K // 8
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    e = gl.load(blk_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(gl.int64)
+
+    # ---- layouts: acc [BN, BM] on the wgmma layout, the weights in its A-operand layout
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    # x tiles [BM, BK]: each BK/8-column slice is one swizzle atom wide (a wgmma B operand)
+    x_sl: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=BK8 * 2, element_bitwidth=16, rank=2
+    )
+    TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
+    g_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [NW, 1], [1, 0])
+
+    # ---- the expert's weight rows and the block's x rows
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
+    offs_w = gl.arange(0, BK8, layout=gl.SliceLayout(0, a_l))
+    words_per_row = K // 8
+    if GATE_UP:
+        wa = wbase_ptr + gl.load(tbl_ptr + W1 * E + e) * 16
+        wb = wbase_ptr + gl.load(tbl_ptr + W3 * E + e) * 16
+        sa = sbase_ptr + gl.load(tbl_ptr + S1 * E + e) * 16
+        sb = sbase_ptr + gl.load(tbl_ptr + S3 * E + e) * 16
+        wb_row = wb.to(gl.pointer_type(gl.int32)) + offs_n[:, None] * words_per_row
+        sb_row = sb + offs_n[:, None] * (K // 32)
+    else:
+        wa = wbase_ptr + gl.load(tbl_ptr + W2 * E + e) * 16
+        sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
+    wa_row = wa.to(gl.pointer_type(gl.int32)) + offs_n[:, None] * words_per_row
+    sa_row = sa + offs_n[:, None] * (K // 32)
+
+    offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
+    offs_gk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_l))
+    pair_g = gl.load(rows_ptr + pid_m * BLOCK_M + offs_gm)
+    x_row = gl.maximum(pair_g, 0) // TOPK  # TOPK = 1 in the down kernel
+    x_ptrs = x_ptr + x_row.to(gl.int64)[:, None] * stride_xt + offs_gk[None, :]
+    x_ok = (pair_g >= 0)[:, None]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
+
+    # ---- prologue: x tiles 0 .. NUM_BUF - 2 in flight, the first step's codes in registers
+    n_steps = K // BLOCK_K
+    for b in gl.static_range(NUM_BUF - 1):
+        kb = gl.minimum(b, n_steps - 1) * BLOCK_K
+        cp.async_copy_global_to_shared(x_smem.index(b), x_ptrs + kb, mask=x_ok)
+        cp.commit_group()
+    ca = _codes(wa_row, sa_row, 0, offs_w)
+    if GATE_UP:
+        cb = _codes(wb_row, sb_row, 0, offs_w)
+    acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+
+    for step in range(n_steps):
+        # the next step's codes load while this step decodes (the last step reloads its own)
+        k8 = gl.minimum(step + 1, n_steps - 1) * BK8
+        ca_k = ca
+        ca = _codes(wa_row, sa_row, k8, offs_w)
+        if GATE_UP:
+            cb_k = cb
+            cb = _codes(wb_row, sb_row, k8, offs_w)
+        # x tile `step` landed for every thread; every warp is past step - 1's MMAs, so its buffer
+        # takes tile step + NUM_BUF - 1
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        nxt = step + NUM_BUF - 1
+        kn = gl.minimum(nxt, n_steps - 1) * BLOCK_K
+        cp.async_copy_global_to_shared(x_smem.index(nxt % NUM_BUF), x_ptrs + kn, mask=x_ok)
+        cp.commit_group()
+        xs = x_smem.index(step % NUM_BUF)
+        # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
+        acc_a, planes = _mma_step(ca_k, xs, acc_a, BK8)
+        acc_a = _wait(acc_a, planes)
+        if GATE_UP:
+            acc_b, planes = _mma_step(cb_k, xs, acc_b, BK8)
+            acc_b = _wait(acc_b, planes)
+    cp.wait_group(0)
+
+    # ---- epilogue (the reference's cast points: each linear's output in bf16)
+    offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    pair = gl.load(rows_ptr + pid_m * BLOCK_M + offs_om)
+    pair_ok = pair >= 0
+    ok = pair_ok[None, :] & (offs_on < N)[:, None]
+    pair = gl.maximum(pair, 0).to(gl.int64)
+    a = _round_bf16(acc_a * TWO_63)
+    if GATE_UP:
+        u = _round_bf16(acc_b * TWO_63)
+        g = gl.minimum(a, limit)
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+        rw = gl.load(rw_ptr + pair, mask=pair_ok, other=0.0)
+        h = g / (1.0 + gl.exp(-g)) * u * rw[None, :]
+        # column c of h lies at c // H_BK * H_BK + c % 8 * (H_BK / 8) + c % H_BK // 8
+        c = offs_on
+        col = c // H_BK * H_BK + c % 8 * (H_BK // 8) + c % H_BK // 8
+        gl.store(out_ptr + pair[None, :] * stride_ot + col[:, None], h.to(gl.bfloat16), mask=ok)
+    else:
+        o_ptrs = out_ptr + pair[None, :] * stride_ot + offs_on[:, None]
+        gl.store(o_ptrs, a.to(gl.bfloat16), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_columns(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """[T, K] -> [T, K]: within each block_k-column block, column 8w + i moves to i * block_k/8 + w
+    (the order of the kernels' code planes)."""
+    T, K = x.shape
+    return x.reshape(T, K // block_k, block_k // 8, 8).transpose(2, 3).reshape(T, K)
+
+
+def permuted_column(c: torch.Tensor | int, block_k: int):  # noqa: ANN201
+    """Where `permute_columns` puts column c (the gate-up kernel's store of h)."""
+    return c // block_k * block_k + c % 8 * (block_k // 8) + c % block_k // 8
+
+
+# ModuleList -> (probe, scales in range): checked once per expert set (a host sync)
+_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def scales_in_range(experts: torch.nn.ModuleList, probe: tuple) -> bool:
+    """Every e8m0 scale of the experts lies in [SCALE_MIN, SCALE_MAX]."""
+    hit = _SCALES.get(experts)
+    if hit is not None and hit[0] == probe:
+        return hit[1]
+    lo, hi = [], []
+    for ex in experts:
+        for lin in (ex.w1, ex.w3, ex.w2):
+            s = lin.scale.view(torch.uint8)
+            lo.append(s.min())
+            hi.append(s.max())
+    ok = int(torch.stack(lo).min()) >= SCALE_MIN and int(torch.stack(hi).max()) <= SCALE_MAX
+    _SCALES[experts] = (probe, ok)
+    return ok
+
+
+def supported(x: torch.Tensor, pairs: int, D: int, I: int, unit: int) -> bool:  # noqa: E741
+    """This kernel applies: an sm_90 GPU, bf16 x, MIN_PAIRS..MAX_PAIRS pairs, widths that BLOCK_K
+    and BLOCK_N divide, every expert tensor 16-byte aligned (the caller checks the scales)."""
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    bk, bn = CONFIG["BLOCK_K"], CONFIG["BLOCK_N"]
+    return (
+        x.dtype == torch.bfloat16
+        and MIN_PAIRS <= pairs <= MAX_PAIRS
+        and D % bk == 0
+        and I % bk == 0
+        and D % bn == 0
+        and I % bn == 0
+        and unit == 16
+    )
+
+
+def _launch(
+    gate_up: bool,
+    x: torch.Tensor,
+    rw: torch.Tensor,
+    rows: torch.Tensor,
+    blk: torch.Tensor,
+    table,
+    out: torch.Tensor,
+    topk: int,
+    limit: float,
+) -> None:  # noqa: ANN001
+    # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
+    bm, bn, bk = CONFIG["BLOCK_M"], CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
+    N, K = out.shape[1], x.shape[1]
+    assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
+    _experts_kernel[(blk.numel(), N // bn)](
+        x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
+        float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
+        num_warps=CONFIG["num_warps"],
+    )  # fmt: skip
+
+
+def down(h: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, table, D: int) -> torch.Tensor:  # noqa: ANN001
+    """h [P, I] bf16 with columns in `permute_columns` order -> [P, D] bf16: h W2^T per pair."""
+    out = torch.empty((h.shape[0], D), dtype=h.dtype, device=h.device)
+    _launch(False, h, h, rows, blk, table, out, 1, 0.0)
+    return out
+
+
+def experts(
+    x: torch.Tensor,
+    rw: torch.Tensor,
+    rows: torch.Tensor,
+    blk: torch.Tensor,
+    table,  # noqa: ANN001 (moe.ExpertTable)
+    topk: int,
+    I: int,  # noqa: E741
+    limit: float,
+) -> torch.Tensor:
+    """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, CONFIG["BLOCK_M"])` ->
+    [P, D] bf16: each (token, slot) pair's expert output, the routing weight applied before w2."""
+    h = torch.empty((rw.numel(), I), dtype=x.dtype, device=x.device)
+    _launch(True, permute_columns(x, CONFIG["BLOCK_K"]), rw, rows, blk, table, h, topk, limit)
+    return down(h, rows, blk, table, x.shape[1])

@@ -1,0 +1,222 @@
+"""The Gluon experts kernels for sm_90 (`dsv4.ops.moe_sm90`): on the CPU, the column permutations
+and the decode's inline PTX run by a small interpreter against the reference dequantization; on
+an sm_90 GPU, the kernels against `dsv4.ops.ref.moe_experts` and the weights read back bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.ops import moe, moe_sm90, ref
+
+from .test_moe import _experts, _rel, _routing
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the column order and the decode's PTX
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_k", [64, 256])
+def test_permuted_columns(block_k: int) -> None:
+    # permute_columns moves column c to permuted_column(c); code plane i of word w meets column
+    # 8w + i at i * block_k / 8 + w
+    K = 3 * block_k
+    x = torch.arange(2 * K, dtype=torch.float32).view(2, K)
+    xp = moe_sm90.permute_columns(x, block_k)
+    c = torch.arange(K)
+    assert torch.equal(xp[:, moe_sm90.permuted_column(c, block_k)], x)
+    w, i = 5, 3
+    assert xp[0, block_k + i * (block_k // 8) + w] == x[0, block_k + 8 * w + i]
+
+
+def _bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    # the instructions the decode uses, on uint32 arrays (PTX ISA semantics)
+    env = dict(regs)
+
+    def val(tok: str) -> np.ndarray:
+        tok = tok.strip()
+        return env[tok] if tok in env else np.uint32(int(tok, 0)) + np.zeros_like(env["$8"])
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, srcs = args[0], [val(a) for a in args[1:]]
+        if op == "prmt.b32":
+            a, b, sel = srcs
+            pool = [(a >> (8 * j)) & 0xFF for j in range(4)] + [
+                (b >> (8 * j)) & 0xFF for j in range(4)
+            ]
+            out = np.zeros_like(a)
+            for j in range(4):
+                n = (int(sel.flat[0]) >> (4 * j)) & 0xF
+                byte = pool[n & 7]
+                if n & 8:  # replicate the byte's sign bit
+                    byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+                out |= byte << (8 * j)
+            env[d] = out
+        elif op == "add.u32":
+            env[d] = srcs[0] + srcs[1]
+        elif op == "shl.b32":
+            env[d] = srcs[0] << srcs[1]
+        elif op == "shr.b32":
+            env[d] = srcs[0] >> srcs[1]
+        elif op == "and.b32":
+            env[d] = srcs[0] & srcs[1]
+        elif op == "or.b32":
+            env[d] = srcs[0] | srcs[1]
+        elif op == "mov.b32":
+            env[d] = srcs[0].copy()
+        elif op == "mul.rn.bf16x2":  # each half: bf16 * bf16, rounded to bf16 (here exact)
+            halves = []
+            for sh in (0, 16):
+                p = torch.from_numpy(
+                    (
+                        _bf16_bits_to_float((srcs[0] >> sh) & 0xFFFF)
+                        * _bf16_bits_to_float((srcs[1] >> sh) & 0xFFFF)
+                    ).astype(np.float32)
+                ).bfloat16()
+                halves.append(p.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF)
+            env[d] = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"unknown PTX op {op!r}")
+        env[d] = env[d].astype(np.uint32)
+    return env
+
+
+def test_decode_ptx_is_the_reference_dequantization() -> None:
+    # every pair of codes at every plane, over the scales the kernel takes: code plane i of words
+    # (w, w+1) times 2^(S - 64) must be the MXFP4 weight times 2^-63, bit for bit
+    rng = np.random.default_rng(0)
+    n = 4096
+    words = rng.integers(0, 2**32, size=(n, 2), dtype=np.uint64).astype(np.uint32)
+    words[:256, 0] = np.arange(256, dtype=np.uint32) * 0x11111111 & 0xFFFFFFFF  # repeated nibbles
+    words[:256, 1] = (np.arange(256, dtype=np.uint32) * 0x01234567) & 0xFFFFFFFF
+    scales = rng.integers(moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX + 1, size=n).astype(np.uint32)
+    scales[:2] = moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX
+    env = _run_ptx(
+        moe_sm90._decode_asm(), {"$8": words[:, 0], "$9": words[:, 1], "$10": scales, "$11": scales}
+    )
+    # the reference: the packed bytes of both words as one row each, dequantized by quant
+    packed = torch.from_numpy(words.view(np.uint8).reshape(n, 2, 4).copy()).view(torch.int8)
+    scale = torch.from_numpy(scales.astype(np.uint8)).view(torch.float8_e8m0fnu)
+    for word in range(2):
+        w = quant.dequant_mxfp4(packed[:, word].repeat(1, 4), scale[:, None]).double()  # [n, 32]
+        for i in range(8):
+            half = (env[f"${i}"] >> (16 * word)) & 0xFFFF
+            got = torch.from_numpy(_bf16_bits_to_float(half))
+            want = w[:, i] * 2.0**-63
+            assert torch.equal(got, want), f"plane {i}, word {word}: {got[:4]} vs {want[:4]}"
+
+
+def test_not_on_cpu() -> None:
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    assert not moe_sm90.supported(x, 12, 512, 256, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (sm_90)
+# ---------------------------------------------------------------------------------------------
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_down_reads_every_weight_back() -> None:
+    # h = one-hot rows: each pair's output is one column of W2 (times 1), exact in bf16, for
+    # random codes and scales spanning [SCALE_MIN, SCALE_MAX] (the 0.5 code is a bf16 subnormal
+    # before its scale)
+    D, I, E = 512, 256, 3  # noqa: E741
+    experts = _experts(D, I, E, seed=5, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ex in experts:
+        ex.w2.weight.copy_(torch.randint(-128, 128, ex.w2.weight.shape, generator=g, device="cuda",
+                                         dtype=torch.int8))  # fmt: skip
+        s = torch.randint(moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX + 1, ex.w2.scale.shape,
+                          generator=g, device="cuda", dtype=torch.int32)  # fmt: skip
+        s[0, :2] = torch.tensor([moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX])
+        ex.w2.scale.view(torch.uint8).copy_(s.to(torch.uint8))
+    table = moe.expert_table(experts)
+    P = I  # pair p: expert p % E, one-hot at column p
+    idx = (torch.arange(P, device="cuda") % E)[:, None]
+    rows, blk = moe.align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
+    h = torch.eye(I, device="cuda", dtype=torch.bfloat16)
+    out = moe_sm90.down(
+        moe_sm90.permute_columns(h, moe_sm90.CONFIG["BLOCK_K"]), rows, blk, table, D
+    )
+    for e, ex in enumerate(experts):
+        w = quant.dequant_mxfp4(ex.w2.weight, ex.w2.scale).float()  # [D, I]
+        cols = torch.arange(e, P, E, device="cuda")
+        got = out[cols].float()
+        want = w[:, cols].t()
+        assert torch.equal(got, want), f"expert {e}: {(got - want).abs().max()}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T", [1, 8, 16, 64])
+def test_gpu_flash_sizes(T: int) -> None:
+    from dsv4.bench.cases_moe import random_experts
+
+    D, I, E, k = 4096, 2048, 32, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda", seed=T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+    weights = torch.rand(T, k, generator=g, device="cuda") / k
+    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    y = moe.moe_experts(x, weights, idx, experts, sm90=True)
+    want = ref.moe_experts(x, weights, idx, experts)
+    want32 = ref.moe_experts(x.float(), weights, idx, experts)
+    assert _rel(y, want) < 1e-2, _rel(y, want)
+    assert _rel(y, want32) < 2e-2, _rel(y, want32)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("skew", [False, True])
+def test_gpu_ragged_and_skewed(skew: bool) -> None:
+    # experts with more pairs than one row-block (skew), padding rows, unused experts, the limit
+    D, I, E, k, T = 512, 256, 9, 3, 40  # noqa: E741
+    experts = _experts(D, I, E, seed=3, device="cuda")
+    weights, idx = _routing(T, k, E, skew, seed=T)
+    x = (torch.randn(T, D, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    x, weights, idx = x.cuda(), weights.cuda(), idx.cuda()
+    y = moe.moe_experts(x, weights, idx, experts, sm90=True)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < 1e-2, _rel(y, want)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_dispatch_and_out_of_range_scales() -> None:
+    # by default the sm90 kernels run where they apply; one scale outside [SCALE_MIN, SCALE_MAX]
+    # sends the expert set to the Triton kernels (same results)
+    D, I, E, k, T = 512, 256, 4, 2, 30  # noqa: E741
+    experts = _experts(D, I, E, seed=7, device="cuda")
+    weights, idx = _routing(T, k, E, False, seed=2)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    weights, idx = weights.cuda(), idx.cuda()
+    probe = moe._probe(experts)
+    assert moe_sm90.scales_in_range(experts, probe)
+    y = moe.moe_experts(x, weights, idx, experts)
+    assert torch.equal(y, moe.moe_experts(x, weights, idx, experts, sm90=True))
+    experts[1].w3.scale.view(torch.uint8)[0, 0] = moe_sm90.SCALE_MAX + 1
+    moe_sm90._SCALES.pop(experts)
+    assert not moe_sm90.scales_in_range(experts, probe)
+    y = moe.moe_experts(x, weights, idx, experts)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < 1e-2, _rel(y, want)
