@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF x tiles in shared memory (NUM_BUF - 1 in flight)
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 16, "NUM_BUF": 3, "num_warps": 4}
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 4, "num_warps": 4}
 # the pair counts this kernel takes (below: the GEMV form; above: prefill, tl.dot_scaled)
 MIN_PAIRS = 1
 MAX_PAIRS = 2047
@@ -62,16 +62,17 @@ TWO_63 = gl.constexpr(9.223372036854775808e18)  # 2^63: undoes the decode's 2^-6
 
 
 def _decode_asm() -> str:
-    # $8, $9: words w, w+1 ; $10: their e8m0 scale (int32; $11 is the same) -> $0..$7: bf16x2 of
-    # code i of word w (low half) and of word w+1 (high half), times 2^(S - 64)
+    # $8, $9: words w, w+1 ; $10, $12: the row's e8m0 scales of the step plus 63 in each byte
+    # (groups 0-3, 4-7) ; $14: the words' group w // 4 in all four nibbles (a byte selector)
+    # -> $0..$7: bf16x2 of code i of word w (low half) and of word w+1 (high half) times 2^(S - 64)
     lines = [
         "{",
         ".reg .b32 lo, hi, u, v, f;",
         "prmt.b32 lo, $8, $9, 0x5410;",  # codes 0..3 of w | codes 0..3 of w+1
         "prmt.b32 hi, $8, $9, 0x7632;",  # codes 4..7
-        "add.u32 f, $10, 63;",  # bf16 2^(S - 64): exponent field S + 63
-        "shl.b32 f, f, 7;",
-        "prmt.b32 f, f, f, 0x1010;",  # in both halves
+        "prmt.b32 f, $10, $12, $14;",  # S + 63 in every byte
+        "and.b32 f, f, 0x00FF00FF;",
+        "shl.b32 f, f, 7;",  # bf16x2 2^(S - 64): exponent field S + 63 in both halves
     ]
     for i in range(8):
         src, j = ("lo" if i < 4 else "hi"), i % 4
@@ -88,23 +89,28 @@ def _decode_asm() -> str:
 
 
 DECODE_ASM = gl.constexpr(_decode_asm())
+SCALE_BIAS = gl.constexpr(0x3F3F3F3F)  # 63 added to each scale byte (no carries: S + 63 <= 254)
 
 
 @gluon.jit
-def _codes(w_row, s_row, k8, offs_w):  # noqa: ANN001, ANN202
-    # one step's words [BN, BK/8] int32 and each word's e8m0 scale (int32), in the A layout
-    words = gl.load(w_row + (k8 + offs_w)[None, :])
-    sc = gl.load(s_row + ((k8 + offs_w) // 4)[None, :]).to(gl.int32)
-    return words, sc
+def _scales(s_row, step, SW: gl.constexpr):  # noqa: ANN001, ANN202
+    # the step's scale bytes of each row (SW int32 words: 4 groups of 32 columns each) + 63 each
+    lo = gl.load(s_row + step * SW) + SCALE_BIAS
+    if SW == 2:
+        hi = gl.load(s_row + step * SW + 1) + SCALE_BIAS
+    else:
+        hi = lo
+    return lo, hi
 
 
 @gluon.jit
-def _mma_step(codes, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
+def _mma_step(words, sc, sel, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
     # acc += W x^T over one step: the 8 decoded code planes against their x slices (async; the
     # planes are returned to stay alive until the wait)
-    words, sc = codes
+    lo, hi = sc
     a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
-        DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [words, sc], dtype=(gl.bfloat16,) * 8,
+        DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+        [words, lo[:, None], hi[:, None], sel[None, :]], dtype=(gl.bfloat16,) * 8,
         is_pure=True, pack=2,
     )  # fmt: skip
     acc = warpgroup_mma(a0, xs.slice(0 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
@@ -130,6 +136,19 @@ def _round_bf16(v):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
+def _issue(x_smem, wa_smem, wb_smem, b, step, n_steps, x_ptrs, x_ok, wa_ptrs, wb_ptrs,
+           BLOCK_K: gl.constexpr, GATE_UP: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # step `step`'s x tile and weight words into buffer b by cp.async, one commit group (past the
+    # last step the last step's again: the group count stays uniform)
+    k = gl.minimum(step, n_steps - 1)
+    cp.async_copy_global_to_shared(x_smem.index(b), x_ptrs + k * BLOCK_K, mask=x_ok)
+    cp.async_copy_global_to_shared(wa_smem.index(b), wa_ptrs + k * (BLOCK_K // 8))
+    if GATE_UP:
+        cp.async_copy_global_to_shared(wb_smem.index(b), wb_ptrs + k * (BLOCK_K // 8))
+    cp.commit_group()
+
+
+@gluon.jit
 def _experts_kernel(
     x_ptr,  # gate-up: x [T, K] bf16 with permuted columns ; down: h [P, K] (permuted by gate-up)
     rw_ptr,  # [P] fp32 routing weights (gate-up)
@@ -150,13 +169,14 @@ def _experts_kernel(
     H_BK: gl.constexpr,  # gate-up: the down kernel's BLOCK_K (h's column order)
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr,
+    BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
 ):
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
     # BLOCK_M x BLOCK_N
     NW: gl.constexpr = gl.num_warps()
     BK8: gl.constexpr = BLOCK_K // 8
+    SW: gl.constexpr = BLOCK_K // 128
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     e = gl.load(blk_ptr + pid_m)
@@ -173,25 +193,34 @@ def _experts_kernel(
     x_sl: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=BK8 * 2, element_bitwidth=16, rank=2
     )
+    # weight words [BN, BK/8]: 16-byte chunks XOR-swizzled by row, so the 8 rows a warp reads at
+    # once in the A layout fall on different banks
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
     g_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [NW, 1], [1, 0])
+    gw_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BK8 // 4), BK8 // 4], [NW, 1], [1, 0])
 
-    # ---- the expert's weight rows and the block's x rows
+    # ---- the expert's weight rows and scales, the block's x rows
+    offs_gn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gw_l))
+    offs_gw = gl.arange(0, BK8, layout=gl.SliceLayout(0, gw_l))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, a_l))
     offs_w = gl.arange(0, BK8, layout=gl.SliceLayout(0, a_l))
+    sel = (offs_w // 4) * 0x1111  # the byte selector of each word's scale group
     words_per_row = K // 8
     if GATE_UP:
         wa = wbase_ptr + gl.load(tbl_ptr + W1 * E + e) * 16
         wb = wbase_ptr + gl.load(tbl_ptr + W3 * E + e) * 16
         sa = sbase_ptr + gl.load(tbl_ptr + S1 * E + e) * 16
         sb = sbase_ptr + gl.load(tbl_ptr + S3 * E + e) * 16
-        wb_row = wb.to(gl.pointer_type(gl.int32)) + offs_n[:, None] * words_per_row
-        sb_row = sb + offs_n[:, None] * (K // 32)
     else:
         wa = wbase_ptr + gl.load(tbl_ptr + W2 * E + e) * 16
         sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
-    wa_row = wa.to(gl.pointer_type(gl.int32)) + offs_n[:, None] * words_per_row
-    sa_row = sa + offs_n[:, None] * (K // 32)
+        wb, sb = wa, sa
+    w_tile = offs_gn[:, None] * words_per_row + offs_gw[None, :]
+    wa_ptrs = wa.to(gl.pointer_type(gl.int32)) + w_tile
+    wb_ptrs = wb.to(gl.pointer_type(gl.int32)) + w_tile
+    sa_row = sa.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
+    sb_row = sb.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
 
     offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
     offs_gk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_l))
@@ -200,42 +229,44 @@ def _experts_kernel(
     x_ptrs = x_ptr + x_row.to(gl.int64)[:, None] * stride_xt + offs_gk[None, :]
     x_ok = (pair_g >= 0)[:, None]
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
-
-    # ---- prologue: x tiles 0 .. NUM_BUF - 2 in flight, the first step's codes in registers
-    n_steps = K // BLOCK_K
-    for b in gl.static_range(NUM_BUF - 1):
-        kb = gl.minimum(b, n_steps - 1) * BLOCK_K
-        cp.async_copy_global_to_shared(x_smem.index(b), x_ptrs + kb, mask=x_ok)
-        cp.commit_group()
-    ca = _codes(wa_row, sa_row, 0, offs_w)
+    wa_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
     if GATE_UP:
-        cb = _codes(wb_row, sb_row, 0, offs_w)
+        wb_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
+    else:
+        wb_smem = wa_smem
+
+    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales two steps ahead in registers
+    n_steps = K // BLOCK_K
+    for pb in gl.static_range(NUM_BUF - 1):
+        _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptrs, x_ok, wa_ptrs, wb_ptrs,
+               BLOCK_K, GATE_UP)  # fmt: skip
+    sa0 = _scales(sa_row, 0, SW)
+    sa1 = _scales(sa_row, gl.minimum(1, n_steps - 1), SW)
+    sb0 = _scales(sb_row, 0, SW)
+    sb1 = _scales(sb_row, gl.minimum(1, n_steps - 1), SW)
     acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
     for step in range(n_steps):
-        # the next step's codes load while this step decodes (the last step reloads its own)
-        k8 = gl.minimum(step + 1, n_steps - 1) * BK8
-        ca_k = ca
-        ca = _codes(wa_row, sa_row, k8, offs_w)
+        s2 = gl.minimum(step + 2, n_steps - 1)
+        sa_k, sa0, sa1 = sa0, sa1, _scales(sa_row, s2, SW)
         if GATE_UP:
-            cb_k = cb
-            cb = _codes(wb_row, sb_row, k8, offs_w)
-        # x tile `step` landed for every thread; every warp is past step - 1's MMAs, so its buffer
-        # takes tile step + NUM_BUF - 1
+            sb_k, sb0, sb1 = sb0, sb1, _scales(sb_row, s2, SW)
+        # step's tiles landed for every thread; every warp is past step - 1's MMAs and reads, so
+        # its buffer takes step + NUM_BUF - 1
         cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
         nxt = step + NUM_BUF - 1
-        kn = gl.minimum(nxt, n_steps - 1) * BLOCK_K
-        cp.async_copy_global_to_shared(x_smem.index(nxt % NUM_BUF), x_ptrs + kn, mask=x_ok)
-        cp.commit_group()
-        xs = x_smem.index(step % NUM_BUF)
+        _issue(x_smem, wa_smem, wb_smem, nxt % NUM_BUF, nxt, n_steps, x_ptrs, x_ok, wa_ptrs,
+               wb_ptrs, BLOCK_K, GATE_UP)  # fmt: skip
+        cur = step % NUM_BUF
+        xs = x_smem.index(cur)
         # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
-        acc_a, planes = _mma_step(ca_k, xs, acc_a, BK8)
+        acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
         acc_a = _wait(acc_a, planes)
         if GATE_UP:
-            acc_b, planes = _mma_step(cb_k, xs, acc_b, BK8)
+            acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, BK8)
             acc_b = _wait(acc_b, planes)
     cp.wait_group(0)
 

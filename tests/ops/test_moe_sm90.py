@@ -50,17 +50,17 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         op, rest = line.split(None, 1)
         args = [a.strip() for a in rest.split(",")]
         d, srcs = args[0], [val(a) for a in args[1:]]
-        if op == "prmt.b32":
+        if op == "prmt.b32":  # byte j of d = byte (selector nibble j) of {a, b}
             a, b, sel = srcs
             pool = [(a >> (8 * j)) & 0xFF for j in range(4)] + [
                 (b >> (8 * j)) & 0xFF for j in range(4)
             ]
+            pool = np.stack(pool)  # [8, n]
             out = np.zeros_like(a)
             for j in range(4):
-                n = (int(sel.flat[0]) >> (4 * j)) & 0xF
-                byte = pool[n & 7]
-                if n & 8:  # replicate the byte's sign bit
-                    byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+                n = (sel >> (4 * j)) & 0xF
+                byte = np.take_along_axis(pool, (n & 7)[None, :].astype(np.int64), 0)[0]
+                byte = np.where(n & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
                 out |= byte << (8 * j)
             env[d] = out
         elif op == "add.u32":
@@ -93,21 +93,29 @@ def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def test_decode_ptx_is_the_reference_dequantization() -> None:
-    # every pair of codes at every plane, over the scales the kernel takes: code plane i of words
-    # (w, w+1) times 2^(S - 64) must be the MXFP4 weight times 2^-63, bit for bit
+    # every pair of codes at every plane, every scale group of a step, over the scales the kernel
+    # takes: code plane i of words (w, w+1) times 2^(S - 64) must be the MXFP4 weight times 2^-63,
+    # bit for bit
     rng = np.random.default_rng(0)
     n = 4096
     words = rng.integers(0, 2**32, size=(n, 2), dtype=np.uint64).astype(np.uint32)
     words[:256, 0] = np.arange(256, dtype=np.uint32) * 0x11111111 & 0xFFFFFFFF  # repeated nibbles
     words[:256, 1] = (np.arange(256, dtype=np.uint32) * 0x01234567) & 0xFFFFFFFF
-    scales = rng.integers(moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX + 1, size=n).astype(np.uint32)
-    scales[:2] = moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX
+    # a row's 8 scale bytes of the step (groups 0-7) and the group of this word pair
+    scales = rng.integers(moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX + 1, size=(n, 8), dtype=np.uint8)
+    scales[0, :2] = moe_sm90.SCALE_MIN, moe_sm90.SCALE_MAX
+    group = rng.integers(0, 8, size=n).astype(np.uint32)
+    group[:16] = np.arange(16) % 8
+    biased = scales.view(np.uint32) + np.uint32(0x3F3F3F3F)  # [n, 2]: + 63 per byte (the kernel)
     env = _run_ptx(
-        moe_sm90._decode_asm(), {"$8": words[:, 0], "$9": words[:, 1], "$10": scales, "$11": scales}
-    )
+        moe_sm90._decode_asm(),
+        {"$8": words[:, 0], "$9": words[:, 1], "$10": biased[:, 0], "$12": biased[:, 1],
+         "$14": group * np.uint32(0x1111)},
+    )  # fmt: skip
     # the reference: the packed bytes of both words as one row each, dequantized by quant
     packed = torch.from_numpy(words.view(np.uint8).reshape(n, 2, 4).copy()).view(torch.int8)
-    scale = torch.from_numpy(scales.astype(np.uint8)).view(torch.float8_e8m0fnu)
+    s = scales[np.arange(n), group]
+    scale = torch.from_numpy(s.copy()).view(torch.float8_e8m0fnu)
     for word in range(2):
         w = quant.dequant_mxfp4(packed[:, word].repeat(1, 4), scale[:, None]).double()  # [n, 32]
         for i in range(8):
