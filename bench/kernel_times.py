@@ -1,5 +1,6 @@
 """Per-kernel device time inside one op call (torch profiler): which launch of a multi-kernel op
-(sparse_attn main + combine, hc_pre partial + finish, index_topk scores + select levels) takes the
+(sparse_attn main + combine, hc_pre partial + finish, index_topk scores + select levels, the
+experts' gate-up + down with --only moe) takes the
 time. L2 is warm (back-to-back calls), so this is the kernels' execution chain, not HBM.
 Usage: python3 bench/kernel_times.py [--json FILE] [--only NAME] [--plain]"""
 
@@ -59,6 +60,16 @@ def main() -> None:
         cases[f"index_topk T={T} C=32768"] = lambda qi=qi, w=w, keys=keys, cand=cand: (
             indexer.index_topk(qi, w, keys, cand, 512)
         )
+    if "moe" in ns.only:  # routed experts at Flash sizes (256 MXFP4 experts, k=6): 3.4 GB
+        from dsv4.bench.cases_moe import random_experts
+        from dsv4.ops import moe
+
+        experts = random_experts(4096, 2048, 256, "cuda")
+        for T in (16, 64):
+            idx = torch.rand(T, 256, generator=g, device="cuda").argsort(-1)[:, :6]
+            wts = torch.rand(T, 6, generator=g, device="cuda") / 6
+            xm = torch.randn(T, 4096, generator=g, device="cuda").to(bf)
+            cases[f"moe T={T}"] = lambda a=(xm, wts, idx, experts): moe.moe_experts(*a)
     out = {}
     for name, f in cases.items():
         if ns.only not in name:

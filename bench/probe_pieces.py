@@ -1079,9 +1079,8 @@ def probe_moe_sm90() -> None:
     experts = _moe_experts()
     copy_floor("copy_ 128 MiB", 128 << 20)
     default = dict(moe_sm90.CONFIG)
-    tiles = [default, {**default, "NUM_BUF": 3}, {**default, "NUM_BUF": 6},
-             {**default, "BLOCK_K": 128}, {**default, "BLOCK_K": 128, "NUM_BUF": 8},
-             {**default, "BLOCK_M": 16}, {**default, "BLOCK_N": 128, "num_warps": 8}]  # fmt: skip
+    tiles = [default, {**default, "NUM_BUF": 2}, {**default, "NUM_BUF": 4},
+             {**default, "BLOCK_M": 16}]  # fmt: skip
     for T in (1, 2, 4, 8, 16, 32, 64):
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)

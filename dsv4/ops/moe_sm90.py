@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF x tiles in shared memory (NUM_BUF - 1 in flight)
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 4, "num_warps": 4}
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 3, "num_warps": 4}
 # the pair counts this kernel takes (below: the GEMV form; above: prefill, tl.dot_scaled)
 MIN_PAIRS = 1
 MAX_PAIRS = 2047
