@@ -20,7 +20,10 @@ a static bound, so the grids are static and blocks past the real count exit at o
   _moe_down_kernel     per (row-block, D tile): h rows times decoded W2^T; out [T*k, D] in x.dtype
                        (the reference's w2 output dtype), summed over the k slots in fp32 by torch.
 
-The codes are decoded one of three ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
+On an sm_90 GPU, from moe_sm90.MIN_PAIRS to moe_sm90.MAX_PAIRS pairs of bf16 x, the Gluon kernels of
+`dsv4.ops.moe_sm90` run instead (the codes decoded by inline PTX straight into the wgmma register
+operand; 1.74x tl.dot_scaled at batch 64 on an H200). Otherwise the codes are decoded one of three
+ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
 weights times the scale, then x.dtype) into a tensor-core dot; for bf16/fp16 x on a GPU from
 DOT_SCALED_MIN_PAIRS pairs, by `tl.dot_scaled` on the packed codes (the compiler's decode, exact in
 bf16; fewer instructions per weight, which bound these kernels); or, on a GPU up to GEMV_MAX_PAIRS

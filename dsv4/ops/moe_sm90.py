@@ -48,11 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
-# BLOCK_M pairs per row-block (wgmma N), NUM_BUF x tiles in shared memory (NUM_BUF - 1 in flight)
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 3, "num_warps": 4}
-# the pair counts this kernel takes (below: the GEMV form; above: prefill, tl.dot_scaled)
-MIN_PAIRS = 1
-MAX_PAIRS = 2047
+# BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
+# (NUM_BUF - 1 in flight). H200 (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 /
+# 64: 251.5 / 426.8 / 1019.5 us, against 301.5 (GEMV form) / 749.4 / 1774.8 (tl.dot_scaled);
+# NUM_BUF 3 and 4 took 11-21% longer (fewer programs per SM), BLOCK_M 16 5-27%
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4}
+# the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
+# 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
+MIN_PAIRS = 7
+MAX_PAIRS = 512
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
 SCALE_MIN, SCALE_MAX = 58, 191
