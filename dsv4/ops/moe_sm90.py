@@ -52,7 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # (NUM_BUF - 1 in flight). H200 (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 /
 # 64: 251.5 / 426.8 / 1019.5 us, against 301.5 (GEMV form) / 749.4 / 1774.8 (tl.dot_scaled);
 # NUM_BUF 3 and 4 took 11-21% longer (fewer programs per SM), BLOCK_M 16 5-27%
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4}
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "OVERLAP": True,
+          "num_warps": 4}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
 # 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
 MIN_PAIRS = 7
@@ -63,6 +64,23 @@ SCALE_MIN, SCALE_MAX = 58, 191
 W1, W3, W2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # rows of the address table
 S1, S3, S2 = gl.constexpr(3), gl.constexpr(4), gl.constexpr(5)
 TWO_63 = gl.constexpr(9.223372036854775808e18)  # 2^63: undoes the decode's 2^-63
+
+
+def _planes(i0: int, src: str, out0: int) -> list[str]:
+    # code planes i0..i0+3 of the 16-bit halves of `src` (codes 0-3 of each word) -> $out0..: the
+    # sign to bit 15 and e1 e0 m to bits 8..6, times f (2^(S - 64) in both halves)
+    lines = []
+    for j in range(4):
+        to_sign, to_mag = 12 - 4 * j, 6 - 4 * j  # bit 4j+3 -> 15 ; bits 4j..4j+2 -> 6..8
+        lines += [
+            f"shl.b32 u, {src}, {to_sign};" if to_sign else f"mov.b32 u, {src};",
+            f"shl.b32 v, {src}, {to_mag};" if to_mag > 0 else f"shr.b32 v, {src}, {-to_mag};",
+            "and.b32 u, u, 0x80008000;",
+            "and.b32 v, v, 0x01C001C0;",
+            "or.b32 u, u, v;",
+            f"mul.rn.bf16x2 ${out0 + j}, u, f;",
+        ]
+    return lines
 
 
 def _decode_asm() -> str:
@@ -78,21 +96,32 @@ def _decode_asm() -> str:
         "and.b32 f, f, 0x00FF00FF;",
         "shl.b32 f, f, 7;",  # bf16x2 2^(S - 64): exponent field S + 63 in both halves
     ]
-    for i in range(8):
-        src, j = ("lo" if i < 4 else "hi"), i % 4
-        to_sign, to_mag = 12 - 4 * j, 6 - 4 * j  # bit 4j+3 -> 15 ; bits 4j..4j+2 -> 6..8
-        lines += [
-            f"shl.b32 u, {src}, {to_sign};" if to_sign else f"mov.b32 u, {src};",
-            f"shl.b32 v, {src}, {to_mag};" if to_mag > 0 else f"shr.b32 v, {src}, {-to_mag};",
-            "and.b32 u, u, 0x80008000;",
-            "and.b32 v, v, 0x01C001C0;",
-            "or.b32 u, u, v;",
-            f"mul.rn.bf16x2 ${i}, u, f;",
-        ]
-    return "\n".join(lines + ["}"])
+    return "\n".join(lines + _planes(0, "lo", 0) + _planes(4, "hi", 4) + ["}"])
+
+
+def _scale_asm() -> str:
+    # $2, $4: the row's scale words (+ 63 per byte) ; $6: the group selector (as _decode_asm)
+    # -> $0 (and $1, the pair's other word): bf16x2 2^(S - 64)
+    return "\n".join([
+        "{",
+        "prmt.b32 $0, $2, $4, $6;",
+        "and.b32 $0, $0, 0x00FF00FF;",
+        "shl.b32 $0, $0, 7;",
+        "mov.b32 $1, $0;",
+        "}",
+    ])  # fmt: skip
+
+
+def _half_asm(half: int) -> str:
+    # $4, $5: words w, w+1 ; $6: f (`_scale_asm`) -> $0..$3: code planes 4 half .. 4 half + 3
+    sel = "0x5410" if half == 0 else "0x7632"
+    lines = ["{", ".reg .b32 src, u, v, f;", f"prmt.b32 src, $4, $5, {sel};", "mov.b32 f, $6;"]
+    return "\n".join(lines + _planes(4 * half, "src", 0) + ["}"])
 
 
 DECODE_ASM = gl.constexpr(_decode_asm())
+SCALE_ASM = gl.constexpr(_scale_asm())
+HALF_ASM_LO, HALF_ASM_HI = gl.constexpr(_half_asm(0)), gl.constexpr(_half_asm(1))
 SCALE_BIAS = gl.constexpr(0x3F3F3F3F)  # 63 added to each scale byte (no carries: S + 63 <= 254)
 
 
@@ -117,15 +146,82 @@ def _mma_step(words, sc, sel, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN2
         [words, lo[:, None], hi[:, None], sel[None, :]], dtype=(gl.bfloat16,) * 8,
         is_pure=True, pack=2,
     )  # fmt: skip
-    acc = warpgroup_mma(a0, xs.slice(0 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a1, xs.slice(1 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a2, xs.slice(2 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a3, xs.slice(3 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a4, xs.slice(4 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a5, xs.slice(5 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a6, xs.slice(6 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a7, xs.slice(7 * BK8, BK8, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = _mma4((a0, a1, a2, a3), xs, 0, acc, BK8)
+    acc = _mma4((a4, a5, a6, a7), xs, 4, acc, BK8)
     return acc, (a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@gluon.jit
+def _scale_f(sc, sel):  # noqa: ANN001, ANN202
+    # each word's 2^(S - 64) as bf16x2 bits (int32), for `_half`
+    lo, hi = sc
+    return gl.inline_asm_elementwise(
+        SCALE_ASM, "=r,=r,r,r,r,r,r,r", [lo[:, None], hi[:, None], sel[None, :]],
+        dtype=gl.int32, is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _half(words, f, HALF: gl.constexpr):  # noqa: ANN001, ANN202
+    # code planes 4 HALF .. 4 HALF + 3 of the words, scaled
+    if HALF == 0:
+        return gl.inline_asm_elementwise(
+            HALF_ASM_LO, "=r,=r,=r,=r,r,r,r,r", [words, f], dtype=(gl.bfloat16,) * 4,
+            is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        return gl.inline_asm_elementwise(
+            HALF_ASM_HI, "=r,=r,=r,=r,r,r,r,r", [words, f], dtype=(gl.bfloat16,) * 4,
+            is_pure=True, pack=2,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _mma4(p, xs, i0: gl.constexpr, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
+    # acc += planes i0..i0+3 times their x slices (async)
+    acc = warpgroup_mma(p[0], xs.slice((i0 + 0) * BK8, BK8, dim=1).permute((1, 0)), acc,
+                        is_async=True)  # fmt: skip
+    acc = warpgroup_mma(p[1], xs.slice((i0 + 1) * BK8, BK8, dim=1).permute((1, 0)), acc,
+                        is_async=True)  # fmt: skip
+    acc = warpgroup_mma(p[2], xs.slice((i0 + 2) * BK8, BK8, dim=1).permute((1, 0)), acc,
+                        is_async=True)  # fmt: skip
+    acc = warpgroup_mma(p[3], xs.slice((i0 + 3) * BK8, BK8, dim=1).permute((1, 0)), acc,
+                        is_async=True)  # fmt: skip
+    return acc
+
+
+@gluon.jit
+def _wait4(n: gl.constexpr, acc, p):  # noqa: ANN001, ANN202
+    # at most n MMAs in flight; the 4 planes they read stay alive until then
+    return warpgroup_mma_wait(n, deps=[acc, p[0], p[1], p[2], p[3]])[0]
+
+
+@gluon.jit
+def _overlapped(wa, sc_a, wb, sc_b, sel, xs, acc_a, acc_b, a_l: gl.constexpr,
+                GATE_UP: gl.constexpr, BK8: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # one step with each half-matrix's MMAs in flight while the next half decodes: A.lo, A.hi,
+    # (wait A.lo) B.lo, (wait A.hi) B.hi, wait all. At most 8 planes (64 registers) live
+    words_a = wa.load(a_l)
+    f_a = _scale_f(sc_a, sel)
+    pl = _half(words_a, f_a, 0)
+    acc_a = _mma4(pl, xs, 0, acc_a, BK8)
+    ph = _half(words_a, f_a, 1)
+    acc_a = _mma4(ph, xs, 4, acc_a, BK8)
+    if GATE_UP:
+        acc_a = _wait4(4, acc_a, pl)
+        words_b = wb.load(a_l)
+        f_b = _scale_f(sc_b, sel)
+        ql = _half(words_b, f_b, 0)
+        acc_b = _mma4(ql, xs, 0, acc_b, BK8)
+        acc_a = _wait4(4, acc_a, ph)
+        qh = _half(words_b, f_b, 1)
+        acc_b = _mma4(qh, xs, 4, acc_b, BK8)
+        acc_b = warpgroup_mma_wait(0, deps=[acc_b, ql[0], ql[1], ql[2], ql[3], qh[0], qh[1],
+                                            qh[2], qh[3]])[0]  # fmt: skip
+    else:
+        acc_a = warpgroup_mma_wait(0, deps=[acc_a, pl[0], pl[1], pl[2], pl[3], ph[0], ph[1],
+                                            ph[2], ph[3]])[0]  # fmt: skip
+    return acc_a, acc_b
 
 
 @gluon.jit
@@ -175,6 +271,7 @@ def _experts_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
+    OVERLAP: gl.constexpr,  # each half-matrix's MMAs in flight while the next half decodes
 ):
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
     # BLOCK_M x BLOCK_N
@@ -266,12 +363,17 @@ def _experts_kernel(
                wb_ptrs, BLOCK_K, GATE_UP)  # fmt: skip
         cur = step % NUM_BUF
         xs = x_smem.index(cur)
-        # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
-        acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
-        acc_a = _wait(acc_a, planes)
-        if GATE_UP:
-            acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, BK8)
-            acc_b = _wait(acc_b, planes)
+        if OVERLAP:
+            acc_a, acc_b = _overlapped(wa_smem.index(cur), sa_k, wb_smem.index(cur),
+                                       sb_k if GATE_UP else None, sel, xs, acc_a, acc_b, a_l,
+                                       GATE_UP, BK8)  # fmt: skip
+        else:  # one matrix at a time: its 8 code planes live until its MMAs are done
+            acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
+            acc_a = _wait(acc_a, planes)
+            if GATE_UP:
+                acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b,
+                                          BK8)  # fmt: skip
+                acc_b = _wait(acc_b, planes)
     cp.wait_group(0)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
@@ -370,7 +472,7 @@ def _launch(
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
-        num_warps=CONFIG["num_warps"],
+        OVERLAP=CONFIG["OVERLAP"], num_warps=CONFIG["num_warps"],
     )  # fmt: skip
 
 
