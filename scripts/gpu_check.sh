@@ -52,12 +52,8 @@ for part in $PARTS; do
       step_ab dsv4.ops.moe GEMV_MAX_PAIRS "0 48" 1,2,4,8 4096 gemv ;;
     gemv_limit_ab)  # decode step at batch 16 (96 pairs): the experts' dot_scaled form vs GEMV
       step_ab dsv4.ops.moe GEMV_MAX_PAIRS "48 128" 16 4096 gemv_limit ;;
-    sm90_ab)  # decode step: the experts' Triton kernels (sm90 off) vs the Gluon sm_90 kernels,
-      # without and with each half-matrix's MMAs overlapping the next half's decode
-      b=${SM90_BATCH:-1,2,4,8,16,32,64}
-      step_run "import dsv4.ops.moe_sm90 as m; m.MAX_PAIRS = 0" $b 4096 sm90_off
-      step_run "import dsv4.ops.moe_sm90 as m; m.CONFIG['OVERLAP'] = False" $b 4096 sm90_on
-      step_run "import dsv4.ops.moe_sm90 as m; m.CONFIG['OVERLAP'] = True" $b 4096 sm90_overlap ;;
+    sm90_ab)  # decode step: the experts' Triton kernels (sm90 off) vs the Gluon sm_90 kernels
+      step_ab dsv4.ops.moe_sm90 MAX_PAIRS "0 512" ${SM90_BATCH:-1,2,4,8,16,32,64} 4096 sm90 ;;
     moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
       # 256-wide tiles (0) vs the default (1)
       step_run "import dsv4.ops.moe as m; m.GEMV_CONFIG_ONE = dict(m.GEMV_CONFIG_ONE, BLOCK_K=256, PREFETCH=False); m.GEMV_CONFIG = dict(m.GEMV_CONFIG, BLOCK_N=32, BLOCK_K=256)" 1,2,4,8 4096 moe_tiles0

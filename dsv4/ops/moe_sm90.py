@@ -1,36 +1,42 @@
 """Routed experts for Hopper (sm_90) in Gluon: MXFP4 weights decoded in registers straight into the
 wgmma A operand.
 
-  experts(x, rw, rows, blk, experts, table, topk) -> out [T*k, D] x.dtype, each pair's w2 output
-  (the launcher `dsv4.ops.moe.moe_experts` sums the k slots; `supported` says when this applies)
+  experts(x, rw, rows, blk, table, topk, I, limit) -> [T*k, D] bf16, each (token, slot) pair's
+  expert output (the launcher `dsv4.ops.moe.moe_experts` sums the k slots and decides when this
+  applies: `supported`, `scales_in_range`)
 
 Why a second kernel: `tl.dot_scaled` and the Triton kernels' own decode spend ~8 instructions per
 weight turning e2m1 codes into a tensor-core operand (docs/PERF.md, eighth session), and at decode
-batches every weight meets only a few rows, so the experts are bound by instruction issue at ~1.4
+batches every weight meets only a few rows, so the experts were bound by instruction issue at ~1.4
 TB/s. Triton cannot keep a decoded operand in the registers wgmma reads (it goes through shared
 memory); Gluon states the layout.
 
 Swap AB: out^T [BN, BM] = W [BN, K] . x^T [K, BM]. The BN weight rows of one expert are the
-register operand A (DotOperandLayout of the wgmma layout, so each thread loads exactly the words
-it decodes); the row-block's BM (token, slot) pairs are operand B, gathered by cp.async into
-shared memory NUM_BUF - 1 steps ahead.
+register operand A (the DotOperandLayout of the wgmma layout); the row-block's BM (token, slot)
+pairs are operand B. Per BK-column step, cp.async brings x's rows and the weight words (32-bit, 8
+codes each; shared memory swizzled so the A-layout reads fall on distinct banks) NUM_BUF - 1 steps
+ahead; each row's e8m0 scales of a step (one int32 word per 4 groups of 32 columns) load two steps
+ahead into registers.
 
 Decode. The checkpoint packs column c of a weight row as nibble c % 8 of 32-bit word c // 8 (low
 nibble first). Two words (w, w+1) sit in one thread's consecutive registers; one inline-PTX block
 makes, for i = 0..7, a bf16x2 of code i of both: the sign to bit 15 and e1 e0 m to bits 8..6, which
 is the e2m1 value times 2^-126 (the code 0.5 lands on a bf16 subnormal), times 2^(S - 64) for the
-words' e8m0 scale S (words w, w+1 share their 32-column group). That is the weight times 2^-63,
-exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by 2^63. About 2.7
-instructions per weight (2 shifts, 2 masks, 1 multiply per two weights, plus the byte shuffles).
+words' e8m0 scale S (words w, w+1 share their 32-column group; a prmt picks its byte). That is the
+weight times 2^-63, exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by
+2^63. Compiled for sm_90a the down kernel's loop is 507 SASS instructions a step per thread, 3.96
+per weight: 2.8 the decode (2 shifts, 2 masks and 1 multiply per two weights, plus the byte
+shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64): 57% (gate-up) and 71% (down)
+of issue slots busy, 3 and 4 programs per SM (registers, shared memory).
 
 The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
 permuted once per call within each BK-column block (`permute_columns`: column 8w + i moves to
 i * BK/8 + w) and operand B of A_i is one contiguous [BM, BK/8] slice. The gate-up kernel writes
 h in the down kernel's permuted order, so the down kernel gathers plain rows.
 
-No CPU path: Gluon has no interpreter. `tests/ops/test_moe.py` checks the column permutations and a
-torch model of the decode's bit arithmetic on the CPU, and the kernels against the reference on
-the GPU.
+No CPU path: Gluon has no interpreter. `tests/ops/test_moe_sm90.py` checks the column permutations
+and runs the decode's PTX in a small interpreter against `quant.dequant_mxfp4` on the CPU; on an
+sm_90 GPU it reads every weight back bit for bit and checks the kernels against the reference.
 """
 
 from __future__ import annotations
@@ -50,10 +56,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
 # (NUM_BUF - 1 in flight). H200 (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 /
-# 64: 251.5 / 426.8 / 1019.5 us, against 301.5 (GEMV form) / 749.4 / 1774.8 (tl.dot_scaled);
-# NUM_BUF 3 and 4 took 11-21% longer (fewer programs per SM), BLOCK_M 16 5-27%
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "OVERLAP": True,
-          "num_warps": 4}  # fmt: skip
+# 64: 252.8 / 427.5 / 1016.4 us, against 302.0 (GEMV form) / 750.2 / 1775.8 (tl.dot_scaled).
+# Slower there: NUM_BUF 3 / 4 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8
+# warps, and each half-matrix's MMAs left in flight while the next half decodes (+7-20%: the
+# gate-up kernel's registers 166 -> 183, 2 programs per SM instead of 3)
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4}
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
 # 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
 MIN_PAIRS = 7
@@ -99,29 +106,7 @@ def _decode_asm() -> str:
     return "\n".join(lines + _planes(0, "lo", 0) + _planes(4, "hi", 4) + ["}"])
 
 
-def _scale_asm() -> str:
-    # $2, $4: the row's scale words (+ 63 per byte) ; $6: the group selector (as _decode_asm)
-    # -> $0 (and $1, the pair's other word): bf16x2 2^(S - 64)
-    return "\n".join([
-        "{",
-        "prmt.b32 $0, $2, $4, $6;",
-        "and.b32 $0, $0, 0x00FF00FF;",
-        "shl.b32 $0, $0, 7;",
-        "mov.b32 $1, $0;",
-        "}",
-    ])  # fmt: skip
-
-
-def _half_asm(half: int) -> str:
-    # $4, $5: words w, w+1 ; $6: f (`_scale_asm`) -> $0..$3: code planes 4 half .. 4 half + 3
-    sel = "0x5410" if half == 0 else "0x7632"
-    lines = ["{", ".reg .b32 src, u, v, f;", f"prmt.b32 src, $4, $5, {sel};", "mov.b32 f, $6;"]
-    return "\n".join(lines + _planes(4 * half, "src", 0) + ["}"])
-
-
 DECODE_ASM = gl.constexpr(_decode_asm())
-SCALE_ASM = gl.constexpr(_scale_asm())
-HALF_ASM_LO, HALF_ASM_HI = gl.constexpr(_half_asm(0)), gl.constexpr(_half_asm(1))
 SCALE_BIAS = gl.constexpr(0x3F3F3F3F)  # 63 added to each scale byte (no carries: S + 63 <= 254)
 
 
@@ -152,31 +137,6 @@ def _mma_step(words, sc, sel, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN2
 
 
 @gluon.jit
-def _scale_f(sc, sel):  # noqa: ANN001, ANN202
-    # each word's 2^(S - 64) as bf16x2 bits (int32), for `_half`
-    lo, hi = sc
-    return gl.inline_asm_elementwise(
-        SCALE_ASM, "=r,=r,r,r,r,r,r,r", [lo[:, None], hi[:, None], sel[None, :]],
-        dtype=gl.int32, is_pure=True, pack=2,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _half(words, f, HALF: gl.constexpr):  # noqa: ANN001, ANN202
-    # code planes 4 HALF .. 4 HALF + 3 of the words, scaled
-    if HALF == 0:
-        return gl.inline_asm_elementwise(
-            HALF_ASM_LO, "=r,=r,=r,=r,r,r,r,r", [words, f], dtype=(gl.bfloat16,) * 4,
-            is_pure=True, pack=2,
-        )  # fmt: skip
-    else:
-        return gl.inline_asm_elementwise(
-            HALF_ASM_HI, "=r,=r,=r,=r,r,r,r,r", [words, f], dtype=(gl.bfloat16,) * 4,
-            is_pure=True, pack=2,
-        )  # fmt: skip
-
-
-@gluon.jit
 def _mma4(p, xs, i0: gl.constexpr, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
     # acc += planes i0..i0+3 times their x slices (async)
     acc = warpgroup_mma(p[0], xs.slice((i0 + 0) * BK8, BK8, dim=1).permute((1, 0)), acc,
@@ -188,40 +148,6 @@ def _mma4(p, xs, i0: gl.constexpr, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN
     acc = warpgroup_mma(p[3], xs.slice((i0 + 3) * BK8, BK8, dim=1).permute((1, 0)), acc,
                         is_async=True)  # fmt: skip
     return acc
-
-
-@gluon.jit
-def _wait4(n: gl.constexpr, acc, p):  # noqa: ANN001, ANN202
-    # at most n MMAs in flight; the 4 planes they read stay alive until then
-    return warpgroup_mma_wait(n, deps=[acc, p[0], p[1], p[2], p[3]])[0]
-
-
-@gluon.jit
-def _overlapped(wa, sc_a, wb, sc_b, sel, xs, acc_a, acc_b, a_l: gl.constexpr,
-                GATE_UP: gl.constexpr, BK8: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # one step with each half-matrix's MMAs in flight while the next half decodes: A.lo, A.hi,
-    # (wait A.lo) B.lo, (wait A.hi) B.hi, wait all. At most 8 planes (64 registers) live
-    words_a = wa.load(a_l)
-    f_a = _scale_f(sc_a, sel)
-    pl = _half(words_a, f_a, 0)
-    acc_a = _mma4(pl, xs, 0, acc_a, BK8)
-    ph = _half(words_a, f_a, 1)
-    acc_a = _mma4(ph, xs, 4, acc_a, BK8)
-    if GATE_UP:
-        acc_a = _wait4(4, acc_a, pl)
-        words_b = wb.load(a_l)
-        f_b = _scale_f(sc_b, sel)
-        ql = _half(words_b, f_b, 0)
-        acc_b = _mma4(ql, xs, 0, acc_b, BK8)
-        acc_a = _wait4(4, acc_a, ph)
-        qh = _half(words_b, f_b, 1)
-        acc_b = _mma4(qh, xs, 4, acc_b, BK8)
-        acc_b = warpgroup_mma_wait(0, deps=[acc_b, ql[0], ql[1], ql[2], ql[3], qh[0], qh[1],
-                                            qh[2], qh[3]])[0]  # fmt: skip
-    else:
-        acc_a = warpgroup_mma_wait(0, deps=[acc_a, pl[0], pl[1], pl[2], pl[3], ph[0], ph[1],
-                                            ph[2], ph[3]])[0]  # fmt: skip
-    return acc_a, acc_b
 
 
 @gluon.jit
@@ -271,7 +197,6 @@ def _experts_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
-    OVERLAP: gl.constexpr,  # each half-matrix's MMAs in flight while the next half decodes
 ):
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
     # BLOCK_M x BLOCK_N
@@ -363,17 +288,12 @@ def _experts_kernel(
                wb_ptrs, BLOCK_K, GATE_UP)  # fmt: skip
         cur = step % NUM_BUF
         xs = x_smem.index(cur)
-        if OVERLAP:
-            acc_a, acc_b = _overlapped(wa_smem.index(cur), sa_k, wb_smem.index(cur),
-                                       sb_k if GATE_UP else None, sel, xs, acc_a, acc_b, a_l,
-                                       GATE_UP, BK8)  # fmt: skip
-        else:  # one matrix at a time: its 8 code planes live until its MMAs are done
-            acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
-            acc_a = _wait(acc_a, planes)
-            if GATE_UP:
-                acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b,
-                                          BK8)  # fmt: skip
-                acc_b = _wait(acc_b, planes)
+        # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
+        acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
+        acc_a = _wait(acc_a, planes)
+        if GATE_UP:
+            acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, BK8)
+            acc_b = _wait(acc_b, planes)
     cp.wait_group(0)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
@@ -472,7 +392,7 @@ def _launch(
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
-        OVERLAP=CONFIG["OVERLAP"], num_warps=CONFIG["num_warps"],
+        num_warps=CONFIG["num_warps"],
     )  # fmt: skip
 
 
