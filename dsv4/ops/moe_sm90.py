@@ -26,7 +26,7 @@ words' e8m0 scale S (words w, w+1 share their 32-column group; a prmt picks its 
 weight times 2^-63, exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by
 2^63. Compiled for sm_90a the down kernel's loop is 507 SASS instructions a step per thread, 3.96
 per weight: 2.8 the decode (2 shifts, 2 masks and 1 multiply per two weights, plus the byte
-shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64): 57% (gate-up) and 71% (down)
+shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64, NUM_BUF 3): 57% (gate-up) and 71% (down)
 of issue slots busy, 3 and 4 programs per SM (registers, shared memory).
 
 The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
