@@ -264,11 +264,15 @@ def test_bench_cases_quick() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["dot", "dot_scaled", "gemv"])
-@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("path", ["dot", "dot_scaled", "gemv", "sm90"])
+@pytest.mark.parametrize("T", [1, 8, 16, 64])
 def test_moe_experts_flash_gpu(T: int, path: str) -> None:
     # Flash sizes D=4096, inter=2048; 32 experts (memory), k=6, bf16, against ref on the GPU
+    # (sm90: the Gluon kernels of dsv4.ops.moe_sm90, on an sm_90 GPU)
     from dsv4.bench.cases_moe import random_experts
+
+    if path == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 experts need an sm_90 GPU")
 
     D, I, E, k = 4096, 2048, 32, 6  # noqa: E741
     experts = random_experts(D, I, E, "cuda", seed=T)
@@ -277,8 +281,9 @@ def test_moe_experts_flash_gpu(T: int, path: str) -> None:
     weights = torch.rand(T, k, generator=g, device="cuda") / k
     x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
     y = moe.moe_experts(
-        x, weights, idx, experts, dot_scaled=path == "dot_scaled", gemv=path == "gemv"
-    )
+        x, weights, idx, experts, dot_scaled=path == "dot_scaled", gemv=path == "gemv",
+        sm90=path == "sm90",
+    )  # fmt: skip
     want = ref.moe_experts(x, weights, idx, experts)
     want32 = ref.moe_experts(x.float(), weights, idx, experts)
     assert y.dtype == torch.float32 and y.shape == (T, D)
