@@ -1099,27 +1099,6 @@ def probe_moe_sm90() -> None:
     moe_sm90.CONFIG = default
 
 
-def probe_moe_split() -> None:
-    # the sm90 experts at batch 1-8 with K split across programs (SPLIT_PROGRAMS per SM; 0: no
-    # split) against the GEMV form
-    from dsv4.ops import moe, moe_sm90
-
-    experts = _moe_experts()
-    default = moe_sm90.SPLIT_PROGRAMS
-    for T in (1, 2, 4, 8):
-        x, weights, idx, nbytes = _moe_tokens(T, experts)
-        want = ref.moe_experts(x, weights, idx, experts)
-        variants = [("gemv", dict(gemv=True), default)]
-        variants += [(f"sm90 SPLIT_PROGRAMS={sp}", dict(sm90=True), sp) for sp in (0, 4, 8, 16)]
-        for name, kw, sp in variants:
-            moe_sm90.SPLIT_PROGRAMS = sp
-            got = moe.moe_experts(x, weights, idx, experts, **kw)
-            err = float((got - want).norm() / want.norm())
-            us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
-               nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
-    moe_sm90.SPLIT_PROGRAMS = default
-
-
 def probe_linear() -> None:
     # FP8 projections at decode batches: the tensor-core form against the GEMV form (tile rows x
     # K splits x scale blocks a step; default: the launcher's pick), GB/s on the weight bytes,
@@ -1193,7 +1172,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_split": probe_moe_split, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

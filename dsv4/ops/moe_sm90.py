@@ -53,8 +53,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.ops.device import arrival_counts, num_sms
-
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
 # (NUM_BUF - 1 in flight). H200 (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 /
@@ -67,9 +65,6 @@ CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps"
 # 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
 MIN_PAIRS = 7
 MAX_PAIRS = 512
-# small launches split K across programs up to this many programs per SM (0: never split)
-SPLIT_PROGRAMS = 4
-MAX_SPLIT_TILES = 1 << 16  # output tiles of a split launch (the arrival counts are shared)
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
 SCALE_MIN, SCALE_MAX = 58, 191
@@ -189,15 +184,12 @@ def _experts_kernel(
     wbase_ptr,  # int8: expert 0's w1 weight
     sbase_ptr,  # uint8: expert 0's w1 scale
     out_ptr,  # gate-up: h [P, N] bf16, columns permuted for the down kernel ; down: out [P, N]
-    ws_ptr,  # SPLIT: fp32 partial sums [n_splits, tiles, 2, BLOCK_N, BLOCK_M]
-    count_ptr,  # SPLIT: int32 arrivals per (row-block, N tile), 0 between launches
     N,
     K,
     E,
     limit,
     stride_xt,
     stride_ot,
-    n_splits,  # programs along K per output tile (grid axis 2)
     GATE_UP: gl.constexpr,  # W1 and W3 with the SwiGLU epilogue, else W2
     TOPK: gl.constexpr,  # gate-up: pair p reads x row p // TOPK
     H_BK: gl.constexpr,  # gate-up: the down kernel's BLOCK_K (h's column order)
@@ -205,17 +197,14 @@ def _experts_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
-    SPLIT: gl.constexpr,  # n_splits > 1: each program sums K / n_splits columns, the last to
-    # arrive adds the partials (in split order) and runs the epilogue
 ):
-    # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each (K / n_splits of them),
-    # + BLOCK_M x rows ; write BLOCK_M x BLOCK_N
+    # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
+    # BLOCK_M x BLOCK_N
     NW: gl.constexpr = gl.num_warps()
     BK8: gl.constexpr = BLOCK_K // 8
     SW: gl.constexpr = BLOCK_K // 128
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
-    pid_s = gl.program_id(2)
     e = gl.load(blk_ptr + pid_m)
     if e < 0:
         return
@@ -253,19 +242,17 @@ def _experts_kernel(
         wa = wbase_ptr + gl.load(tbl_ptr + W2 * E + e) * 16
         sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
         wb, sb = wa, sa
-    n_steps = K // BLOCK_K // n_splits  # this program's columns: k_begin + [0, n_steps BLOCK_K)
-    k_begin = pid_s * n_steps * BLOCK_K
-    w_tile = offs_gn[:, None] * words_per_row + (k_begin // 8 + offs_gw)[None, :]
+    w_tile = offs_gn[:, None] * words_per_row + offs_gw[None, :]
     wa_ptrs = wa.to(gl.pointer_type(gl.int32)) + w_tile
     wb_ptrs = wb.to(gl.pointer_type(gl.int32)) + w_tile
-    sa_row = sa.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128) + k_begin // 128
-    sb_row = sb.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128) + k_begin // 128
+    sa_row = sa.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
+    sb_row = sb.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
 
     offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
     offs_gk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_l))
     pair_g = gl.load(rows_ptr + pid_m * BLOCK_M + offs_gm)
     x_row = gl.maximum(pair_g, 0) // TOPK  # TOPK = 1 in the down kernel
-    x_ptrs = x_ptr + x_row.to(gl.int64)[:, None] * stride_xt + (k_begin + offs_gk)[None, :]
+    x_ptrs = x_ptr + x_row.to(gl.int64)[:, None] * stride_xt + offs_gk[None, :]
     x_ok = (pair_g >= 0)[:, None]
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
     wa_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
@@ -275,6 +262,7 @@ def _experts_kernel(
         wb_smem = wa_smem
 
     # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales two steps ahead in registers
+    n_steps = K // BLOCK_K
     for pb in gl.static_range(NUM_BUF - 1):
         _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptrs, x_ok, wa_ptrs, wb_ptrs,
                BLOCK_K, GATE_UP)  # fmt: skip
@@ -308,37 +296,12 @@ def _experts_kernel(
             acc_b = _wait(acc_b, planes)
     cp.wait_group(0)
 
-    offs_bn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    finish = pid_s == 0  # this program runs the epilogue (with SPLIT: the last to arrive)
-    if SPLIT:
-        # store the partials, count the arrival; the last program of the tile sums all partials
-        # in split order (deterministic) through L2 and resets the count for the next launch
-        tile = pid_m * gl.num_programs(1) + pid_n
-        tiles = gl.num_programs(0) * gl.num_programs(1)
-        at = offs_bn[:, None] * BLOCK_M + offs_om[None, :]
-        TILE: gl.constexpr = BLOCK_N * BLOCK_M
-        part = ws_ptr + (pid_s * tiles + tile).to(gl.int64) * (2 * TILE)
-        gl.store(part + at, acc_a)
-        if GATE_UP:
-            gl.store(part + TILE + at, acc_b)
-        gl.thread_barrier()  # every thread's partial is stored before the release below
-        finish = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == n_splits - 1
-        if finish:
-            acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-            acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-            for sp in range(n_splits):
-                part = ws_ptr + (sp * tiles + tile).to(gl.int64) * (2 * TILE)
-                acc_a += gl.load(part + at, cache_modifier=".cg")
-                if GATE_UP:
-                    acc_b += gl.load(part + TILE + at, cache_modifier=".cg")
-            gl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
-
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
-    offs_on = pid_n * BLOCK_N + offs_bn
+    offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     pair = gl.load(rows_ptr + pid_m * BLOCK_M + offs_om)
     pair_ok = pair >= 0
-    ok = pair_ok[None, :] & (offs_on < N)[:, None] & finish
+    ok = pair_ok[None, :] & (offs_on < N)[:, None]
     pair = gl.maximum(pair, 0).to(gl.int64)
     a = _round_bf16(acc_a * TWO_63)
     if GATE_UP:
@@ -410,18 +373,6 @@ def supported(x: torch.Tensor, pairs: int, D: int, I: int, unit: int) -> bool:  
     )
 
 
-def splits(pairs: int, n_experts: int, N: int, K: int, device: torch.device) -> int:
-    """Programs along K per output tile: doubled while the launch (about min(pairs, experts)
-    row-blocks x N / BLOCK_N tiles) stays within SPLIT_PROGRAMS per SM and each keeps >= 2 steps."""
-    bn, bk = CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
-    programs = min(pairs, n_experts) * (N // bn)
-    target = SPLIT_PROGRAMS * num_sms(device)
-    s = 1
-    while programs * 2 * s <= target and K % (2 * s * bk) == 0 and K // (2 * s) >= 2 * bk:
-        s *= 2
-    return s
-
-
 def _launch(
     gate_up: bool,
     x: torch.Tensor,
@@ -435,20 +386,12 @@ def _launch(
 ) -> None:  # noqa: ANN001
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
     bm, bn, bk = CONFIG["BLOCK_M"], CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
-    N, K, E = out.shape[1], x.shape[1], table.offs.shape[1]
+    N, K = out.shape[1], x.shape[1]
     assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
-    grid = (blk.numel(), N // bn, splits(rw.numel(), E, N, K, x.device))
-    tiles = grid[0] * grid[1]
-    if grid[2] > 1:
-        assert tiles <= MAX_SPLIT_TILES, f"{tiles} output tiles > {MAX_SPLIT_TILES}"
-        ws = torch.empty(grid[2] * tiles * 2 * bn * bm, dtype=torch.float32, device=x.device)
-        counts = arrival_counts("moe_sm90", x.device, MAX_SPLIT_TILES)
-    else:
-        ws = counts = out  # unused
-    _experts_kernel[grid](
-        x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, ws, counts, N, K, E,
-        float(limit), x.stride(0), out.stride(0), grid[2], GATE_UP=gate_up, TOPK=topk, H_BK=bk,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"], SPLIT=grid[2] > 1,
+    _experts_kernel[(blk.numel(), N // bn)](
+        x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
+        float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
         num_warps=CONFIG["num_warps"],
     )  # fmt: skip
 

@@ -10,7 +10,6 @@ import torch
 
 from dsv4 import quant
 from dsv4.ops import moe, moe_sm90, ref
-from dsv4.ops.device import arrival_counts
 
 from .test_moe import _experts, _rel, _routing
 
@@ -214,26 +213,3 @@ def test_gpu_dispatch_and_out_of_range_scales() -> None:
     y = moe.moe_experts(x, weights, idx, experts)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < 1e-2, _rel(y, want)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("split_programs", [0, 64])
-def test_gpu_split_k(split_programs: int, monkeypatch) -> None:  # noqa: ANN001
-    # K split across programs (the last to arrive sums the partials and runs the epilogue), twice
-    # in a row: the arrival counts reset; no split (0) gives the same outputs up to summation order
-    D, I, E, k, T = 2048, 1024, 5, 2, 3  # noqa: E741
-    monkeypatch.setattr(moe_sm90, "SPLIT_PROGRAMS", split_programs)
-    dev = torch.device("cuda")
-    assert moe_sm90.splits(T * k, E, I, D, dev) == (4 if split_programs else 1)  # gate-up
-    assert moe_sm90.splits(T * k, E, D, I, dev) == (2 if split_programs else 1)  # down
-    experts = _experts(D, I, E, seed=9, device="cuda")
-    weights, idx = _routing(T, k, E, False, seed=4)
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    weights, idx = weights.cuda(), idx.cuda()
-    want = ref.moe_experts(x, weights, idx, experts)
-    for _ in range(2):
-        y = moe.moe_experts(x, weights, idx, experts, sm90=True)
-        assert _rel(y, want) < 1e-2, _rel(y, want)
-    counts = arrival_counts("moe_sm90", x.device, moe_sm90.MAX_SPLIT_TILES)
-    assert int(counts.abs().sum()) == 0
