@@ -706,9 +706,7 @@ def _sm90(x: torch.Tensor, pairs: int, D: int, I: int, table: ExpertTable,  # no
         return False
     from dsv4.ops import moe_sm90
 
-    return moe_sm90.supported(x, pairs, D, I, table.unit) and moe_sm90.scales_in_range(
-        experts, _probe(experts)
-    )
+    return moe_sm90.supported(x, pairs, D, I, table.unit) and moe_sm90.scales_in_range(experts)
 
 
 def _fp4(experts: torch.nn.ModuleList) -> bool:

@@ -73,9 +73,9 @@ S1, S3, S2 = gl.constexpr(3), gl.constexpr(4), gl.constexpr(5)
 TWO_63 = gl.constexpr(9.223372036854775808e18)  # 2^63: undoes the decode's 2^-63
 
 
-def _planes(i0: int, src: str, out0: int) -> list[str]:
-    # code planes i0..i0+3 of the 16-bit halves of `src` (codes 0-3 of each word) -> $out0..: the
-    # sign to bit 15 and e1 e0 m to bits 8..6, times f (2^(S - 64) in both halves)
+def _planes(src: str, out0: int) -> list[str]:
+    # the 4 codes of each 16-bit half of `src` -> $out0 .. $out0+3, one bf16x2 per code: the sign
+    # to bit 15 and e1 e0 m to bits 8..6, times f (2^(S - 64) in both halves)
     lines = []
     for j in range(4):
         to_sign, to_mag = 12 - 4 * j, 6 - 4 * j  # bit 4j+3 -> 15 ; bits 4j..4j+2 -> 6..8
@@ -103,7 +103,7 @@ def _decode_asm() -> str:
         "and.b32 f, f, 0x00FF00FF;",
         "shl.b32 f, f, 7;",  # bf16x2 2^(S - 64): exponent field S + 63 in both halves
     ]
-    return "\n".join(lines + _planes(0, "lo", 0) + _planes(4, "hi", 4) + ["}"])
+    return "\n".join(lines + _planes("lo", 0) + _planes("hi", 4) + ["}"])
 
 
 DECODE_ASM = gl.constexpr(_decode_asm())
@@ -340,8 +340,17 @@ def permuted_column(c: torch.Tensor | int, block_k: int):  # noqa: ANN201
 _SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def scales_in_range(experts: torch.nn.ModuleList, probe: tuple) -> bool:
-    """Every e8m0 scale of the experts lies in [SCALE_MIN, SCALE_MAX]."""
+def _scale_probe(experts: torch.nn.ModuleList) -> tuple:
+    # where the first and last experts' scales lie and their version counters: an expert set
+    # moved, replaced or written in place (a checkpoint load, `init_random_`) is checked again
+    first, last = experts[0].w1.scale, experts[-1].w2.scale
+    return len(experts), first.data_ptr(), last.data_ptr(), first._version, last._version
+
+
+def scales_in_range(experts: torch.nn.ModuleList) -> bool:
+    """Every e8m0 scale of the experts lies in [SCALE_MIN, SCALE_MAX] (cached per expert set; a
+    write into the scales of an expert other than the first and the last one goes unnoticed)."""
+    probe = _scale_probe(experts)
     hit = _SCALES.get(experts)
     if hit is not None and hit[0] == probe:
         return hit[1]

@@ -129,6 +129,21 @@ def test_decode_ptx_is_the_reference_dequantization() -> None:
             assert torch.equal(got, want), f"plane {i}, word {word}: {got[:4]} vs {want[:4]}"
 
 
+def test_scales_in_range_notices_writes() -> None:
+    # the check is cached per expert set and redone after an in-place write to the scales (the
+    # version counters of the first / last expert's scales), as after a checkpoint load
+    experts = _experts(64, 32, 3, seed=1)
+    assert moe_sm90.scales_in_range(experts)
+    last = experts[-1].w2.scale.view(torch.uint8)
+    keep = int(last[0, 0])
+    last[0, 0] = moe_sm90.SCALE_MAX + 1
+    assert not moe_sm90.scales_in_range(experts)
+    last[0, 0] = moe_sm90.SCALE_MIN - 1
+    assert not moe_sm90.scales_in_range(experts)
+    last[0, 0] = keep
+    assert moe_sm90.scales_in_range(experts)
+
+
 def test_not_on_cpu() -> None:
     x = torch.zeros(2, 512, dtype=torch.bfloat16)
     assert not moe_sm90.supported(x, 12, 512, 256, 16)
@@ -203,13 +218,12 @@ def test_gpu_dispatch_and_out_of_range_scales() -> None:
     weights, idx = _routing(T, k, E, False, seed=2)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
     weights, idx = weights.cuda(), idx.cuda()
-    probe = moe._probe(experts)
-    assert moe_sm90.scales_in_range(experts, probe)
+    assert moe_sm90.scales_in_range(experts)
     y = moe.moe_experts(x, weights, idx, experts)
     assert torch.equal(y, moe.moe_experts(x, weights, idx, experts, sm90=True))
-    experts[1].w3.scale.view(torch.uint8)[0, 0] = moe_sm90.SCALE_MAX + 1
-    moe_sm90._SCALES.pop(experts)
-    assert not moe_sm90.scales_in_range(experts, probe)
+    # written in place (as a checkpoint load would): noticed without clearing the cache
+    experts[-1].w2.scale.view(torch.uint8)[0, 0] = moe_sm90.SCALE_MAX + 1
+    assert not moe_sm90.scales_in_range(experts)
     y = moe.moe_experts(x, weights, idx, experts)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < 1e-2, _rel(y, want)
