@@ -701,12 +701,17 @@ def gemv_config(pairs: int, D: int, I: int) -> dict:  # noqa: E741
 
 def _sm90(x: torch.Tensor, pairs: int, D: int, I: int, table: ExpertTable,  # noqa: E741
           experts: torch.nn.ModuleList) -> bool:  # fmt: skip
-    # the Gluon kernels of `moe_sm90` apply (checked cheaply first; the scales once per expert set)
+    # the Gluon kernels of `moe_sm90` by default: they can run, the pair count is in their range
+    # and every scale in theirs (checked once per expert set)
     if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
         return False
     from dsv4.ops import moe_sm90
 
-    return moe_sm90.supported(x, pairs, D, I, table.unit) and moe_sm90.scales_in_range(experts)
+    return (
+        moe_sm90.MIN_PAIRS <= pairs <= moe_sm90.MAX_PAIRS
+        and moe_sm90.supported(x, D, I, table.unit)
+        and moe_sm90.scales_in_range(experts)
+    )
 
 
 def _fp4(experts: torch.nn.ModuleList) -> bool:
@@ -768,6 +773,14 @@ def moe_experts(
     if sm90:
         from dsv4.ops import moe_sm90  # Gluon (no interpreter): Hopper GPUs only
 
+        assert moe_sm90.supported(x, D, I, table.unit), (
+            f"sm90 experts: need an sm_90 GPU, bf16 x, dim / inter multiples of "
+            f"{moe_sm90.CONFIG['BLOCK_K']} and 16-byte aligned experts (x {x.dtype} on {x.device}, "
+            f"dim {D}, inter {I}, alignment {table.unit})"
+        )
+        assert moe_sm90.scales_in_range(experts), (
+            f"sm90 experts: an e8m0 scale outside [{moe_sm90.SCALE_MIN}, {moe_sm90.SCALE_MAX}]"
+        )
         rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
         return out.view(T, k, D).float().sum(1)

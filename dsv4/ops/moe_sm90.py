@@ -365,21 +365,14 @@ def scales_in_range(experts: torch.nn.ModuleList) -> bool:
     return ok
 
 
-def supported(x: torch.Tensor, pairs: int, D: int, I: int, unit: int) -> bool:  # noqa: E741
-    """This kernel applies: an sm_90 GPU, bf16 x, MIN_PAIRS..MAX_PAIRS pairs, widths that BLOCK_K
-    and BLOCK_N divide, every expert tensor 16-byte aligned (the caller checks the scales)."""
+def supported(x: torch.Tensor, D: int, I: int, unit: int) -> bool:  # noqa: E741
+    """These kernels can run: an sm_90 GPU, bf16 x, widths that BLOCK_K and BLOCK_N divide, every
+    expert tensor 16-byte aligned. (Whether they should: MIN_PAIRS..MAX_PAIRS pairs and
+    `scales_in_range`, decided by `moe.moe_experts`.)"""
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     bk, bn = CONFIG["BLOCK_K"], CONFIG["BLOCK_N"]
-    return (
-        x.dtype == torch.bfloat16
-        and MIN_PAIRS <= pairs <= MAX_PAIRS
-        and D % bk == 0
-        and I % bk == 0
-        and D % bn == 0
-        and I % bn == 0
-        and unit == 16
-    )
+    return x.dtype == torch.bfloat16 and D % bk == I % bk == D % bn == I % bn == 0 and unit == 16
 
 
 def _launch(

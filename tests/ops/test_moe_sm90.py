@@ -145,8 +145,13 @@ def test_scales_in_range_notices_writes() -> None:
 
 
 def test_not_on_cpu() -> None:
+    # not by default on the CPU, and asked for there a clear error rather than a launch
     x = torch.zeros(2, 512, dtype=torch.bfloat16)
-    assert not moe_sm90.supported(x, 12, 512, 256, 16)
+    assert not moe_sm90.supported(x, 512, 256, 16)
+    experts = _experts(512, 256, 3, seed=2)
+    weights, idx = _routing(2, 2, 3, False)
+    with pytest.raises(AssertionError, match="sm_90 GPU"):
+        moe.moe_experts(x, weights, idx, experts, sm90=True)
 
 
 # ---------------------------------------------------------------------------------------------
