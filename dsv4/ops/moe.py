@@ -22,7 +22,7 @@ a static bound, so the grids are static and blocks past the real count exit at o
 
 On an sm_90 GPU, from moe_sm90.MIN_PAIRS to moe_sm90.MAX_PAIRS pairs of bf16 x, the Gluon kernels of
 `dsv4.ops.moe_sm90` run instead (the codes decoded by inline PTX straight into the wgmma register
-operand; 1.74x tl.dot_scaled at batch 64 on an H200). Otherwise the codes are decoded one of three
+operand; 1.81x tl.dot_scaled at batch 64 on an H200). Otherwise the codes are decoded one of three
 ways: by the kernels' own bit decode (`_mxfp4_tile`: fp32
 weights times the scale, then x.dtype) into a tensor-core dot; for bf16/fp16 x on a GPU from
 DOT_SCALED_MIN_PAIRS pairs, by `tl.dot_scaled` on the packed codes (the compiler's decode, exact in
