@@ -10,7 +10,8 @@ cleared), against the fixed cost of any launch measured the same way:
     region; gather / tma_gather: the floor of the access pattern (rows gathered and summed, no
     math; ld.global / cp.async, or one TMA copy per row);
   - index_floor: the indexer's key reads with no math (contiguous, paged, TMA pages);
-  - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles.
+  - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles; moe_sm90: the
+    Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64.
 Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
 
 from __future__ import annotations
