@@ -63,7 +63,7 @@ def round_bf16(y):
 
 
 @triton.jit
-def _exp2i(e):
+def exp2i(e):
     # int32 e (-126 <= e <= 127) -> fp32 2^e, exactly
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
@@ -88,7 +88,7 @@ def store_entries(
     is_nope = cols < nope
     a = tl.where(is_nope[None, :], tl.abs(y), 0.0)
     e = _scale_exponent(tl.max(tl.reshape(a, (BLOCK_R, NB, SB)), axis=2))  # [BR, NB]
-    inv = _exp2i(-e)
+    inv = exp2i(-e)
     inv = tl.reshape(tl.broadcast_to(inv[:, :, None], (BLOCK_R, NB, SB)), (BLOCK_R, BLOCK_D))
     q = tl.minimum(tl.maximum(y * inv, -E4M3_MAX), E4M3_MAX)
     base = dst_ptr + row_off
@@ -132,7 +132,7 @@ def load_entries(rows, valid, c0, d, nope, BLOCK_N: tl.constexpr, BLOCK_C: tl.co
         other=127,
     ).to(tl.int32)  # S: the block's scale is 2^(S - 127), S >= 105
     v = decode_codes(codes, DECODE)
-    scale = _exp2i(s - 127)
+    scale = exp2i(s - 127)
     v = tl.reshape(tl.reshape(v, (BLOCK_N, NB, SB)) * scale[:, :, None], (BLOCK_N, BLOCK_C))
     out = tl.where(is_nope[None, :], v, (rope.to(tl.int32) << 16).to(tl.float32, bitcast=True))
     return out
@@ -147,9 +147,9 @@ def store_index_keys(codes_ptr, scale_ptr, y, d, BLOCK_D: tl.constexpr):
     # codes_ptr (the row's first code) and its scale (2^e, fp32) at scale_ptr
     cols = tl.arange(0, BLOCK_D)
     e = _scale_exponent(tl.max(tl.where((cols < d)[None, :], tl.abs(y), 0.0), axis=1))  # [1]
-    q = tl.minimum(tl.maximum(y * _exp2i(-e)[:, None], -E4M3_MAX), E4M3_MAX)
+    q = tl.minimum(tl.maximum(y * exp2i(-e)[:, None], -E4M3_MAX), E4M3_MAX)
     tl.store(codes_ptr + cols[None, :], _e4m3_encode(q), mask=(cols < d)[None, :])
-    tl.store(scale_ptr + tl.zeros([1], tl.int32), _exp2i(e))
+    tl.store(scale_ptr + tl.zeros([1], tl.int32), exp2i(e))
 
 
 def decode_mode(device: torch.device) -> int:

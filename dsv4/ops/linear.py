@@ -28,7 +28,7 @@ import triton.language as tl
 
 from dsv4.ops import ref
 from dsv4.ops.device import arrival_counts, num_sms, split_reduction
-from dsv4.ops.kv_fp8 import decode_codes, decode_mode
+from dsv4.ops.kv_fp8 import decode_codes, decode_mode, exp2i
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
@@ -42,15 +42,9 @@ GEMV_TILES = ((8192, (64, 1)), (0, (8, 8)))
 
 
 @triton.jit
-def _e8m0(s):
-    # UE8M0 scale bytes (as int32, 1..254) -> fp32 2^(s - 127): the fp32 bits s << 23
-    return (s << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _block_scale(s_rows, k0, r_ok):
-    # the block scales of the rows' 128-blocks at column k0
-    return _e8m0(tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32))
+    # the UE8M0 block scales 2^(s - 127) of the rows' 128-blocks at column k0
+    return exp2i(tl.load(s_rows + k0 // 128, mask=r_ok, other=127).to(tl.int32) - 127)
 
 
 @triton.jit
@@ -127,7 +121,7 @@ def _fp8_linear_kernel(
             # behind the math, and twice the codes are in flight
             w = decode_codes(w_next, DECODE)
             xk = x_next.to(tl.float32)
-            scale = _e8m0(s_next)
+            scale = exp2i(s_next - 127)  # UE8M0 2^(s - 127)
             w_next, x_next, s_next = _gemv_step(
                 w_at, x_at, s_at, k0 + BLOCK_K * STEP, k_end, r_ok, BLOCK_K, STEP
             )

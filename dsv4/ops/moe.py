@@ -701,11 +701,11 @@ def gemv_config(pairs: int, D: int, I: int) -> dict:  # noqa: E741
 
 def _sm90(x: torch.Tensor, pairs: int, D: int, I: int, table: ExpertTable,  # noqa: E741
           experts: torch.nn.ModuleList) -> bool:  # fmt: skip
-    # the Gluon kernels of `moe_sm90` by default: they can run, the pair count is in their range
-    # and every scale in theirs (checked once per expert set)
-    if not (x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0)):
+    # the Gluon kernels of `moe_sm90` by default: they can run (an sm_90 GPU, ...), the pair count
+    # is in their range and every scale in theirs (checked once per expert set)
+    if not x.is_cuda:
         return False
-    from dsv4.ops import moe_sm90
+    from dsv4.ops import moe_sm90  # Gluon (no interpreter): Hopper GPUs only
 
     return (
         moe_sm90.MIN_PAIRS <= pairs <= moe_sm90.MAX_PAIRS
