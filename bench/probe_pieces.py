@@ -1080,16 +1080,31 @@ def probe_moe_sm90() -> None:
     experts = _moe_experts()
     copy_floor("copy_ 128 MiB", 128 << 20)
     default = dict(moe_sm90.CONFIG)
-    tiles = [default, {**default, "NUM_BUF": 3}, {**default, "BLOCK_M": 16}]
+    tiles = [
+        default,
+        {**default, "maxnreg": (None, None)},
+        {**default, "maxnreg": (128, 96)},
+        {**default, "maxnreg": (96, 96)},
+        {**default, "NUM_BUF": 3},
+        {**default, "BLOCK_M": 16},
+    ]
+    kernel = moe_sm90._experts_kernel
+    try:  # the previous kernel, when a run puts it beside this one (bench/moe_sm90_prev.py)
+        import moe_sm90_prev  # noqa: PLC0415
+
+        tiles.append({**default, "maxnreg": (None, None), "prev": moe_sm90_prev._experts_kernel})
+    except ImportError:
+        pass
     for T in (1, 2, 4, 8, 16, 32, 64):
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
         variants = [("dot_scaled", dict(dot_scaled=True, gemv=False), None)]
         if T * 6 <= 64:
             variants.append(("gemv", dict(gemv=True), None))
-        variants += [(f"sm90 {t}", dict(sm90=True), t) for t in tiles]
+        variants += [(f"sm90 {'prev' if 'prev' in t else t}", dict(sm90=True), t) for t in tiles]
         for name, kw, tile in variants:
             moe_sm90.CONFIG = dict(tile or default)
+            moe_sm90._experts_kernel = moe_sm90.CONFIG.pop("prev", kernel)
             try:
                 got = moe.moe_experts(x, weights, idx, experts, **kw)
                 err = float((got - want).norm() / want.norm())
@@ -1098,6 +1113,7 @@ def probe_moe_sm90() -> None:
             except Exception as e:  # noqa: BLE001  (a tile that does not compile / fit)
                 print(f"moe T={T} {name}: {type(e).__name__} {str(e)[:120]}", flush=True)
     moe_sm90.CONFIG = default
+    moe_sm90._experts_kernel = kernel
 
 
 def probe_linear() -> None:

@@ -15,8 +15,9 @@ Swap AB: out^T [BN, BM] = W [BN, K] . x^T [K, BM]. The BN weight rows of one exp
 register operand A (the DotOperandLayout of the wgmma layout); the row-block's BM (token, slot)
 pairs are operand B. Per BK-column step, cp.async brings x's rows and the weight words (32-bit, 8
 codes each; shared memory swizzled so the A-layout reads fall on distinct banks) NUM_BUF - 1 steps
-ahead; each row's e8m0 scales of a step (one int32 word per 4 groups of 32 columns) load two steps
-ahead into registers.
+ahead; each row's e8m0 scales of a step (one int32 word per 4 groups of 32 columns) load one step
+ahead into registers. Addresses are scalar bases plus 32-bit offsets, which keeps the gate-up
+kernel under the 128 registers that let 4 programs share an SM.
 
 Decode. The checkpoint packs column c of a weight row as nibble c % 8 of 32-bit word c // 8 (low
 nibble first). Two words (w, w+1) sit in one thread's consecutive registers; one inline-PTX block
@@ -24,10 +25,10 @@ makes, for i = 0..7, a bf16x2 of code i of both: the sign to bit 15 and e1 e0 m 
 is the e2m1 value times 2^-126 (the code 0.5 lands on a bf16 subnormal), times 2^(S - 64) for the
 words' e8m0 scale S (words w, w+1 share their 32-column group; a prmt picks its byte). That is the
 weight times 2^-63, exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by
-2^63. Compiled for sm_90a the down kernel's loop is 507 SASS instructions a step per thread, 3.96
+2^63. Compiled for sm_90a the down kernel's loop is 518 SASS instructions a step per thread, 4.05
 per weight: 2.8 the decode (2 shifts, 2 masks and 1 multiply per two weights, plus the byte
-shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64, NUM_BUF 3): 57% (gate-up) and 71% (down)
-of issue slots busy, 3 and 4 programs per SM (registers, shared memory).
+shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64, NUM_BUF 3, before the
+register cap): 57% (gate-up) and 71% (down) of issue slots busy, 3 and 4 programs per SM.
 
 The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
 permuted once per call within each BK-column block (`permute_columns`: column 8w + i moves to
@@ -55,12 +56,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
-# (NUM_BUF - 1 in flight). H200 (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 /
-# 64: 252.8 / 427.5 / 1016.4 us, against 302.0 (GEMV form) / 750.2 / 1775.8 (tl.dot_scaled).
-# Slower there: NUM_BUF 3 / 4 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8
-# warps, and each half-matrix's MMAs left in flight while the next half decodes (+7-20%: the
-# gate-up kernel's registers 166 -> 183, 2 programs per SM instead of 3)
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4}
+# (NUM_BUF - 1 in flight); maxnreg: a register cap for (gate-up, down). H200
+# (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 / 64: 246.7 / 411.5 / 964.2 us,
+# against 300.9 (GEMV form) / 748.7 / 1773.3 (tl.dot_scaled). Uncapped, the gate-up kernel takes
+# 139 registers and 3 programs fit an SM (251.1 / 425.1 / 1012.3 us); at 128 it fits 4 with no
+# spills (ptxas -v, sm_90a). Slower: a cap of 96 (5 programs, 60-156 B of spills: +20-33%),
+# NUM_BUF 3 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8 warps, and each
+# half-matrix's MMAs left in flight while the next half decodes (+7-20%: more registers)
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
+          "maxnreg": (128, 128)}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
 # 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
 MIN_PAIRS = 7
@@ -111,11 +115,11 @@ SCALE_BIAS = gl.constexpr(0x3F3F3F3F)  # 63 added to each scale byte (no carries
 
 
 @gluon.jit
-def _scales(s_row, step, SW: gl.constexpr):  # noqa: ANN001, ANN202
+def _scales(s_base, s_offs, step, SW: gl.constexpr):  # noqa: ANN001, ANN202
     # the step's scale bytes of each row (SW int32 words: 4 groups of 32 columns each) + 63 each
-    lo = gl.load(s_row + step * SW) + SCALE_BIAS
+    lo = gl.load((s_base + step * SW) + s_offs) + SCALE_BIAS
     if SW == 2:
-        hi = gl.load(s_row + step * SW + 1) + SCALE_BIAS
+        hi = gl.load((s_base + step * SW + 1) + s_offs) + SCALE_BIAS
     else:
         hi = lo
     return lo, hi
@@ -162,15 +166,17 @@ def _round_bf16(v):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _issue(x_smem, wa_smem, wb_smem, b, step, n_steps, x_ptrs, x_ok, wa_ptrs, wb_ptrs,
+def _issue(x_smem, wa_smem, wb_smem, b, step, n_steps, x_ptr, x_offs, x_ok, wa, wb, w_tile,
            BLOCK_K: gl.constexpr, GATE_UP: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
     # step `step`'s x tile and weight words into buffer b by cp.async, one commit group (past the
-    # last step the last step's again: the group count stays uniform)
+    # last step the last step's again: the group count stays uniform). Addresses are scalar bases
+    # plus 32-bit offsets: 64-bit pointer tensors held across the loop cost the gate-up kernel
+    # ~20 registers
     k = gl.minimum(step, n_steps - 1)
-    cp.async_copy_global_to_shared(x_smem.index(b), x_ptrs + k * BLOCK_K, mask=x_ok)
-    cp.async_copy_global_to_shared(wa_smem.index(b), wa_ptrs + k * (BLOCK_K // 8))
+    cp.async_copy_global_to_shared(x_smem.index(b), (x_ptr + k * BLOCK_K) + x_offs, mask=x_ok)
+    cp.async_copy_global_to_shared(wa_smem.index(b), (wa + k * (BLOCK_K // 8)) + w_tile)
     if GATE_UP:
-        cp.async_copy_global_to_shared(wb_smem.index(b), wb_ptrs + k * (BLOCK_K // 8))
+        cp.async_copy_global_to_shared(wb_smem.index(b), (wb + k * (BLOCK_K // 8)) + w_tile)
     cp.commit_group()
 
 
@@ -243,16 +249,17 @@ def _experts_kernel(
         sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
         wb, sb = wa, sa
     w_tile = offs_gn[:, None] * words_per_row + offs_gw[None, :]
-    wa_ptrs = wa.to(gl.pointer_type(gl.int32)) + w_tile
-    wb_ptrs = wb.to(gl.pointer_type(gl.int32)) + w_tile
-    sa_row = sa.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
-    sb_row = sb.to(gl.pointer_type(gl.int32)) + offs_n * (K // 128)
+    wa = wa.to(gl.pointer_type(gl.int32))
+    wb = wb.to(gl.pointer_type(gl.int32))
+    sa = sa.to(gl.pointer_type(gl.int32))
+    sb = sb.to(gl.pointer_type(gl.int32))
+    s_offs = offs_n * (K // 128)
 
     offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
     offs_gk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_l))
     pair_g = gl.load(rows_ptr + pid_m * BLOCK_M + offs_gm)
     x_row = gl.maximum(pair_g, 0) // TOPK  # TOPK = 1 in the down kernel
-    x_ptrs = x_ptr + x_row.to(gl.int64)[:, None] * stride_xt + offs_gk[None, :]
+    x_offs = x_row[:, None] * stride_xt + offs_gk[None, :]
     x_ok = (pair_g >= 0)[:, None]
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
     wa_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
@@ -264,28 +271,26 @@ def _experts_kernel(
     # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales two steps ahead in registers
     n_steps = K // BLOCK_K
     for pb in gl.static_range(NUM_BUF - 1):
-        _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptrs, x_ok, wa_ptrs, wb_ptrs,
-               BLOCK_K, GATE_UP)  # fmt: skip
-    sa0 = _scales(sa_row, 0, SW)
-    sa1 = _scales(sa_row, gl.minimum(1, n_steps - 1), SW)
-    sb0 = _scales(sb_row, 0, SW)
-    sb1 = _scales(sb_row, gl.minimum(1, n_steps - 1), SW)
+        _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptr, x_offs, x_ok, wa, wb,
+               w_tile, BLOCK_K, GATE_UP)  # fmt: skip
+    sa0 = _scales(sa, s_offs, 0, SW)
+    sb0 = _scales(sb, s_offs, 0, SW)
     acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
 
     for step in range(n_steps):
-        s2 = gl.minimum(step + 2, n_steps - 1)
-        sa_k, sa0, sa1 = sa0, sa1, _scales(sa_row, s2, SW)
+        s1 = gl.minimum(step + 1, n_steps - 1)
+        sa_k, sa0 = sa0, _scales(sa, s_offs, s1, SW)
         if GATE_UP:
-            sb_k, sb0, sb1 = sb0, sb1, _scales(sb_row, s2, SW)
+            sb_k, sb0 = sb0, _scales(sb, s_offs, s1, SW)
         # step's tiles landed for every thread; every warp is past step - 1's MMAs and reads, so
         # its buffer takes step + NUM_BUF - 1
         cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
         nxt = step + NUM_BUF - 1
-        _issue(x_smem, wa_smem, wb_smem, nxt % NUM_BUF, nxt, n_steps, x_ptrs, x_ok, wa_ptrs,
-               wb_ptrs, BLOCK_K, GATE_UP)  # fmt: skip
+        _issue(x_smem, wa_smem, wb_smem, nxt % NUM_BUF, nxt, n_steps, x_ptr, x_offs, x_ok, wa,
+               wb, w_tile, BLOCK_K, GATE_UP)  # fmt: skip
         cur = step % NUM_BUF
         xs = x_smem.index(cur)
         # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
@@ -390,11 +395,14 @@ def _launch(
     bm, bn, bk = CONFIG["BLOCK_M"], CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
     N, K = out.shape[1], x.shape[1]
     assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
+    # the kernel's x and weight offsets are 32-bit
+    assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
+    cap = CONFIG["maxnreg"][0 if gate_up else 1]
     _experts_kernel[(blk.numel(), N // bn)](
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
-        num_warps=CONFIG["num_warps"],
+        num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
 
