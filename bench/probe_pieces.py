@@ -1144,6 +1144,40 @@ def probe_linear() -> None:
                        lambda t=(bn, sp, step): run(t, True), nbytes=N * K)  # fmt: skip
 
 
+def probe_linear_sm90() -> None:
+    # FP8 projections at decode batches: the Gluon sm_90 kernel against the Triton tensor-core
+    # form (and the GEMV form at one row), GB/s on the weight bytes, beside a copy of them
+    from dsv4.bench.cases_linear import FLASH, _fp8_weight
+    from dsv4.ops import linear, linear_sm90
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    default = dict(linear_sm90.CONFIG)
+    tiles = [default] + [
+        {**default, "BLOCK_N": bn, "NUM_BUF": nb, "NUM_BUF_WIDE": nb}
+        for bn, nb in ((64, 2), (64, 4), (64, 6), (128, 3), (128, 4))
+    ]  # fmt: skip
+    for name, N, K, G in FLASH:
+        w, s = _fp8_weight(N, K, "cuda", g)
+        copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
+        for T in (1, 2, 8, 16, 32, 64):
+            x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
+            want = linear._fp8_grouped(x, w, s, gemv=False, sm90=False).float()
+            forms = [("dot", dict(gemv=False, sm90=False), None)]
+            forms += [
+                (f"sm90 {t['BLOCK_N']}x{t['NUM_BUF']}/{t['NUM_BUF_WIDE']}", dict(sm90=True), t)
+                for t in tiles
+            ]
+            if T == 1:
+                forms.append(("gemv", dict(gemv=True, sm90=False), None))
+            for form, kw, tile in forms:
+                linear_sm90.CONFIG = dict(tile or default)
+                got = linear._fp8_grouped(x, w, s, **kw).float()
+                err = float((got - want).norm() / want.norm())
+                us(f"linear {name} T={T} {form}", lambda kw=kw: linear._fp8_grouped(x, w, s, **kw),  # noqa: B023
+                   nbytes=N * K, note=f" of weight bytes, rel diff vs dot {err:.1e}")  # fmt: skip
+    linear_sm90.CONFIG = default
+
+
 @contextlib.contextmanager
 def _pdl(on: bool):  # noqa: ANN202
     # programmatic dependent launch on / off in the ops that use it (bench-only switch)
@@ -1189,7 +1223,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

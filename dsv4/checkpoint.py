@@ -282,6 +282,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
         stem = name[: -len("weight")]
         extra = {s: shards.get(stem + s) for s in SCALE_SUFFIXES.get(spec.fmt, ())}
         consumed.update(stem + s for s in extra)
+        for key, t in ((name, tensor), *((stem + s, t) for s, t in extra.items())):
+            _check_nan_codes(key, t)
         if name not in params:
             raise CheckpointError(f"checkpoint tensor {name} has no model parameter")
         target = params[name]
@@ -320,6 +322,21 @@ def _dequant(
         return quant.dequant_nvfp4(t, s1, s2, dtype)
     except ValueError as e:
         raise CheckpointError(f"tensor {name}: {e}") from None
+
+
+def _check_nan_codes(name: str, t: torch.Tensor) -> None:
+    # the NaN encodings of the stored 8-bit formats (e4m3 0x7F / 0xFF, e8m0 0xFF): the kernels that
+    # decode codes with bit operations would read them as finite weights
+    if t.dtype == torch.float8_e4m3fn:
+        bad = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        what = "e4m3 NaN codes"
+    elif t.dtype == torch.float8_e8m0fnu:
+        bad = int((t.view(torch.uint8) == 0xFF).sum())
+        what = "e8m0 NaN scales (255)"
+    else:
+        return
+    if bad:
+        raise CheckpointError(f"tensor {name}: {bad} {what}")
 
 
 def _copy(params: dict[str, torch.Tensor], name: str, t: torch.Tensor, written: set[str]) -> None:

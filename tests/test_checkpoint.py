@@ -127,6 +127,27 @@ def test_refuses_scale_of_wrong_shape(good: Path, tmp_path: Path):
         _load(d)
 
 
+def _read(d: Path, name: str) -> torch.Tensor:
+    index = json.loads((d / INDEX_FILE).read_text())
+    with safe_open(d / index["weight_map"][name], "pt") as f:
+        return f.get_tensor(name)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("suffix,bad", [("weight", 0x7F), ("weight", 0xFF), ("scale", 0xFF)])
+def test_refuses_nan_codes(good: Path, tmp_path: Path, quantized: bool, suffix: str, bad: int):
+    # e4m3 NaN codes in an FP8 weight and the e8m0 NaN scale: refused, whether the weights are kept
+    # packed (kernels decode them with bit operations) or dequantized
+    key = f"layers.0.attn.wkv.{suffix}"
+    d = _copy(good, tmp_path)
+    t = _read(d, key).clone()
+    t.view(torch.uint8).view(-1)[-1] = bad
+    _rewrite(d, key, t)
+    what = "e4m3 NaN codes" if suffix == "weight" else r"e8m0 NaN scales \(255\)"
+    with pytest.raises(CheckpointError, match=rf"{key}: 1 {what}"):
+        load_checkpoint(Transformer(ARGS, quantized=quantized), d, progress=False)
+
+
 def test_refuses_missing_tensor(good: Path, tmp_path: Path):
     d = _copy(good, tmp_path)
     _rewrite(d, "layers.2.attn.compressor.ape", None)

@@ -18,6 +18,10 @@ programs: each writes an fp32 partial and counts itself in (an atomic per output
 split of a tile sums the partials in split order (deterministic) and writes the outputs, so there
 is no second launch. Larger batches (prefill chunks) keep the reference: dequantized once per call
 and amortised over many rows by cuBLAS; so do fp32 activations on a GPU (checking runs).
+
+On an sm_90 GPU the weights of 16 MB and more (wq_b, wo_a, wo_b, the shared expert's joined w1 /
+w3) take the Gluon kernel of `dsv4.ops.linear_sm90` at 1..64 rows instead: the codes decoded in
+registers straight into the wgmma operand.
 """
 
 from __future__ import annotations
@@ -173,10 +177,13 @@ def _fp8_grouped(
     scale: torch.Tensor,
     tiles: tuple[int, ...] | None = None,
     gemv: bool | None = None,
+    sm90: bool | None = None,
 ) -> torch.Tensor:
     """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
     tiles: force (BLOCK_N, K splits[, GEMV step]) instead of the heuristic; gemv: force the GEMV
-    form on or off (default: up to GEMV_MAX_ROWS rows) -- knobs for bench/probe_pieces.py linear."""
+    form on or off (default: up to GEMV_MAX_ROWS rows); sm90: the Gluon kernel of `linear_sm90`
+    on or off (default: where it applies and no other knob is set) -- knobs for
+    bench/probe_pieces.py linear."""
     M, G, K = x.shape
     N = weight.shape[0]
     assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
@@ -194,6 +201,17 @@ def _fp8_grouped(
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
+    if sm90 is None:
+        sm90 = tiles is None and gemv is None and _sm90(x, weight, G)
+    if sm90:
+        from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only
+
+        assert linear_sm90.supported(x, weight, G), (
+            f"sm90 linear: needs an sm_90 GPU, bf16 x of 1..{linear_sm90.MAX_ROWS} rows, K a "
+            f"multiple of {linear_sm90.BLOCK_K} and {linear_sm90.CONFIG['BLOCK_N']}-row groups "
+            f"(x {x.dtype} {tuple(x.shape)} on {x.device}, weight {tuple(weight.shape)})"
+        )
+        return linear_sm90.fp8_grouped(x, weight, scale)
     gemv = M <= GEMV_MAX_ROWS if gemv is None else gemv
     sms = num_sms(x.device)
     if gemv:  # a row of x per program; tiles: GEMV_TILES by the weight's rows
@@ -229,6 +247,18 @@ def _fp8_grouped(
         num_warps=4, num_stages=4 if on_gpu and not gemv else 1,
     )  # fmt: skip
     return y
+
+
+def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    # the Gluon kernel of `linear_sm90` by default: a weight of MIN_WEIGHT_BYTES or more, where it
+    # can run (an sm_90 GPU, bf16 x, the widths)
+    if x.device.type != "cuda":  # the CPU path does not import Gluon
+        return False
+    from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only
+
+    return weight.numel() >= linear_sm90.MIN_WEIGHT_BYTES and linear_sm90.supported(
+        x, weight, groups
+    )
 
 
 def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:

@@ -11,6 +11,7 @@ import torch
 from dsv4 import quant
 from dsv4.ops import moe, moe_sm90, ref
 
+from .ptx import bf16_bits_to_float, run_ptx
 from .test_moe import _experts, _rel, _routing
 
 # ---------------------------------------------------------------------------------------------
@@ -31,71 +32,6 @@ def test_permuted_columns(block_k: int) -> None:
     assert xp[0, block_k + i * (block_k // 8) + w] == x[0, block_k + 8 * w + i]
 
 
-def _bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def _run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    # the instructions the decode uses, on uint32 arrays (PTX ISA semantics)
-    env = dict(regs)
-
-    def val(tok: str) -> np.ndarray:
-        tok = tok.strip()
-        return (
-            env[tok]
-            if tok in env
-            else np.uint32(int(tok, 0)) + np.zeros_like(next(iter(regs.values())))
-        )
-
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        args = [a.strip() for a in rest.split(",")]
-        d, srcs = args[0], [val(a) for a in args[1:]]
-        if op == "prmt.b32":  # byte j of d = byte (selector nibble j) of {a, b}
-            a, b, sel = srcs
-            pool = [(a >> (8 * j)) & 0xFF for j in range(4)] + [
-                (b >> (8 * j)) & 0xFF for j in range(4)
-            ]
-            pool = np.stack(pool)  # [8, n]
-            out = np.zeros_like(a)
-            for j in range(4):
-                n = (sel >> (4 * j)) & 0xF
-                byte = np.take_along_axis(pool, (n & 7)[None, :].astype(np.int64), 0)[0]
-                byte = np.where(n & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
-                out |= byte << (8 * j)
-            env[d] = out
-        elif op == "add.u32":
-            env[d] = srcs[0] + srcs[1]
-        elif op == "shl.b32":
-            env[d] = srcs[0] << srcs[1]
-        elif op == "shr.b32":
-            env[d] = srcs[0] >> srcs[1]
-        elif op == "and.b32":
-            env[d] = srcs[0] & srcs[1]
-        elif op == "or.b32":
-            env[d] = srcs[0] | srcs[1]
-        elif op == "mov.b32":
-            env[d] = srcs[0].copy()
-        elif op == "mul.rn.bf16x2":  # each half: bf16 * bf16, rounded to bf16 (here exact)
-            halves = []
-            for sh in (0, 16):
-                p = torch.from_numpy(
-                    (
-                        _bf16_bits_to_float((srcs[0] >> sh) & 0xFFFF)
-                        * _bf16_bits_to_float((srcs[1] >> sh) & 0xFFFF)
-                    ).astype(np.float32)
-                ).bfloat16()
-                halves.append(p.view(torch.int16).numpy().astype(np.uint32) & 0xFFFF)
-            env[d] = halves[0] | (halves[1] << 16)
-        else:
-            raise AssertionError(f"unknown PTX op {op!r}")
-        env[d] = env[d].astype(np.uint32)
-    return env
-
-
 def test_decode_ptx_is_the_reference_dequantization() -> None:
     # every pair of codes at every plane, every scale group of a step, over the scales the kernel
     # takes: code plane i of words (w, w+1) times 2^(S - 64) must be the MXFP4 weight times 2^-63,
@@ -111,7 +47,7 @@ def test_decode_ptx_is_the_reference_dequantization() -> None:
     group = rng.integers(0, 8, size=n).astype(np.uint32)
     group[:16] = np.arange(16) % 8
     biased = scales.view(np.uint32) + np.uint32(0x3F3F3F3F)  # [n, 2]: + 63 per byte (the kernel)
-    env = _run_ptx(
+    env = run_ptx(
         moe_sm90._decode_asm(),
         {"$8": words[:, 0], "$9": words[:, 1], "$10": biased[:, 0], "$12": biased[:, 1],
          "$14": group * np.uint32(0x1111)},
@@ -124,7 +60,7 @@ def test_decode_ptx_is_the_reference_dequantization() -> None:
         w = quant.dequant_mxfp4(packed[:, word].repeat(1, 4), scale[:, None]).double()  # [n, 32]
         for i in range(8):
             half = (env[f"${i}"] >> (16 * word)) & 0xFFFF
-            got = torch.from_numpy(_bf16_bits_to_float(half))
+            got = torch.from_numpy(bf16_bits_to_float(half))
             want = w[:, i] * 2.0**-63
             assert torch.equal(got, want), f"plane {i}, word {word}: {got[:4]} vs {want[:4]}"
 
