@@ -70,7 +70,8 @@ _S_MAX = gl.constexpr(SCALE_MAX)
 
 def _decode_asm(two: bool = False) -> str:
     # $1: two codes (column k in the low byte, k + 1 in the high) ; $2: 2^(s - 7) in both bf16
-    # halves (two: then times $3 too) -> $0: bf16x2 of the two weights
+    # halves (two: then times $4 too) -> $0: bf16x2 of the two weights. With pack=2 each int32
+    # operand comes as two registers: f is $2, $3 and f2 is $4, $5 (the same values)
     lines = [
         "{",
         ".reg .b32 t;",
@@ -80,7 +81,7 @@ def _decode_asm(two: bool = False) -> str:
         "and.b32 t, t, 0x87F087F0;",  # sign -> 15, e3..e0 m2..m0 -> 10..4, per half
     ]
     if two:
-        lines += ["mul.rn.bf16x2 t, t, $2;", "mul.rn.bf16x2 $0, t, $3;"]
+        lines += ["mul.rn.bf16x2 t, t, $2;", "mul.rn.bf16x2 $0, t, $4;"]
     else:
         lines += ["mul.rn.bf16x2 $0, t, $2;"]
     return "\n".join(lines + ["}"])
