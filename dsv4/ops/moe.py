@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
+from dsv4.ops.kv_fp8 import exp2i
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
 # tl.dot_scaled on the packed codes for bf16/fp16 x from this many (token, slot) pairs: on an
@@ -118,8 +119,8 @@ def _mxfp4_raw(w_ptr, s_ptr, offs_n, n_ok, k0, stride_w, stride_s, BLOCK_N: tl.c
 @triton.jit
 def _e8m0_scale(s):
     # e8m0 scale bytes (uint8) -> fp32 2^(S-127) times 2^14, which the e2m1 decodes below leave
-    # out: fp32 bits (S + 14) << 23 (S <= 240)
-    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    # out (S <= 240)
+    return exp2i(s.to(tl.int32) - 113)
 
 
 @triton.jit
