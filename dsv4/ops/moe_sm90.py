@@ -27,8 +27,8 @@ words' e8m0 scale S (words w, w+1 share their 32-column group; a prmt picks its 
 weight times 2^-63, exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by
 2^63. Compiled for sm_90a the down kernel's loop is 518 SASS instructions a step per thread, 4.05
 per weight: 2.8 the decode (2 shifts, 2 masks and 1 multiply per two weights, plus the byte
-shuffles), the rest the step's copies, MMAs and waits. Nsight (T=64, NUM_BUF 3, before the
-register cap): 57% (gate-up) and 71% (down) of issue slots busy, 3 and 4 programs per SM.
+shuffles), the rest the step's copies, MMAs and waits. Nsight: 57% (gate-up, 3 programs per SM
+before the register cap; 65.5% with it, 4 per SM) and 70% (down, 4 per SM) of issue slots busy.
 
 The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
 permuted once per call within each BK-column block (`permute_columns`: column 8w + i moves to
@@ -268,7 +268,7 @@ def _experts_kernel(
     else:
         wb_smem = wa_smem
 
-    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales two steps ahead in registers
+    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales one step ahead in registers
     n_steps = K // BLOCK_K
     for pb in gl.static_range(NUM_BUF - 1):
         _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptr, x_offs, x_ok, wa, wb,
