@@ -541,6 +541,119 @@ def probe_tma_gather() -> None:
     copy_floor("copy of the same bytes (torch copy_)", nbytes)
 
 
+@gluon.jit
+def _tma_swizzle_kernel(desc, idx_ptr, out_ptr, ROWS: gl.constexpr):
+    # ROWS rows of the pool, one TMA box [1, 64] each (128B-swizzle descriptor), written at row r
+    # (r * 128 bytes) of an unswizzled buffer, then read back through the 128B-swizzled layout:
+    # right only if the copy engine swizzles by the destination address (not by the box's rows)
+    sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    raw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    raw = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], raw_l)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, ROWS * 128)
+    for r in gl.static_range(ROWS):
+        tma.async_copy_global_to_shared(
+            desc, [gl.load(idx_ptr + r), 0], bar, raw.slice(r, 1, dim=0)
+        )
+    mbarrier.wait(bar, 0)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    v = raw._reinterpret(gl.bfloat16, [ROWS, 64], sl).load(lay)
+    offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, lay))
+    offs_c = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+    gl.store(out_ptr + offs_r[:, None] * 64 + offs_c[None, :], v)
+    mbarrier.invalidate(bar)
+
+
+@gluon.jit
+def _tma_swz_issue(desc, idx_row, raw, bars, j, k0, k1, BN: gl.constexpr, NUM_BUF: gl.constexpr):
+    # tile j: each key row as 8 boxes [1, 64], box c at row key of the buffer's [BN, 64] tile c
+    bar = bars.index(j % NUM_BUF)
+    mbarrier.expect(bar, BN * 1024)
+    for r in gl.static_range(BN):
+        row = gl.maximum(gl.load(idx_row + gl.minimum(k0 + j * BN + r, k1 - 1)), 0)
+        for c in gl.static_range(8):
+            dst = raw.index((j % NUM_BUF) * 8 + c).slice(r, 1, dim=0)
+            tma.async_copy_global_to_shared(desc, [row, c * 64], bar, dst)
+
+
+@gluon.jit
+def _tma_swz_gather_kernel(desc, idx_ptr, out_ptr, K, keys_per_split, stride_it,
+                           BN: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    # the T=64 attention gathers as wgmma-ready 128B-swizzled [BN, 64] tiles: 8 TMA boxes a key
+    t = gl.program_id(0)
+    sp = gl.program_id(1)
+    k0 = sp * keys_per_split
+    k1 = gl.minimum(k0 + keys_per_split, K)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    n_tiles = gl.cdiv(k1 - k0, BN)
+    raw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    raw = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * 8, BN, 64], raw_l)
+    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(bars.index(i), count=1)
+    for j in gl.static_range(NUM_BUF - 1):
+        if j < n_tiles:
+            _tma_swz_issue(desc, idx_row, raw, bars, j, k0, k1, BN, NUM_BUF)
+    for j in range(n_tiles):
+        if j + NUM_BUF - 1 < n_tiles:
+            _tma_swz_issue(desc, idx_row, raw, bars, j + NUM_BUF - 1, k0, k1, BN, NUM_BUF)
+        mbarrier.wait(bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(bars.index(i))
+    gl.store(out_ptr + t * gl.num_programs(1) + sp, n_tiles)
+
+
+def probe_tma_swizzle() -> None:
+    # can Hopper's TMA write one key row into row (key % 8) of a 128B-swizzled tile (what wgmma
+    # reads), by boxes [1, 64] at 128-byte offsets? Checked against the rows; then the T=64
+    # attention gathers in that form (8 boxes a key) timed beside the [2, 256]-box gathers
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    sl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool = torch.randn(4096, 512, device="cuda", generator=g).bfloat16()
+    desc = TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [1, 64], sl)
+    idx = torch.randperm(4096, device="cuda", generator=g)[:64].to(torch.int32)
+    out = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
+    _tma_swizzle_kernel[(1,)](desc, idx, out, ROWS=64, num_warps=4)
+    want = pool[idx.long(), :64]
+    r = torch.arange(64, device="cuda")[:, None]
+    c = torch.arange(64, device="cuda")[None, :]
+    box_relative = pool[idx.long()[:, None], ((c // 8) ^ (r % 8)) * 8 + c % 8]
+    print(f"tma [1, 64] boxes into a 128B-swizzled tile: rows right {int((out == want).all(1).sum())}"
+          f"/64 (address swizzle), {int((out == box_relative).all(1).sum())}/64 (box-relative)",
+          flush=True)  # fmt: skip
+    T = 64
+    one, ix, nbytes = _gather_rows(T)
+    K = ix.shape[1]
+    desc = TensorDescriptor(one, list(one.shape), list(one.stride()), [1, 64], sl)
+    for bn, nb, splits in ((16, 4, 5), (16, 4, 2), (32, 3, 2)):
+        kps = triton.cdiv(K, splits)
+        o = torch.empty(T * splits, dtype=torch.int32, device="cuda")
+        us(
+            f"tma swizzled gather T=64 x 640 rows: BN {bn}, {nb} buffers, {splits} splits",
+            lambda bn=bn, nb=nb, splits=splits, kps=kps, o=o: _tma_swz_gather_kernel[(T, splits)](
+                desc, ix, o, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, num_warps=4
+            ),
+            nbytes=nbytes,
+        )
+    # the eighth session's best gather by [2, 256] boxes (row-major tiles wgmma cannot read)
+    rows2 = one.view(-1, 256)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc2 = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
+    kps = triton.cdiv(K, 5)
+    o = torch.empty(T * 5, dtype=torch.int32, device="cuda")
+    us(
+        "tma gather T=64 x 640 rows ([2, 256] boxes): BN 16, 4 buffers, 5 splits",
+        lambda: _tma_gather_kernel[(T, 5)](
+            desc2, ix, o, K, kps, ix.stride(0), BN=16, NUM_BUF=4, num_warps=4
+        ),
+        nbytes=nbytes,
+    )
+    copy_floor("copy of the same bytes (torch copy_)", nbytes)
+
+
 def probe_attn_fp8() -> None:
     # decode attention over FP8 entries (584 B rows) against the same rows in bf16, one source
     # (the engine's decode form): the default, and fixed tiles x splits with the GPU's decode
@@ -1223,7 +1336,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
