@@ -466,29 +466,44 @@ def probe_gather() -> None:
 
 
 @gluon.jit
-def _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN: gl.constexpr, NUM_BUF: gl.constexpr):
-    # tile j of the split: one TMA copy per key row (1 KB as a [2, 256] box of the [2N, 256] view)
+def _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN: gl.constexpr, NUM_BUF: gl.constexpr,
+               SWIZZLED: gl.constexpr):  # fmt: skip
+    # tile j of the split: each key row (1 KB) as one [2, 256] box of the [2N, 256] view, or
+    # (SWIZZLED) as 8 boxes [1, 64], box c at row r of the buffer's 128B-swizzled [BN, 64] tile c
     bar = bars.index(j % NUM_BUF)
     mbarrier.expect(bar, BN * 1024)
     for r in gl.static_range(BN):
         row = gl.maximum(gl.load(idx_row + gl.minimum(k0 + j * BN + r, k1 - 1)), 0)
-        tma.async_copy_global_to_shared(
-            kv_desc, [row * 2, 0], bar, smem.index((j % NUM_BUF) * BN + r)
-        )
+        if SWIZZLED:
+            for c in gl.static_range(8):
+                dst = smem.index((j % NUM_BUF) * 8 + c).slice(r, 1, dim=0)
+                tma.async_copy_global_to_shared(kv_desc, [row, c * 64], bar, dst)
+        else:
+            tma.async_copy_global_to_shared(
+                kv_desc, [row * 2, 0], bar, smem.index((j % NUM_BUF) * BN + r)
+            )
 
 
 @gluon.jit
 def _tma_gather_kernel(kv_desc, idx_ptr, out_ptr, K, keys_per_split, stride_it,
-                       BN: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    # the gathers of sparse attention by TMA (one bulk copy per 1 KB row, NUM_BUF - 1 tiles in
-    # flight), no math: how fast can Hopper's copy engine gather the rows cp.async could not
+                       BN: gl.constexpr, NUM_BUF: gl.constexpr, SWIZZLED: gl.constexpr = False):  # fmt: skip
+    # the gathers of sparse attention by TMA (NUM_BUF - 1 tiles in flight), no math: how fast can
+    # Hopper's copy engine gather the rows cp.async could not. SWIZZLED: as wgmma-ready tiles
+    # (8 boxes a key, written into an unswizzled view of the same bytes: Gluon does not slice a
+    # swizzled layout inside its 8-row atom)
     t = gl.program_id(0)
     sp = gl.program_id(1)
     k0 = sp * keys_per_split
     k1 = gl.minimum(k0 + keys_per_split, K)
     idx_row = idx_ptr + t.to(gl.int64) * stride_it
     n_tiles = gl.cdiv(k1 - k0, BN)
-    smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * BN, 2, 256], kv_desc.layout)
+    if SWIZZLED:
+        raw_l: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=0, element_bitwidth=16, rank=2
+        )
+        smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * 8, BN, 64], raw_l)
+    else:
+        smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * BN, 2, 256], kv_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(bars.index(i), count=1)
@@ -498,10 +513,11 @@ def _tma_gather_kernel(kv_desc, idx_ptr, out_ptr, K, keys_per_split, stride_it,
     warm = gl.sum(gl.load(idx_row + offs, mask=offs < k1, other=0), 0)
     for j in gl.static_range(NUM_BUF - 1):
         if j < n_tiles:
-            _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN, NUM_BUF)
+            _tma_issue(kv_desc, idx_row, smem, bars, j, k0, k1, BN, NUM_BUF, SWIZZLED)
     for j in range(n_tiles):
         if j + NUM_BUF - 1 < n_tiles:
-            _tma_issue(kv_desc, idx_row, smem, bars, j + NUM_BUF - 1, k0, k1, BN, NUM_BUF)
+            _tma_issue(kv_desc, idx_row, smem, bars, j + NUM_BUF - 1, k0, k1, BN, NUM_BUF,
+                       SWIZZLED)  # fmt: skip
         mbarrier.wait(bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.invalidate(bars.index(i))
@@ -565,45 +581,6 @@ def _tma_swizzle_kernel(desc, idx_ptr, out_ptr, ROWS: gl.constexpr):
     mbarrier.invalidate(bar)
 
 
-@gluon.jit
-def _tma_swz_issue(desc, idx_row, raw, bars, j, k0, k1, BN: gl.constexpr, NUM_BUF: gl.constexpr):
-    # tile j: each key row as 8 boxes [1, 64], box c at row key of the buffer's [BN, 64] tile c
-    bar = bars.index(j % NUM_BUF)
-    mbarrier.expect(bar, BN * 1024)
-    for r in gl.static_range(BN):
-        row = gl.maximum(gl.load(idx_row + gl.minimum(k0 + j * BN + r, k1 - 1)), 0)
-        for c in gl.static_range(8):
-            dst = raw.index((j % NUM_BUF) * 8 + c).slice(r, 1, dim=0)
-            tma.async_copy_global_to_shared(desc, [row, c * 64], bar, dst)
-
-
-@gluon.jit
-def _tma_swz_gather_kernel(desc, idx_ptr, out_ptr, K, keys_per_split, stride_it,
-                           BN: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    # the T=64 attention gathers as wgmma-ready 128B-swizzled [BN, 64] tiles: 8 TMA boxes a key
-    t = gl.program_id(0)
-    sp = gl.program_id(1)
-    k0 = sp * keys_per_split
-    k1 = gl.minimum(k0 + keys_per_split, K)
-    idx_row = idx_ptr + t.to(gl.int64) * stride_it
-    n_tiles = gl.cdiv(k1 - k0, BN)
-    raw_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    raw = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * 8, BN, 64], raw_l)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(bars.index(i), count=1)
-    for j in gl.static_range(NUM_BUF - 1):
-        if j < n_tiles:
-            _tma_swz_issue(desc, idx_row, raw, bars, j, k0, k1, BN, NUM_BUF)
-    for j in range(n_tiles):
-        if j + NUM_BUF - 1 < n_tiles:
-            _tma_swz_issue(desc, idx_row, raw, bars, j + NUM_BUF - 1, k0, k1, BN, NUM_BUF)
-        mbarrier.wait(bars.index(j % NUM_BUF), (j // NUM_BUF) & 1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(bars.index(i))
-    gl.store(out_ptr + t * gl.num_programs(1) + sp, n_tiles)
-
-
 def probe_tma_swizzle() -> None:
     # can Hopper's TMA write one key row into row (key % 8) of a 128B-swizzled tile (what wgmma
     # reads), by boxes [1, 64] at 128-byte offsets? Checked against the rows; then the T=64
@@ -633,8 +610,8 @@ def probe_tma_swizzle() -> None:
         o = torch.empty(T * splits, dtype=torch.int32, device="cuda")
         us(
             f"tma swizzled gather T=64 x 640 rows: BN {bn}, {nb} buffers, {splits} splits",
-            lambda bn=bn, nb=nb, splits=splits, kps=kps, o=o: _tma_swz_gather_kernel[(T, splits)](
-                desc, ix, o, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, num_warps=4
+            lambda bn=bn, nb=nb, splits=splits, kps=kps, o=o: _tma_gather_kernel[(T, splits)](
+                desc, ix, o, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, SWIZZLED=True, num_warps=4
             ),
             nbytes=nbytes,
         )
