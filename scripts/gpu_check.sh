@@ -54,8 +54,8 @@ for part in $PARTS; do
       step_ab dsv4.ops.moe GEMV_MAX_PAIRS "48 128" 16 4096 gemv_limit ;;
     sm90_ab)  # decode step: the experts' Triton kernels (sm90 off) vs the Gluon sm_90 kernels
       step_ab dsv4.ops.moe_sm90 MAX_PAIRS "0 512" ${SM90_BATCH:-1,2,4,8,16,32,64} 4096 sm90 ;;
-    sm90_prev_ab)  # decode step: the previous sm90 expert kernels (bench/moe_sm90_prev.py, when a
-      # run carries it) vs the current ones
+    sm90_prev_ab)  # decode step: the previous sm90 expert kernels vs the current ones; the previous
+      # file must be in the tree, untracked: git show eb4e697:dsv4/ops/moe_sm90.py > bench/moe_sm90_prev.py
       step_run "import sys; sys.path.insert(0, 'bench'); import moe_sm90_prev as p, dsv4.ops.moe_sm90 as m; m._experts_kernel = p._experts_kernel; m.CONFIG = dict(m.CONFIG, maxnreg=(None, None))" ${SM90_BATCH:-16,64} 4096 sm90_prev
       step_run "pass" ${SM90_BATCH:-16,64} 4096 sm90_cur ;;
     linear_sm90_ab)  # decode step: the FP8 projections' Triton form (the sm90 kernel off) vs the
