@@ -201,17 +201,20 @@ def _fp8_grouped(
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
-    if sm90 is None:
+    if sm90 is None:  # the default decides quietly (and checks `supported` once)
         sm90 = tiles is None and gemv is None and _sm90(x, weight, G)
-    if sm90:
-        from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only
+    elif sm90:  # asked for: a clear error where the kernel cannot run
+        from dsv4.ops import linear_sm90
 
         assert linear_sm90.supported(x, weight, G), (
             f"sm90 linear: needs an sm_90 GPU, bf16 x of 1..{linear_sm90.MAX_ROWS} rows, K a "
             f"multiple of {linear_sm90.BLOCK_K} and {linear_sm90.CONFIG['BLOCK_N']}-row groups "
             f"(x {x.dtype} {tuple(x.shape)} on {x.device}, weight {tuple(weight.shape)})"
         )
-        return linear_sm90.fp8_grouped(x, weight, scale)
+    if sm90:
+        from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only
+
+        return linear_sm90.fp8_grouped(x, weight, scale, _tile_counters(x.device))
     gemv = M <= GEMV_MAX_ROWS if gemv is None else gemv
     sms = num_sms(x.device)
     if gemv:  # a row of x per program; tiles: GEMV_TILES by the weight's rows

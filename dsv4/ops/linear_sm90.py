@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.ops.device import arrival_counts, num_sms, split_reduction
+from dsv4.ops.device import num_sms, split_reduction
 
 BLOCK_K = 128  # columns per step: one scale block
 # BLOCK_N weight rows per program (64 per warpgroup: num_warps = BLOCK_N / 16), NUM_BUF steps of
@@ -242,8 +242,6 @@ def _fp8_linear_kernel(
 # Host side
 # ---------------------------------------------------------------------------------------------
 
-MAX_SPLIT_TILES = 1 << 16  # output tiles a split launch may have (the counters are shared)
-
 
 def supported(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     """This kernel can run: an sm_90 GPU, bf16 x of 1..MAX_ROWS rows, K a multiple of BLOCK_K and
@@ -261,9 +259,13 @@ def supported(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     )
 
 
-def fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_grouped(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """x [M, G, K] bf16 times e4m3 weight [G*R, K] (scale [cdiv(G*R, 128), K/128] UE8M0) per
-    group -> [M, G, R] bf16. The caller checks shapes and dtypes (`linear._fp8_grouped`)."""
+    group -> [M, G, R] bf16. counts: the split-K arrival counts, one per output tile, zero between
+    launches (the Triton form's, `linear._tile_counters`). The caller checks shapes, dtypes and
+    strides (`linear._fp8_grouped`)."""
     M, G, K = x.shape
     R = weight.shape[0] // G
     bn = CONFIG["BLOCK_N"]
@@ -275,11 +277,10 @@ def fp8_grouped(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     y = torch.empty((M, G, R), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (R // bn, tiles_m, G * splits)
-    assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
-    assert x.stride(2) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1
+    assert splits == 1 or grid[0] * grid[1] * G <= counts.numel(), f"{grid} {G}: too many tiles"
     _fp8_linear_kernel[grid](
         x, weight.view(torch.uint8), scale.view(torch.uint8), y, ws,
-        arrival_counts("linear_sm90", x.device, MAX_SPLIT_TILES), M, R, K, k_per_split,
+        counts, M, R, K, k_per_split,
         x.stride(0), x.stride(1), weight.stride(0), scale.stride(0), y.stride(0), y.stride(1),
         ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K,
