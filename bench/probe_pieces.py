@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.extra.cuda import globaltimer
 
 from dsv4.bench.cases_indexer import _inputs as index_inputs
 from dsv4.bench.ops import _graph_us
@@ -1304,6 +1305,158 @@ def probe_pdl() -> None:
                 us(f"{name} pdl={'on' if on else 'off'}", f)
 
 
+@triton.jit
+def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, EVICT_LAST: tl.constexpr):
+    # each lane of a one-warp program asks the TMA unit to bring CHUNK bytes into L2
+    # (cp.async.bulk.prefetch.L2: no registers, no shared memory, nothing waits on it)
+    offs = (tl.program_id(0) * 32 + tl.arange(0, 32)).to(tl.int64) * CHUNK
+    size = tl.minimum(nbytes - offs, CHUNK).to(tl.int32) // 16 * 16
+    if EVICT_LAST:  # kept in L2 ahead of lines read once (the weight streams of other kernels)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; "
+            "mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
+            "mov.u32 $0, 0; }",
+            "=r,l,r", [ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+def l2_prefetch(t: torch.Tensor, chunk: int = 32 << 10, evict_last: bool = False) -> None:
+    n = t.numel() * t.element_size()
+    grid = (triton.cdiv(n, 32 * chunk),)
+    _l2_prefetch_kernel[grid](
+        t.view(torch.uint8).view(-1), n, CHUNK=chunk, EVICT_LAST=evict_last, num_warps=1
+    )
+
+
+@triton.jit
+def _busy_kernel(p, NS: tl.constexpr):
+    # one program that waits NS nanoseconds on the global timer: a stand-in for the latency-bound
+    # kernels that run between two projections at batch 1 (HBM idle)
+    t0 = globaltimer()
+    t = t0
+    while t - t0 < NS:
+        t = globaltimer()
+    tl.store(p, (t - t0).to(tl.int32))
+
+
+def probe_l2_prefetch() -> None:
+    # can a side stream fill L2 with a projection's weights while latency-bound kernels run, and
+    # how fast is the projection then? (batch 1-16: HBM is idle most of a decode step)
+    from dsv4.bench.cases_linear import FLASH, _fp8_weight
+    from dsv4.ops import linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    side = torch.cuda.Stream()
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def busy(ns: int) -> None:
+        _busy_kernel[(1,)](flag, NS=ns)
+
+    def fork(fn) -> None:  # noqa: ANN001
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            fn()
+
+    def join() -> None:
+        torch.cuda.current_stream().wait_stream(side)
+
+    us("busy 20 us", lambda: busy(20000))
+    for name, N, K, G in FLASH:
+        if N * K < 16 << 20:
+            continue
+        w, s = _fp8_weight(N, K, "cuda", g)
+        copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
+        for ev in (False, True):
+            us(
+                f"l2_prefetch {name} 32 MB evict_last={ev}",
+                lambda ev=ev: l2_prefetch(w, evict_last=ev),
+                nbytes=N * K,
+            )
+        for T in (1, 16):
+            x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            want = linear._fp8_grouped(x, w, s).float()
+
+            def proj() -> torch.Tensor:
+                return linear._fp8_grouped(x, w, s)  # noqa: B023
+
+            def pre_proj(ev: bool) -> None:
+                l2_prefetch(w, evict_last=ev)
+                l2_prefetch(s, evict_last=ev)
+                proj()
+
+            def overlap(ev: bool) -> torch.Tensor:
+                fork(lambda: (l2_prefetch(w, evict_last=ev), l2_prefetch(s, evict_last=ev)))
+                busy(20000)
+                join()
+                return proj()
+
+            def overlap_tail(ev: bool) -> torch.Tensor:  # prefetch and projection concurrent
+                fork(lambda: (l2_prefetch(w, evict_last=ev), l2_prefetch(s, evict_last=ev)))
+                out = proj()
+                join()
+                return out
+
+            err = float((overlap(False).float() - want).norm() / want.norm())
+            t0 = us(f"{name} T={T} cold", proj, nbytes=N * K)
+            for ev in (False, True):
+                us(
+                    f"{name} T={T} prefetch then projection, one stream, ev={ev}",
+                    lambda ev=ev: pre_proj(ev),
+                )
+            tb = us(f"{name} T={T} busy 20 us then projection", lambda: (busy(20000), proj()))
+            for ev in (False, True):
+                t1 = us(
+                    f"{name} T={T} busy 20 us | side prefetch, then projection, ev={ev}",
+                    lambda ev=ev: overlap(ev),
+                    note=f" err {err:.1e}",
+                )
+                print(
+                    f"    projection after busy: {tb - 20:.2f} -> {t1 - 20:.2f} us (cold {t0:.2f})"
+                )
+                us(
+                    f"{name} T={T} prefetch beside the projection, ev={ev}",
+                    lambda ev=ev: overlap_tail(ev),
+                )
+
+    # the routed experts at batch 1 (80 MB: more than half of L2): a prefetch of the 6 picked
+    # experts beside the kernels, and ahead of them after a 20 us wait
+    from dsv4.ops import moe
+
+    experts = _moe_experts()
+    x, weights, idx, nbytes = _moe_tokens(1, experts)
+    picked = [experts[e] for e in idx.flatten().tolist()]
+    tensors = [t for e in picked for m in (e.w1, e.w3, e.w2) for t in (m.weight, m.scale)]
+
+    def experts_run() -> torch.Tensor:
+        return moe.moe_experts(x, weights, idx, experts)
+
+    def prefetch_all() -> None:
+        for t in tensors:
+            l2_prefetch(t)
+
+    def beside() -> torch.Tensor:
+        fork(prefetch_all)
+        out = experts_run()
+        join()
+        return out
+
+    def ahead() -> torch.Tensor:
+        fork(prefetch_all)
+        busy(20000)
+        join()
+        return experts_run()
+
+    us("moe T=1 cold", experts_run, nbytes=nbytes)
+    us("moe T=1 prefetch beside", beside, nbytes=nbytes)
+    us("moe T=1 busy 20 us then experts", lambda: (busy(20000), experts_run()))
+    us("moe T=1 busy 20 us | side prefetch, then experts", ahead)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -1313,7 +1466,7 @@ def main() -> None:
              "select": probe_select, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

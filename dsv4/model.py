@@ -187,12 +187,17 @@ class Compressor(nn.Module):
     ) -> None:
         m, d = self.ratio, self.head_dim
         kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
-        a = kv.float()  # [T, c*d]
-        phase = batch.memo(("phase", m), lambda: batch.positions % m)  # slot in the window
-        z = gate.float() + self.ape[phase]  # [T, c*d]
-        tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if batch.decode:  # store first: a closing window's slots are then all in the ring
-            self._keep(a, z, batch, st)
+            # (one launch: a = W_kv x and z = W_gate x + ape[slot] into every token's ring row)
+            rows = batch.ring_writes(st.ring)[1]
+            self.ops.compress_keep(
+                kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, rows
+            )
+        else:
+            a = kv.float()  # [T, c*d]
+            phase = batch.memo(("phase", m), lambda: batch.positions % m)  # slot in the window
+            z = gate.float() + self.ape[phase]  # [T, c*d]
+        tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
             # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1).
@@ -216,16 +221,10 @@ class Compressor(nn.Module):
                 self.ops.compress_store(
                     ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest, None, st.kv_scale
                 )
-        if not batch.decode:
-            self._keep(a, z, batch, st)
-
-    def _keep(self, a: torch.Tensor, z: torch.Tensor, batch: Batch, st: CompressorState) -> None:
-        # the raw projections of the last R tokens of each sequence, into the ring
-        tok, rows = batch.ring_writes(st.ring)
-        if not batch.decode:  # at decode every token is written, in order
-            a, z = a[tok], z[tok]
-        st.kv_state[rows] = a
-        st.score_state[rows] = z
+        if not batch.decode:  # the raw projections of the last R tokens of each sequence
+            tok, rows = batch.ring_writes(st.ring)
+            st.kv_state[rows] = a[tok]
+            st.score_state[rows] = z[tok]
 
 
 class Indexer(nn.Module):
@@ -392,9 +391,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)  # [T, k] each
-        y = self.ops.moe_experts(x, weights, idx, self.experts)  # [T, D] fp32
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # routed experts summed over the k slots, plus the shared expert's output: [T, D] fp32
+        y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared)
         return y.to(x.dtype)
 
 

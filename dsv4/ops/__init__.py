@@ -1,9 +1,9 @@
 """The op interface: `select(EngineConfig.ops)` returns the namespace whose functions the model calls.
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
-rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, index_topk,
-stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module per op, each beside its reference) and
-keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
+rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, compress_keep,
+index_topk, stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module
+per op, each beside its reference) and keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ OPS = (
     "hc_post",
     "hc_head",
     "compress_store",
+    "compress_keep",
     "index_topk",
     "stable_topk",
     "moe_gate",
@@ -47,6 +48,7 @@ def _triton() -> SimpleNamespace:
         rotary=rope.rotary,
         norm_rope=rope.norm_rope,
         compress_store=rope.compress_store,
+        compress_keep=rope.compress_keep,
         moe_gate=gate.moe_gate,
         moe_experts=moe.moe_experts,
         swiglu=moe.swiglu,

@@ -1,7 +1,7 @@
 """Routed experts of a MoE layer: two grouped GEMMs with the MXFP4 weights decoded in the kernel.
 
 One launcher with the signature of `dsv4.ops.ref.moe_experts`:
-  moe_experts(x, weights, idx, experts) -> [T, D] fp32
+  moe_experts(x, weights, idx, experts, shared=None) -> [T, D] fp32 (+ shared)
 
 y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]): per (token, slot) pair g = min(x W1^T, limit),
 u = clamp(x W3^T, -limit, limit), h = silu(g) * u * weight (rounded to x.dtype), out = h W2^T.
@@ -301,6 +301,43 @@ def swiglu(
         BLOCK=block, num_warps=4,
     )  # fmt: skip
     return h
+
+
+# ---------------------------------------------------------------------------------------------
+# The k slots of each token summed in fp32, plus the shared expert: one launch for the reference's
+# copy, sum, copy and add
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_y,
+                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):  # slot order, as the reference's sum over dim 1
+        acc += tl.load(out_ptr + (t * K + j) * stride_o + cols, mask=ok).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_s + cols, mask=ok).to(tl.float32)
+    tl.store(y_ptr + t * stride_y + cols, acc, mask=ok)
+
+
+def sum_slots(out: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> torch.Tensor:
+    # out: [T*k, D] each (token, slot) pair's expert output -> [T, D] fp32: sum over the k slots
+    # (+ shared [T, D])
+    P, D = out.shape
+    T = P // k
+    y = torch.empty((T, D), dtype=torch.float32, device=out.device)
+    if T == 0:
+        return y
+    block = min(1024, triton.next_power_of_2(D))
+    s = shared if shared is not None else out
+    _sum_slots_kernel[(T, triton.cdiv(D, block))](
+        out, s, y, D, out.stride(0), s.stride(0), y.stride(0),
+        K=k, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,15 +771,17 @@ def moe_experts(
     dot_scaled: bool | None = None,
     gemv: bool | None = None,
     sm90: bool | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32
+    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32, plus
+    # shared [T, D] (the shared expert's output) when given, in the launch that sums the k slots
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
     # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
     # knob is given -- knobs for bench/probe_pieces.py and the tests)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
-        return ref.moe_experts(x, weights, idx, experts)
+        return ref.moe_experts(x, weights, idx, experts, shared)
 
     # ---- check
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] rows (shape {tuple(x.shape)})"
@@ -761,8 +800,12 @@ def moe_experts(
 
     # ---- allocate
     P = T * k
+    assert shared is None or (shared.shape == (T, D) and shared.stride(1) == 1), (
+        f"shared must be [{T}, {D}] rows (got {tuple(shared.shape)})"
+    )
     if P == 0:
-        return torch.zeros((T, D), dtype=torch.float32, device=x.device)
+        y = torch.zeros((T, D), dtype=torch.float32, device=x.device)
+        return y if shared is None else y + shared.float()
     rw = weights.reshape(-1).float().contiguous()  # [P] fp32
     if sm90 is None:
         sm90 = (
@@ -787,7 +830,7 @@ def moe_experts(
 
         rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
-        return out.view(T, k, D).float().sum(1)
+        return sum_slots(out, k, shared)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
@@ -836,4 +879,4 @@ def moe_experts(
         assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
         _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **(consts | cfg))
         _moe_down_kernel[grid(D)](*args2, **(consts | cfg))
-    return out.view(T, k, D).float().sum(1)
+    return sum_slots(out, k, shared)

@@ -238,6 +238,23 @@ def compress_store(
         out[dest[keep]] = _to_rows(y, out, 2 * cos.shape[-1])
 
 
+def compress_keep(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    # a compressor's projections of T tokens into its ring (decode: every token is its sequence's
+    # last): kv_state[rows] = kv (fp32) ; score_state[rows] = gate (fp32) + ape[position % ratio]
+    # kv, gate: [T, n] ; ape: [ratio, n] fp32 ; positions, rows: [T] ; kv/score_state: [N, n] fp32
+    kv_state[rows] = kv.float()
+    score_state[rows] = gate.float() + ape[positions % ratio]
+
+
 def index_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -274,10 +291,15 @@ def swiglu(
 
 
 def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, experts: torch.nn.ModuleList
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    experts: torch.nn.ModuleList,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] fp32:
-    # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2).
+    # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2), plus the
+    # shared expert's output shared [T, D] (as fp32) when given.
     # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = idx.flatten().argsort(stable=True)
@@ -289,4 +311,4 @@ def moe_experts(
             t, k = tok[start : start + n], slot[start : start + n]
             y.index_add_(0, t, experts[e](x[t], weights[t, k]).float())
             start += n
-    return y
+    return y if shared is None else y + shared.float()

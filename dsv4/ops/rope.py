@@ -1,6 +1,6 @@
 """Interleaved partial RoPE, fused RMSNorm + RoPE, and the compressor close (pool + norm + RoPE + store).
 
-Three launchers with the signatures of `dsv4.ops.ref`:
+Four launchers with the signatures of `dsv4.ops.ref`:
   rotary(x, cos, sin, inverse)              x: [T, ..., d] -> rotate pairs (2i, 2i+1) of the trailing rd
   norm_rope(x, weight, eps, cos, sin, store)
                                             RMSNorm over d (fp32 stats), cast, then rotary ;
@@ -9,6 +9,9 @@ Three launchers with the signatures of `dsv4.ops.ref`:
   compress_store(kv, score, weight, eps, cos, sin, out, dest, rows=None, out_scale=None)
                                             out[dest] = norm_rope(softmax_slots(score) . kv),
                                             dest -1 = no store
+  compress_keep(kv, gate, ape, positions, ratio, kv_state, score_state, rows)
+                                            a decode step's compressor projections into the ring:
+                                            kv_state[rows] = kv, score_state[rows] = gate + ape[phase]
 Every op is one launch that reads its inputs once and writes its output once; the statistics, the
 softmax pooling and the rotation live in registers. Rounding follows the reference: the normalised
 value is cast to the output dtype before it is rotated, and the pooled value before it is normalised.
@@ -490,4 +493,79 @@ def compress_store(
         sin.stride(0), out.stride(0), rows.stride(0) if gather else 0,
         HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, KEY_FP8=key_fp8,
         BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# compress_keep: one program per (token, channel block)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _compress_keep_kernel(
+    kv_ptr,  # [T, n] the W_kv projection (bf16 / fp32)
+    gate_ptr,  # [T, n] the W_gate projection
+    ape_ptr,  # [ratio, n] fp32 position bias of a window's slots
+    pos_ptr,  # [T] int positions
+    rows_ptr,  # [T] int ring rows, -1 = none
+    kv_state_ptr,  # [N, n] fp32
+    score_state_ptr,  # [N, n] fp32
+    n,
+    ratio,
+    stride_kv,
+    stride_gate,
+    stride_ape,
+    stride_kvs,
+    stride_ss,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + t).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)
+    ok = (offs < n) & (row >= 0)
+    phase = tl.load(pos_ptr + t).to(tl.int64) % ratio
+    a = tl.load(kv_ptr + t * stride_kv + offs, mask=ok).to(tl.float32)
+    z = tl.load(gate_ptr + t * stride_gate + offs, mask=ok).to(tl.float32)
+    z += tl.load(ape_ptr + phase * stride_ape + offs, mask=ok)
+    tl.store(kv_state_ptr + row * stride_kvs + offs, a, mask=ok)
+    tl.store(score_state_ptr + row * stride_ss + offs, z, mask=ok)
+
+
+def compress_keep(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    kv_state: torch.Tensor,
+    score_state: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    # kv, gate: [T, n] (column slices of one joined GEMM are fine) ; ape: [ratio, n] fp32 ;
+    # positions, rows: [T] int (rows -1: no store) ; kv_state / score_state: [N, n] fp32, in place:
+    # kv_state[rows] = kv (fp32), score_state[rows] = gate (fp32) + ape[position % ratio]
+    T, n = kv.shape
+    assert gate.shape == (T, n) and kv.stride(1) == gate.stride(1) == 1, (
+        f"kv / gate must be [T, n] alike, contiguous in n (got {tuple(kv.shape)}, "
+        f"{tuple(gate.shape)}, strides {kv.stride()}, {gate.stride()})"
+    )
+    assert ape.dtype == torch.float32 and ape.shape == (ratio, n) and ape.stride(1) == 1, (
+        f"ape must be [{ratio}, {n}] fp32 (got {ape.dtype} {tuple(ape.shape)})"
+    )
+    for name, st in (("kv_state", kv_state), ("score_state", score_state)):
+        assert st.dtype == torch.float32 and st.dim() == 2 and st.shape[1] == n, (
+            f"{name} must be [N, {n}] fp32 (got {st.dtype} {tuple(st.shape)})"
+        )
+        assert st.stride(1) == 1, f"{name} must be contiguous in its last dim"
+    for name, v in (("positions", positions), ("rows", rows)):
+        assert v.shape == (T,) and v.dtype in (torch.int32, torch.int64) and v.stride(0) == 1, (
+            f"{name} must be int [{T}] contiguous (got {v.dtype} {tuple(v.shape)})"
+        )
+    if T == 0:
+        return
+    block = min(1024, triton.next_power_of_2(n))
+    _compress_keep_kernel[(T, triton.cdiv(n, block))](
+        kv, gate, ape, positions, rows, kv_state, score_state, n, ratio,
+        kv.stride(0), gate.stride(0), ape.stride(0), kv_state.stride(0), score_state.stride(0),
+        BLOCK=block, num_warps=4 if block >= 512 else 1,
     )  # fmt: skip

@@ -66,6 +66,41 @@ def _check(x, weights, idx, experts, dtype) -> None:  # noqa: ANN001
     assert _rel(y, want32) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def test_sum_slots_and_shared() -> None:
+    # the k slots summed in fp32 in slot order, plus the shared expert, in one launch: the same
+    # bits as a sequential fp32 sum (and the reference's sum to rounding); T = 0 gives [0, D]
+    torch.manual_seed(3)
+    T, k, D = 5, 6, 1100
+    out = (torch.randn(T * k, D) * 4.0).to(torch.bfloat16)
+    shared = (torch.randn(T, D) * 4.0).to(torch.bfloat16)
+    seq = out.view(T, k, D).float()
+    want = seq[:, 0].clone()
+    for j in range(1, k):
+        want += seq[:, j]
+    assert torch.equal(moe.sum_slots(out, k), want)
+    assert torch.equal(moe.sum_slots(out, k, shared), want + shared.float())
+    assert _rel(moe.sum_slots(out, k), seq.sum(1)) < 1e-6
+    assert moe.sum_slots(out[:0], k).shape == (0, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_shared(dtype: torch.dtype) -> None:
+    # the shared expert's output added in the slot-sum launch: as the reference adds it
+    torch.manual_seed(4)
+    D, I, E, k, T = 64, 32, 4, 2, 5  # noqa: E741
+    experts = _experts(D, I, E)
+    weights, idx = _routing(T, k, E, False)
+    x = torch.randn(T, D).to(dtype)
+    shared = torch.randn(T, D).to(dtype)
+    y = moe.moe_experts(x, weights, idx, experts, shared=shared)
+    assert torch.equal(y, moe.moe_experts(x, weights, idx, experts) + shared.float())
+    want = ref.moe_experts(x, weights, idx, experts, shared)
+    assert torch.equal(want, ref.moe_experts(x, weights, idx, experts) + shared.float())
+    assert _rel(y, want) < TOL[dtype]
+    empty = moe.moe_experts(x[:0], weights[:0], idx[:0], experts, shared=shared[:0])
+    assert empty.shape == (0, D)
+
+
 # (D, I, E, k, T, skew): one token, ragged counts, unused experts, experts with > BLOCK_M rows
 SHAPES = [
     (64, 32, 4, 1, 1, False),

@@ -1,4 +1,5 @@
-"""Triton rotary / norm_rope / compress_store against the torch references in dsv4.ops.ref."""
+"""Triton rotary / norm_rope / compress_store / compress_keep against the torch references in
+dsv4.ops.ref."""
 
 from __future__ import annotations
 
@@ -261,6 +262,42 @@ def test_compress_store_no_windows() -> None:
     assert torch.equal(out, before)
 
 
+def _keep_case(T: int, n: int, ratio: int, N: int, dtype: torch.dtype, device: str = "cpu"):  # noqa: ANN202
+    # kv | gate as column slices of one joined GEMM output, distinct rows (one -1), any positions
+    y = (torch.randn(T, 2 * n, device=device) * 3.0).to(dtype)
+    ape = torch.randn(ratio, n, device=device)
+    positions = torch.randint(0, 10_000, (T,), device=device)
+    rows = torch.randperm(N, device=device)[:T]
+    if T > 2:
+        rows[1] = -1
+    states = [torch.randn(N, n, device=device) for _ in range(2)]
+    return y[:, :n], y[:, n:], ape, positions, ratio, *states, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,n,ratio", [(1, 16, 4), (5, 40, 8), (3, 1100, 4)])
+def test_compress_keep(T: int, n: int, ratio: int, dtype: torch.dtype) -> None:
+    # the decode step's ring write: exact (a cast and one fp32 add), other rows untouched
+    torch.manual_seed(11)
+    kv, gate, ape, pos, m, kv_state, score_state, rows = _keep_case(T, n, ratio, 50, dtype)
+    want_kv, want_score = kv_state.clone(), score_state.clone()
+    ok = rows >= 0
+    ref.compress_keep(kv[ok], gate[ok], ape, pos[ok], m, want_kv, want_score, rows[ok])
+    rope.compress_keep(kv, gate, ape, pos, m, kv_state, score_state, rows)
+    assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)
+    assert not torch.equal(score_state[rows[0]], gate[0].float())  # ape was added
+
+
+def test_compress_keep_checks() -> None:
+    kv, gate, ape, pos, m, kv_state, score_state, rows = _keep_case(3, 16, 4, 10, torch.float32)
+    with pytest.raises(AssertionError, match="ape must be"):
+        rope.compress_keep(kv, gate, ape[:2], pos, m, kv_state, score_state, rows)
+    with pytest.raises(AssertionError, match="score_state must be"):
+        rope.compress_keep(kv, gate, ape, pos, m, kv_state, score_state.double(), rows)
+    with pytest.raises(AssertionError, match="rows must be"):
+        rope.compress_keep(kv, gate, ape, pos, m, kv_state, score_state, rows[:2])
+
+
 # ---- GPU: real Flash shapes (H = 64, head_dim 512, rd 64; indexer d 128; CSA 8 slots, HCA 128)
 
 
@@ -327,3 +364,19 @@ def test_gpu_flash_compress_store(slots: int, d: int, dtype: torch.dtype) -> Non
     kv2, score2 = kv.reshape(-1, d), score.reshape(-1, d)
     rope.compress_store(kv2, score2, w, 1e-6, cos, sin, gathered, dest, rows=flat)
     assert torch.equal(gathered, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,n", [(1, 1024), (64, 1024), (64, 256), (16, 512)])
+def test_gpu_compress_keep(T: int, n: int) -> None:
+    # Flash's compressors: CSA 2 x 512 (ratio 4), the indexer's 2 x 128, HCA 512 (ratio 128)
+    torch.manual_seed(12)
+    ratio = 128 if n == 512 else 4
+    kv, gate, ape, pos, m, kv_state, score_state, rows = _keep_case(
+        T, n, ratio, 4096, torch.bfloat16, "cuda"
+    )
+    want_kv, want_score = kv_state.clone(), score_state.clone()
+    ok = rows >= 0
+    ref.compress_keep(kv[ok], gate[ok], ape, pos[ok], m, want_kv, want_score, rows[ok])
+    rope.compress_keep(kv, gate, ape, pos, m, kv_state, score_state, rows)
+    assert torch.equal(kv_state, want_kv) and torch.equal(score_state, want_score)
