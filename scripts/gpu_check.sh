@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -61,6 +61,12 @@ for part in $PARTS; do
     linear_sm90_ab)  # decode step: the FP8 projections' Triton form (the sm90 kernel off) vs the
       # Gluon sm_90 kernel
       step_ab dsv4.ops.linear_sm90 MAX_ROWS "0 64" ${LINEAR_BATCH:-2,16,64} 4096 linear_sm90 ;;
+    base_ab)  # decode step: the package in ab_base/ (`git archive <commit> dsv4 | tar -x -C
+      # ab_base`; ignored, so the device call carries it) against this tree, then this tree with
+      # the shared experts on the main stream (--no-side-stream)
+      PYTHONPATH=$PWD/ab_base step_run "pass" ${AB_BATCH:-1,16,64} 4096 base
+      step_run "pass" ${AB_BATCH:-1,16,64} 4096 cur
+      step_run "sys.argv.append('--no-side-stream')" ${AB_BATCH:-1,16,64} 4096 cur_one_stream ;;
     moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
       # 256-wide tiles (0) vs the default (1)
       step_run "import dsv4.ops.moe as m; m.GEMV_CONFIG_ONE = dict(m.GEMV_CONFIG_ONE, BLOCK_K=256, PREFETCH=False); m.GEMV_CONFIG = dict(m.GEMV_CONFIG, BLOCK_N=32, BLOCK_K=256)" 1,2,4,8 4096 moe_tiles0

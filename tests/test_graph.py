@@ -118,3 +118,46 @@ def test_engine_with_cuda_graphs_matches_eager(tmp_path, kv_cache_dtype: str) ->
     assert graphs.graphs and not graphs.failed
     for a, b in zip(graphed, eager):
         assert a.token_ids == b.token_ids
+
+
+def test_side_stream_only_on_cuda(tmp_path) -> None:  # noqa: ANN001
+    # on the CPU the shared expert stays on the one stream (and the flag is accepted)
+    from dsv4.llm import LLM
+    from dsv4.model import MoE
+    from dsv4.tiny import make_tiny, tiny_args
+
+    tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))
+    llm = LLM(tiny, side_stream=True, progress=False)
+    assert llm.config.side_stream
+    assert all(m.side_stream is None for m in llm.model.modules() if isinstance(m, MoE))
+
+
+@pytest.mark.gpu
+def test_side_stream_matches_one_stream(tmp_path) -> None:  # noqa: ANN001
+    # the shared expert on a second stream (eager and inside the captured graphs) gives the tokens
+    # and logits of the one-stream engine: the same kernels, joined before the slot sum
+    from dsv4.llm import LLM
+    from dsv4.model import MoE
+    from dsv4.sampling import SamplingParams
+    from dsv4.tiny import make_tiny, tiny_args
+
+    tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))
+    prompts = [list(range(2, 2 + n)) for n in (5, 40, 77)]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(device="cuda", ops="triton", dtype="bfloat16", quantized=True, max_seqs=4)
+    kw |= dict(max_seq_len=512, progress=False)
+    one = LLM(tiny, side_stream=False, **kw)
+    assert all(m.side_stream is None for m in one.model.modules() if isinstance(m, MoE))
+    want = one.generate(prompts, sp)
+    want_scores = one.score(list(range(2, 60)))
+    for graphs in (False, True):
+        llm = LLM(tiny, side_stream=True, cuda_graphs=graphs, **kw)
+        moes = [m for m in llm.model.modules() if isinstance(m, MoE)]
+        assert moes and all(m.side_stream is not None for m in moes)
+        got = llm.generate(prompts, sp)
+        for a, b in zip(got, want):
+            assert a.token_ids == b.token_ids
+        if graphs:
+            assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+        else:  # a prefill forward: the same bits
+            assert torch.equal(llm.score(list(range(2, 60))), want_scores)
