@@ -19,7 +19,6 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "memory_fraction",
     "cuda_graphs",
     "kv_cache_dtype",
-    "side_stream",
 )
 
 
@@ -113,13 +112,6 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="attention state: auto = the compute dtype; fp8 = FP8 entries (584 B at Flash "
         "width: e4m3 nope, bf16 rope, UE8M0 scales), as vLLM's fp8_ds_mla",
-    )
-    p.add_argument(
-        "--no-side-stream",
-        dest="side_stream",
-        action="store_false",
-        help="keep each MoE layer's shared expert on the main CUDA stream (default: a second "
-        "stream beside the routed experts)",
     )
 
 

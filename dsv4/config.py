@@ -574,9 +574,6 @@ class EngineConfig:
     # attention state (window rings, compressed entries): "auto" = the compute dtype; "fp8" = 584-byte
     # FP8 entries at Flash width (e4m3 nope + bf16 rope + UE8M0 scales, `dsv4.quant.kv_entry_layout`)
     kv_cache_dtype: str = "auto"
-    # each MoE layer's shared expert on a second CUDA stream beside the routed experts (as
-    # SGLang's shared-experts overlap); only on a CUDA device
-    side_stream: bool = True
     parallel: ParallelInfo = field(default_factory=ParallelInfo)
 
     def __post_init__(self) -> None:
@@ -655,7 +652,6 @@ class ServerConfig:
     memory_fraction: float | None = None
     cuda_graphs: bool = False
     kv_cache_dtype: str = "auto"
-    side_stream: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

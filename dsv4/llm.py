@@ -53,7 +53,6 @@ class LLM:
         block_size: int | None = None,
         cuda_graphs: bool = False,
         kv_cache_dtype: str = "auto",
-        side_stream: bool = True,
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -66,7 +65,6 @@ class LLM:
             max_seq_len=max_seq_len,
             cuda_graphs=cuda_graphs,
             kv_cache_dtype=kv_cache_dtype,
-            side_stream=side_stream,
         )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
@@ -76,7 +74,6 @@ class LLM:
             self.model = Transformer(args, self.config.torch_dtype, quantized, ops_pkg.select(ops))
         load_checkpoint(self.model, self.model_dir, progress=progress)
         self.model.eval()
-        self.model.use_side_stream(self.config.side_stream)  # a CUDA device only
         self.tokenizer = None
         if (self.model_dir / "tokenizer.json").exists():
             from tokenizers import Tokenizer

@@ -388,26 +388,12 @@ class MoE(nn.Module):
         self.shared_experts = (
             Expert(b, a.moe_inter_dim * a.n_shared_experts, b.quant) if a.n_shared_experts else None
         )
-        # a second CUDA stream for the shared expert (`Transformer.use_side_stream`), or None
-        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        shared, ready = None, None
-        if self.shared_experts is not None and self.side_stream is not None and x.is_cuda:
-            # the shared expert on the side stream, beside the router and the routed experts:
-            # at decode each of them leaves most of the GPU idle. Its input is ready (the side
-            # stream waits for this one); the slot sum waits for `ready`. Every allocation of the
-            # side stream happens after such a wait, so no buffer is reused too early.
-            self.side_stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(self.side_stream):
-                shared = self.shared_experts(x)
-                ready = torch.cuda.Event()
-                ready.record()
-        elif self.shared_experts is not None:
-            shared = self.shared_experts(x)
         weights, idx = self.gate(x, input_ids)  # [T, k] each
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         # routed experts summed over the k slots, plus the shared expert's output: [T, D] fp32
-        y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, shared_ready=ready)
+        y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared)
         return y.to(x.dtype)
 
 
@@ -515,16 +501,6 @@ class Transformer(nn.Module):
             yarn_inv_freq(rd, args.compress_rope_theta, args.yarn),
             persistent=False,
         )
-
-    def use_side_stream(self, on: bool = True) -> None:
-        """Run each MoE layer's shared expert on a second CUDA stream, beside the router and the
-        routed experts (also inside captured CUDA graphs, as a fork and a join). Only on a CUDA
-        device; `on=False` (or a CPU model) keeps one stream."""
-        device = self.embed.weight.device
-        stream = torch.cuda.Stream(device) if on and device.type == "cuda" else None
-        for m in self.modules():
-            if isinstance(m, MoE):
-                m.side_stream = stream
 
     def join_projections(self) -> None:
         """One GEMM for each pair of projections that read the same input: a compressor's wkv /

@@ -62,11 +62,9 @@ for part in $PARTS; do
       # Gluon sm_90 kernel
       step_ab dsv4.ops.linear_sm90 MAX_ROWS "0 64" ${LINEAR_BATCH:-2,16,64} 4096 linear_sm90 ;;
     base_ab)  # decode step: the package in ab_base/ (`git archive <commit> dsv4 | tar -x -C
-      # ab_base`; ignored, so the device call carries it) against this tree, then this tree with
-      # the shared experts on the main stream (--no-side-stream)
+      # ab_base`; ignored, so pass carry=["ab_base"] to the device call) against this tree
       PYTHONPATH=$PWD/ab_base step_run "pass" ${AB_BATCH:-1,16,64} 4096 base
-      step_run "pass" ${AB_BATCH:-1,16,64} 4096 cur
-      step_run "sys.argv.append('--no-side-stream')" ${AB_BATCH:-1,16,64} 4096 cur_one_stream ;;
+      step_run "pass" ${AB_BATCH:-1,16,64} 4096 cur ;;
     moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
       # 256-wide tiles (0) vs the default (1)
       step_run "import dsv4.ops.moe as m; m.GEMV_CONFIG_ONE = dict(m.GEMV_CONFIG_ONE, BLOCK_K=256, PREFETCH=False); m.GEMV_CONFIG = dict(m.GEMV_CONFIG, BLOCK_N=32, BLOCK_K=256)" 1,2,4,8 4096 moe_tiles0

@@ -180,12 +180,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=48.0,
         help="halve transformers' context until its decode transient fits (GB)",
     )
-    p.add_argument(
-        "--no-side-stream",
-        dest="side_stream",
-        action="store_false",
-        help="keep the shared experts on the main stream (default on a GPU: a second stream)",
-    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write all results here")
     a = p.parse_args(argv)
@@ -341,7 +335,6 @@ class Bench:
         with torch.device(self.device):
             self.model = Transformer(self.args, self.dtype, quantized=True, ops=ops).eval()
         init_random_(self.model, a.seed)
-        self.model.use_side_stream(a.side_stream)
         self.build_s = time.perf_counter() - t0
         self.hf = None
         if a.hf:

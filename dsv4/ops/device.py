@@ -57,18 +57,15 @@ def arrival_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:
     """int32 arrival counts for kernels whose last-arriving program finishes a reduction (split-K
     fixups): zero between launches, since the last program of each group resets its count, so
     launches on one stream and CUDA-graph replays share them. One array per owner (kernels of
-    different ops may overlap under PDL) and per stream (the MoE's side stream may run the same
-    op beside the main one). "cuda" and "cuda:0" name one array."""
-    stream = 0
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        stream = torch.cuda.current_stream(device).stream_id
-    return _zeros(owner, device, stream, size)
+    different ops may overlap under PDL); two streams running the same op at once would each
+    need their own (the engine runs the model on one stream). "cuda" and "cuda:0" name one array."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _zeros(owner, device, size)
 
 
 @functools.cache
-def _zeros(owner: str, device: torch.device, stream: int, size: int) -> torch.Tensor:
+def _zeros(owner: str, device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 

@@ -323,24 +323,14 @@ def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_
     tl.store(y_ptr + t * stride_y + cols, acc, mask=ok)
 
 
-def sum_slots(
-    out: torch.Tensor,
-    k: int,
-    shared: torch.Tensor | None = None,
-    shared_ready: torch.cuda.Event | None = None,
-    tokens: int | None = None,
-) -> torch.Tensor:
+def sum_slots(out: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> torch.Tensor:
     # out: [T*k, D] each (token, slot) pair's expert output -> [T, D] fp32: sum over the k slots
-    # (+ shared [T, D], once shared_ready has passed) ; tokens: T when there are no pairs (k = 0)
+    # (+ shared [T, D])
     P, D = out.shape
-    T = P // k if tokens is None else tokens
-    if shared_ready is not None:
-        torch.cuda.current_stream(out.device).wait_event(shared_ready)
+    T = P // k
     y = torch.empty((T, D), dtype=torch.float32, device=out.device)
     if T == 0:
         return y
-    if P == 0:  # no routed pairs: the shared expert alone
-        return y.zero_() if shared is None else y.copy_(shared)
     block = min(1024, triton.next_power_of_2(D))
     s = shared if shared is not None else out
     _sum_slots_kernel[(T, triton.cdiv(D, block))](
@@ -782,19 +772,16 @@ def moe_experts(
     gemv: bool | None = None,
     sm90: bool | None = None,
     shared: torch.Tensor | None = None,
-    shared_ready: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32, plus
     # shared [T, D] (the shared expert's output) when given, in the launch that sums the k slots
-    # (shared_ready: an event after which another stream has written `shared`; the routed
-    # experts' kernels are issued first, then this stream waits for it)
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
     # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
     # knob is given -- knobs for bench/probe_pieces.py and the tests)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
-        return ref.moe_experts(x, weights, idx, experts, shared, shared_ready)
+        return ref.moe_experts(x, weights, idx, experts, shared)
 
     # ---- check
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] rows (shape {tuple(x.shape)})"
@@ -817,7 +804,8 @@ def moe_experts(
         f"shared must be [{T}, {D}] rows (got {tuple(shared.shape)})"
     )
     if P == 0:
-        return sum_slots(x.new_empty((0, D)), 1, shared, shared_ready, T)
+        y = torch.zeros((T, D), dtype=torch.float32, device=x.device)
+        return y if shared is None else y + shared.float()
     rw = weights.reshape(-1).float().contiguous()  # [P] fp32
     if sm90 is None:
         sm90 = (
@@ -842,7 +830,7 @@ def moe_experts(
 
         rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
-        return sum_slots(out, k, shared, shared_ready)
+        return sum_slots(out, k, shared)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
@@ -891,4 +879,4 @@ def moe_experts(
         assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
         _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **(consts | cfg))
         _moe_down_kernel[grid(D)](*args2, **(consts | cfg))
-    return sum_slots(out, k, shared, shared_ready)
+    return sum_slots(out, k, shared)

@@ -296,12 +296,10 @@ def moe_experts(
     idx: torch.Tensor,
     experts: torch.nn.ModuleList,
     shared: torch.Tensor | None = None,
-    shared_ready: torch.cuda.Event | None = None,
 ) -> torch.Tensor:
     # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] fp32:
     # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2), plus the
-    # shared expert's output shared [T, D] (as fp32) when given. shared_ready: an event after
-    # which `shared` is written (another stream computes it); waited for before it is read.
+    # shared expert's output shared [T, D] (as fp32) when given.
     # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = idx.flatten().argsort(stable=True)
@@ -313,6 +311,4 @@ def moe_experts(
             t, k = tok[start : start + n], slot[start : start + n]
             y.index_add_(0, t, experts[e](x[t], weights[t, k]).float())
             start += n
-    if shared_ready is not None:
-        torch.cuda.current_stream(x.device).wait_event(shared_ready)
     return y if shared is None else y + shared.float()
