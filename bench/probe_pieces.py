@@ -1173,11 +1173,10 @@ def probe_moe_sm90() -> None:
     default = dict(moe_sm90.CONFIG)
     tiles = [
         default,
-        {**default, "maxnreg": (None, None)},
-        {**default, "maxnreg": (128, 96)},
-        {**default, "maxnreg": (96, 96)},
-        {**default, "NUM_BUF": 3},
-        {**default, "BLOCK_M": 16},
+        {**default, "MAX_SPLITS": 1},
+        {**default, "SPLIT_TARGET": 2},
+        {**default, "SPLIT_TARGET": 8},
+        {**default, "SPLIT_TARGET": 8, "MAX_SPLITS": 8},
     ]
     kernel = moe_sm90._experts_kernel
     try:  # the previous kernel, when a run puts it beside this one (bench/moe_sm90_prev.py)
