@@ -66,13 +66,15 @@ from dsv4.ops.device import arrival_counts, num_sms, split_reduction
 # NUM_BUF 3 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8 warps, and each
 # half-matrix's MMAs left in flight while the next half decodes (+7-20%: more registers)
 CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
-          "maxnreg": (128, 128), "SPLIT_TARGET": 4, "MAX_SPLITS": 4}  # fmt: skip
+          "maxnreg": (128, 128), "SPLIT_TARGET": 4, "MAX_SPLITS": 4,
+          "NUM_BUF_SPLIT": 2}  # fmt: skip
 # split K (SPLIT_TARGET programs per SM, at most MAX_SPLITS splits) when few row-blocks hold
 # pairs: at batch 1-2 the 6-12 experts' 32 / 64 row tiles leave most SMs idle
 MAX_SPLIT_TILES = 1 << 14  # output tiles a split launch may have (the counters are shared)
-# the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
-# 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
-MIN_PAIRS = 7
+# the pair counts it takes by default: from batch 1 (with K split: 50.3 us against the GEMV form's
+# 52.2, unsplit 57.3; H200, bench/probe_pieces.py moe_sm90) to the largest measured decode batch
+# (above: tl.dot_scaled, prefill)
+MIN_PAIRS = 1
 MAX_PAIRS = 512
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
@@ -450,7 +452,7 @@ def _launch(
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, ws, counts, N, K,
         table.offs.shape[1], float(limit), k_per_split, x.stride(0), out.stride(0),
         GATE_UP=gate_up, TOPK=topk, H_BK=bk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        NUM_BUF=CONFIG["NUM_BUF"], num_warps=CONFIG["num_warps"],
+        NUM_BUF=CONFIG["NUM_BUF_SPLIT" if splits > 1 else "NUM_BUF"], num_warps=CONFIG["num_warps"],
         **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
