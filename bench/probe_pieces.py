@@ -1162,9 +1162,6 @@ def probe_moe_gemv() -> None:
                note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
 
 
-MOE_SM90_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-
-
 def probe_moe_sm90() -> None:
     # the Gluon sm_90 experts (codes decoded into the wgmma register operand) against tl.dot_scaled
     # and the GEMV form, T = 1..64, at the default tiles and a few others; GB/s on the routed
@@ -1176,12 +1173,11 @@ def probe_moe_sm90() -> None:
     default = dict(moe_sm90.CONFIG)
     tiles = [
         default,
-        {**default, "MAX_SPLITS": 1},
-        {**default, "SPLIT_TARGET": 2},
-        {**default, "SPLIT_TARGET": 8},
-        {**default, "NUM_BUF_SPLIT": 3},
-        {**default, "NUM_BUF_SPLIT": 4},
-        {**default, "SPLIT_TARGET": 6, "NUM_BUF_SPLIT": 3},
+        {**default, "maxnreg": (None, None)},
+        {**default, "maxnreg": (128, 96)},
+        {**default, "maxnreg": (96, 96)},
+        {**default, "NUM_BUF": 3},
+        {**default, "BLOCK_M": 16},
     ]
     kernel = moe_sm90._experts_kernel
     try:  # the previous kernel, when a run puts it beside this one (bench/moe_sm90_prev.py)
@@ -1190,7 +1186,7 @@ def probe_moe_sm90() -> None:
         tiles.append({**default, "maxnreg": (None, None), "prev": moe_sm90_prev._experts_kernel})
     except ImportError:
         pass
-    for T in MOE_SM90_TOKENS:
+    for T in (1, 2, 4, 8, 16, 32, 64):
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
         variants = [("dot_scaled", dict(dot_scaled=True, gemv=False), None)]

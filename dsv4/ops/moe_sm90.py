@@ -54,8 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.ops.device import arrival_counts, num_sms, split_reduction
-
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
 # (NUM_BUF - 1 in flight); maxnreg: a register cap for (gate-up, down). H200
@@ -66,15 +64,10 @@ from dsv4.ops.device import arrival_counts, num_sms, split_reduction
 # NUM_BUF 3 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8 warps, and each
 # half-matrix's MMAs left in flight while the next half decodes (+7-20%: more registers)
 CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
-          "maxnreg": (128, 128), "SPLIT_TARGET": 4, "MAX_SPLITS": 4,
-          "NUM_BUF_SPLIT": 2}  # fmt: skip
-# split K (SPLIT_TARGET programs per SM, at most MAX_SPLITS splits) when few row-blocks hold
-# pairs: at batch 1-2 the 6-12 experts' 32 / 64 row tiles leave most SMs idle
-MAX_SPLIT_TILES = 1 << 14  # output tiles a split launch may have (the counters are shared)
-# the pair counts it takes by default: from batch 1 (with K split: 50.3 us against the GEMV form's
-# 52.2, unsplit 57.3; H200, bench/probe_pieces.py moe_sm90) to the largest measured decode batch
-# (above: tl.dot_scaled, prefill)
-MIN_PAIRS = 1
+          "maxnreg": (128, 128)}  # fmt: skip
+# the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
+# 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
+MIN_PAIRS = 7
 MAX_PAIRS = 512
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
@@ -197,13 +190,10 @@ def _experts_kernel(
     wbase_ptr,  # int8: expert 0's w1 weight
     sbase_ptr,  # uint8: expert 0's w1 scale
     out_ptr,  # gate-up: h [P, N] bf16, columns permuted for the down kernel ; down: out [P, N]
-    ws_ptr,  # [splits, 2, NB * BLOCK_M, N] fp32 partials of split K (a dummy without splits)
-    count_ptr,  # [>= NB * N / BLOCK_N] int32 arrivals per output tile, 0 between launches
     N,
     K,
     E,
     limit,
-    k_per_split,  # a multiple of BLOCK_K
     stride_xt,
     stride_ot,
     GATE_UP: gl.constexpr,  # W1 and W3 with the SwiGLU epilogue, else W2
@@ -214,19 +204,15 @@ def _experts_kernel(
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
 ):
-    # read BLOCK_N rows of W1 and W3 (or W2): k_per_split/2 + k_per_split/32 bytes each, +
-    # BLOCK_M x rows ; write BLOCK_M x BLOCK_N (with splits: fp32 partials, and the tile's last
-    # split reads them all back from L2, then writes the outputs)
+    # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
+    # BLOCK_M x BLOCK_N
     NW: gl.constexpr = gl.num_warps()
     BK8: gl.constexpr = BLOCK_K // 8
     SW: gl.constexpr = BLOCK_K // 128
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
-    split = gl.program_id(2)
-    n_splits = gl.cdiv(K, k_per_split)
-    k_start = split * k_per_split
     e = gl.load(blk_ptr + pid_m)
-    if e < 0:  # every split of a padding block leaves here: its tile is never counted
+    if e < 0:
         return
     e = e.to(gl.int64)
 
@@ -263,12 +249,10 @@ def _experts_kernel(
         sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
         wb, sb = wa, sa
     w_tile = offs_gn[:, None] * words_per_row + offs_gw[None, :]
-    # this split's columns k_start.. : 8 codes a word, 128 columns' scales a word
-    wa = wa.to(gl.pointer_type(gl.int32)) + k_start // 8
-    wb = wb.to(gl.pointer_type(gl.int32)) + k_start // 8
-    sa = sa.to(gl.pointer_type(gl.int32)) + k_start // 128
-    sb = sb.to(gl.pointer_type(gl.int32)) + k_start // 128
-    x_ptr = x_ptr + k_start  # x's columns are permuted within BLOCK_K blocks: k_start starts one
+    wa = wa.to(gl.pointer_type(gl.int32))
+    wb = wb.to(gl.pointer_type(gl.int32))
+    sa = sa.to(gl.pointer_type(gl.int32))
+    sb = sb.to(gl.pointer_type(gl.int32))
     s_offs = offs_n * (K // 128)
 
     offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
@@ -285,7 +269,7 @@ def _experts_kernel(
         wb_smem = wa_smem
 
     # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales one step ahead in registers
-    n_steps = gl.minimum(k_per_split, K - k_start) // BLOCK_K
+    n_steps = K // BLOCK_K
     for pb in gl.static_range(NUM_BUF - 1):
         _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptr, x_offs, x_ok, wa, wb,
                w_tile, BLOCK_K, GATE_UP)  # fmt: skip
@@ -320,26 +304,6 @@ def _experts_kernel(
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
     offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-    if n_splits > 1:
-        # split-K fixup in the kernel (linear_sm90's pattern): store the partials, count the
-        # arrival; the split that arrives last sums them in split order and goes on to the
-        # epilogue; it resets the count for the next launch
-        slots = gl.num_programs(0) * BLOCK_M
-        part = (pid_m * BLOCK_M + offs_om)[None, :] * N + offs_on[:, None]  # [BN, BM]
-        gl.store(ws_ptr + (split * 2 * slots) * N + part, acc_a)
-        if GATE_UP:
-            gl.store(ws_ptr + (split * 2 + 1) * slots * N + part, acc_b)
-        gl.thread_barrier()  # every thread's partial is stored before the release below
-        counter = count_ptr + pid_m * gl.num_programs(1) + pid_n
-        if gl.atomic_add(counter, 1, sem="acq_rel") != n_splits - 1:
-            return
-        acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-        acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-        for sp in range(n_splits):  # through L2: other programs wrote them
-            acc_a += gl.load(ws_ptr + (sp * 2 * slots) * N + part, cache_modifier=".cg")
-            if GATE_UP:
-                acc_b += gl.load(ws_ptr + (sp * 2 + 1) * slots * N + part, cache_modifier=".cg")
-        gl.atomic_xchg(counter, 0, sem="relaxed")
     pair = gl.load(rows_ptr + pid_m * BLOCK_M + offs_om)
     pair_ok = pair >= 0
     ok = pair_ok[None, :] & (offs_on < N)[:, None]
@@ -426,41 +390,26 @@ def _launch(
     out: torch.Tensor,
     topk: int,
     limit: float,
-    pairs: int | None = None,
 ) -> None:  # noqa: ANN001
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
     bm, bn, bk = CONFIG["BLOCK_M"], CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
     N, K = out.shape[1], x.shape[1]
-    NB = blk.numel()
-    assert rows.numel() == NB * bm, f"rows {rows.numel()} for {NB} blocks of {bm}"
+    assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
     # the kernel's x and weight offsets are 32-bit
     assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
-    # K split when few row-blocks hold pairs (at most one per pair; padding blocks exit at once)
-    # so that ~SPLIT_TARGET programs per SM stream the weights
-    busy = min(NB, rows.numel() if pairs is None else pairs) * (N // bn)
-    target = CONFIG["SPLIT_TARGET"] * num_sms(x.device)
-    k_per_split, splits = split_reduction(K, bk, busy, target, CONFIG["MAX_SPLITS"])
-    counts = arrival_counts("moe_sm90", x.device, MAX_SPLIT_TILES)
-    if splits > 1:
-        assert NB * (N // bn) <= MAX_SPLIT_TILES, f"{NB} x {N // bn} tiles: too many to split"
-        ws = torch.empty((splits, 2, NB * bm, N), dtype=torch.float32, device=x.device)
-        assert ws.numel() < 2**31, f"split partials of {tuple(ws.shape)}: 32-bit offsets"
-    else:
-        ws = out  # a dummy
     cap = CONFIG["maxnreg"][0 if gate_up else 1]
-    _experts_kernel[(NB, N // bn, splits)](
-        x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, ws, counts, N, K,
-        table.offs.shape[1], float(limit), k_per_split, x.stride(0), out.stride(0),
-        GATE_UP=gate_up, TOPK=topk, H_BK=bk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        NUM_BUF=CONFIG["NUM_BUF_SPLIT" if splits > 1 else "NUM_BUF"], num_warps=CONFIG["num_warps"],
-        **({"maxnreg": cap} if cap else {}),
+    _experts_kernel[(blk.numel(), N // bn)](
+        x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
+        float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
+        num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}),
     )  # fmt: skip
 
 
 def down(h: torch.Tensor, rows: torch.Tensor, blk: torch.Tensor, table, D: int) -> torch.Tensor:  # noqa: ANN001
     """h [P, I] bf16 with columns in `permute_columns` order -> [P, D] bf16: h W2^T per pair."""
     out = torch.empty((h.shape[0], D), dtype=h.dtype, device=h.device)
-    _launch(False, h, h, rows, blk, table, out, 1, 0.0, h.shape[0])
+    _launch(False, h, h, rows, blk, table, out, 1, 0.0)
     return out
 
 
@@ -477,6 +426,5 @@ def experts(
     """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, CONFIG["BLOCK_M"])` ->
     [P, D] bf16: each (token, slot) pair's expert output, the routing weight applied before w2."""
     h = torch.empty((rw.numel(), I), dtype=x.dtype, device=x.device)
-    xp = permute_columns(x, CONFIG["BLOCK_K"])
-    _launch(True, xp, rw, rows, blk, table, h, topk, limit, rw.numel())
+    _launch(True, permute_columns(x, CONFIG["BLOCK_K"]), rw, rows, blk, table, h, topk, limit)
     return down(h, rows, blk, table, x.shape[1])
