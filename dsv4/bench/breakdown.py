@@ -35,6 +35,7 @@ OP_CATEGORY = {
     "sparse_attn": "attention",
     "index_topk": "indexer+top-k",
     "compress_store": "compressor",
+    "compress_keep": "compressor",
     "hc_pre": "mHC",
     "hc_post": "mHC",
     "hc_head": "mHC",

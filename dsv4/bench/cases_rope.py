@@ -1,4 +1,5 @@
-"""Benchmark cases: fused q/kv RMSNorm + RoPE, inverse RoPE on the output, the compressor close."""
+"""Benchmark cases: fused q/kv RMSNorm + RoPE, inverse RoPE on the output, the compressor close,
+the decode step's compressor ring write."""
 
 from __future__ import annotations
 
@@ -103,6 +104,37 @@ def _compress_cases(
     return out
 
 
+def _keep_cases(
+    device: str,
+    dtype: torch.dtype,
+    tokens: tuple[int, ...],
+    kinds: tuple[tuple[str, int, int], ...],
+) -> list[Case]:
+    # ---- a decode step's compressor projections (kv | gate of one GEMM) into the fp32 ring
+    out = []
+    for name, n, ratio in kinds:
+        ape = torch.randn(ratio, n, device=device)
+        for T in tokens:
+            y = torch.randn(T, 2 * n, device=device).to(dtype)
+            kv, gate = y[:, :n], y[:, n:]
+            pos = torch.randint(0, 1 << 20, (T,), device=device)
+            rows = torch.randperm(max(64, 2 * T) * 8, device=device)[:T]
+            ring = [torch.zeros(max(64, 2 * T) * 8, n, device=device) for _ in range(4)]
+
+            def run(kv=kv, g=gate, a=ape, p=pos, r=rows, st=ring[:2], m=ratio) -> torch.Tensor:  # noqa: ANN001
+                rope.compress_keep(kv, g, a, p, m, *st, r)
+                return torch.cat(st)
+
+            def run_ref(kv=kv, g=gate, a=ape, p=pos, r=rows, st=ring[2:], m=ratio) -> torch.Tensor:  # noqa: ANN001
+                ref.compress_keep(kv, g, a, p, m, *st, r)
+                return torch.cat(st)
+
+            # kv + gate in, their ape rows, two fp32 rows out (+ positions and rows)
+            nbytes = 2 * T * n * y.element_size() + T * n * 4 + 2 * T * n * 4 + T * 16
+            out.append(Case("compress_keep", f"{name} T={T} n={n}", run, run_ref, bytes=nbytes))
+    return out
+
+
 def cases(device: str, quick: bool) -> list[Case]:
     torch.manual_seed(0)
     if quick:  # tiny shapes for the interpreter
@@ -110,6 +142,7 @@ def cases(device: str, quick: bool) -> list[Case]:
             _rows_cases(device, torch.bfloat16, (3,), H=2, d=64, rd=16)
             + _kv_cases(device, torch.bfloat16, (3,), d=64, rd=16)
             + _compress_cases(device, (2,), (("CSA", 8, 64), ("HCA", 128, 32)), 16, 50)
+            + _keep_cases(device, torch.bfloat16, (3,), (("CSA", 48, 4),))
         )
     bf = torch.bfloat16
     return (
@@ -118,4 +151,5 @@ def cases(device: str, quick: bool) -> list[Case]:
         + _compress_cases(
             device, (1, 16, 64), (("CSA", 8, 512), ("idx", 8, 128), ("HCA", 128, 512)), 64, 100_000
         )
+        + _keep_cases(device, bf, (1, 64), (("CSA", 1024, 4), ("idx", 256, 4), ("HCA", 512, 128)))
     )
