@@ -189,9 +189,9 @@ class Compressor(nn.Module):
         kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             # (one launch: a = W_kv x and z = W_gate x + ape[slot] into every token's ring row)
-            rows = batch.ring_writes(st.ring)[1]
+            keep_rows = batch.ring_writes(st.ring)[1]
             self.ops.compress_keep(
-                kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, rows
+                kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep_rows
             )
         else:
             a = kv.float()  # [T, c*d]

@@ -3,7 +3,8 @@
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
 rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, compress_keep,
 index_topk, stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module
-per op, each beside its reference) and keeps the reference for ops without a kernel. This is the only backend dispatch in the package.
+per op, each beside its reference) and keeps the reference for ops without a kernel. This is the
+only backend dispatch in the package.
 """
 
 from __future__ import annotations

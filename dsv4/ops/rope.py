@@ -521,6 +521,7 @@ def _compress_keep_kernel(
 ):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # the token's ring row as a [BLOCK] tensor (the interpreter takes tensor masks only)
     row = tl.load(rows_ptr + t).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)
     ok = (offs < n) & (row >= 0)
     phase = tl.load(pos_ptr + t).to(tl.int64) % ratio
