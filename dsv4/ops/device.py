@@ -69,6 +69,21 @@ def _zeros(owner: str, device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+def is_sm90(device: torch.device) -> bool:
+    """A Hopper GPU (compute capability 9.0), where the Gluon kernels of `*_sm90` run. Asked on
+    every launcher call, so the capability is looked up once per device."""
+    if device.type != "cuda":
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _capability(device) == (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 @functools.cache
 def pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (sm_90+): a kernel launched with it may start while its

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.ops.device import num_sms, split_reduction
+from dsv4.ops.device import is_sm90, num_sms, split_reduction
 
 BLOCK_K = 128  # columns per step: one scale block
 # BLOCK_N weight rows per program (64 per warpgroup: num_warps = BLOCK_N / 16), NUM_BUF steps of
@@ -247,7 +247,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     """This kernel can run: an sm_90 GPU, bf16 x of 1..MAX_ROWS rows, K a multiple of BLOCK_K and
     each group's rows a multiple of BLOCK_N (a program's rows lie in one 128-row scale block).
     (Whether it should: `dsv4.ops.linear` decides, by the weight's size.)"""
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not is_sm90(x.device):
         return False
     M, K = x.shape[0], weight.shape[1]
     R = weight.shape[0] // groups

@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from dsv4.ops.device import is_sm90
+
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
 # (NUM_BUF - 1 in flight); maxnreg: a register cap for (gate-up, down). H200
@@ -374,7 +376,7 @@ def supported(x: torch.Tensor, D: int, I: int, unit: int) -> bool:  # noqa: E741
     """These kernels can run: an sm_90 GPU, bf16 x, widths that BLOCK_K and BLOCK_N divide, every
     expert tensor 16-byte aligned. (Whether they should: MIN_PAIRS..MAX_PAIRS pairs and
     `scales_in_range`, decided by `moe.moe_experts`.)"""
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+    if not is_sm90(x.device):
         return False
     bk, bn = CONFIG["BLOCK_K"], CONFIG["BLOCK_N"]
     return x.dtype == torch.bfloat16 and D % bk == I % bk == D % bn == I % bn == 0 and unit == 16

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import num_sms
+from dsv4.ops.device import is_sm90, num_sms
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -275,7 +275,7 @@ def supported(
     rows start on 16 bytes (or, when `entries`, FP8 entries of 448 + 64 rope channels whose rows
     start on 8 bytes; default: FP8_ENTRIES)."""
     entries = FP8_ENTRIES if entries is None else entries
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not is_sm90(q.device):
         return False
     if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, DIM) or q.stride(2) != 1:
         return False

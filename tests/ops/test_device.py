@@ -46,3 +46,8 @@ def test_shared_memory_of_the_gpu() -> None:
     props = torch.cuda.get_device_properties(0)
     got = device.shared_memory(torch.device("cuda"))
     assert got == device.SHARED_MEMORY.get((props.major, props.minor), got), (props.major, got)
+
+
+def test_is_sm90_cpu() -> None:
+    # the Gluon kernels' device check: never on the CPU (no CUDA call made)
+    assert not device.is_sm90(torch.device("cpu"))
