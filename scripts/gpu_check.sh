@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -61,6 +61,9 @@ for part in $PARTS; do
     linear_sm90_ab)  # decode step: the FP8 projections' Triton form (the sm90 kernel off) vs the
       # Gluon sm_90 kernel
       step_ab dsv4.ops.linear_sm90 MAX_ROWS "0 64" ${LINEAR_BATCH:-2,16,64} 4096 linear_sm90 ;;
+    chain_ab)  # decode step: only the ops' second kernels launched early (PDL) vs every kernel
+      # chained behind its predecessor (device.CHAIN)
+      step_ab dsv4.ops.device CHAIN "False True" ${AB_BATCH:-1,16,64} 4096 chain ;;
     base_ab)  # decode step: the package in ab_base/ (`git archive <commit> dsv4 | tar -x -C
       # ab_base`; ignored, so pass carry=["ab_base"] to the device call) against this tree
       PYTHONPATH=$PWD/ab_base step_run "pass" ${AB_BATCH:-1,16,64} 4096 base

@@ -6,6 +6,8 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
@@ -91,3 +93,27 @@ def pdl(device: torch.device) -> bool:
     gdc_wait until the predecessor's writes are visible. Hides a launch between two dependent
     kernels; kernels take it as the PDL constexpr (the interpreter has no griddepcontrol)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Every decode kernel launches with PDL behind the stream's previous kernel: its programs take
+# their SM slots while that kernel runs, wait in griddepcontrol.wait for it to finish, then let the
+# next kernel launch in turn. At most two kernels are live, and a kernel's launch latency hides
+# behind its predecessor. A bench switch (False: only the second kernels of hc_pre, sparse_attn
+# and index_topk launch early, as before the chain).
+CHAIN = True
+
+
+def chain(device: torch.device) -> dict:
+    """Launch options of a kernel in the chain: its PDL constexpr (wait at the start, then let the
+    next kernel launch: `chain_start`) and `launch_pdl`."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on and CHAIN}
+
+
+@triton.jit
+def chain_start(PDL: tl.constexpr):
+    # first thing in a chained kernel, before it touches memory an earlier kernel writes or reads:
+    # wait until the previous kernel has finished (its writes visible), then let the next launch
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

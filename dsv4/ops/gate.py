@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import num_sms, split_reduction
+from dsv4.ops.device import chain, chain_start, num_sms, split_reduction
 
 
 @triton.jit
@@ -40,7 +40,9 @@ def _gate_dots_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # the CPU interpreter: fp32 operands
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_T x BLOCK_E x d_per_split worth of x and w tiles ; write BLOCK_T * BLOCK_E floats
     offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -97,7 +99,9 @@ def _gate_route_kernel(
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     HASH: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read splits * E partials (+ E bias) ; write K weights and K ids
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
@@ -172,11 +176,12 @@ def moe_gate(
         part.stride(0), part.stride(1),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, UPCAST=not on_gpu,
         PRECISION="ieee" if not on_gpu else "tf32", num_warps=4, num_stages=3 if on_gpu else 1,
+        **chain(x.device),
     )  # fmt: skip
     _gate_route_kernel[(T,)](
         part, part if bias is None else bias, w_out if idx is None else idx, w_out, idx_out,
         E, splits, float(route_scale), part.stride(0), part.stride(1),
         K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), HASH=idx is not None,
-        num_warps=4,
+        num_warps=4, **chain(x.device),
     )  # fmt: skip
     return w_out, idx_out

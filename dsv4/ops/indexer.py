@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import arrival_counts, num_sms, pdl
+from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, pdl
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
@@ -88,14 +88,13 @@ def _index_score_kernel(
     BLOCK_N: tl.constexpr,
     TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
     HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
-    PDL: tl.constexpr,  # let the first select launch now (it waits for these scores itself)
+    PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
 ):
     # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
-    if PDL:
-        gdc_launch_dependents()
+    chain_start(PDL)
     pid_c = tl.program_id(0)
     t = tl.program_id(1)
     c0 = pid_c * TILES * BLOCK_N
@@ -557,11 +556,11 @@ def _scores(
         BLOCK_N=block_n,
         TILES=tiles,
         HIST=hist is not None,
-        PDL=pdl(q.device),
         KEY_FP8=key_fp8,
         DECODE=decode_mode(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **chain(q.device),
     )  # fmt: skip
     return skey
 

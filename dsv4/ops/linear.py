@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import arrival_counts, num_sms, split_reduction
+from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, split_reduction
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode, exp2i
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
@@ -91,7 +91,9 @@ def _fp8_linear_kernel(
     GEMV: tl.constexpr = False,  # the GEMV form (w_ptr: the codes as uint8)
     STEP: tl.constexpr = 1,  # GEMV: scale blocks (BLOCK_K each) of K a step
     DECODE: tl.constexpr = 0,  # GEMV: `kv_fp8.decode_codes` (1: the GPU's conversion)
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
     # write BLOCK_M * BLOCK_N outputs (with splits: fp32 partials, and the tile's last split
     # reads them all back from L2 and writes the outputs)
@@ -247,7 +249,7 @@ def _fp8_grouped(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
         PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
         GEMV=gemv, STEP=step, DECODE=decode_mode(x.device),
-        num_warps=4, num_stages=4 if on_gpu and not gemv else 1,
+        num_warps=4, num_stages=4 if on_gpu and not gemv else 1, **chain(x.device),
     )  # fmt: skip
     return y
 

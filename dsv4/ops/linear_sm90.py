@@ -45,8 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import is_sm90, num_sms, split_reduction
+from dsv4.ops.device import chain, is_sm90, num_sms, split_reduction
 
 BLOCK_K = 128  # columns per step: one scale block
 # BLOCK_N weight rows per program (64 per warpgroup: num_warps = BLOCK_N / 16), NUM_BUF steps of
@@ -136,7 +137,11 @@ def _fp8_linear_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_BUF: gl.constexpr,
+    PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
+    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
     # read BLOCK_N * k_per_split codes + BLOCK_M * k_per_split activations ; write BLOCK_M *
     # BLOCK_N outputs (with splits: fp32 partials, and the tile's last split sums them from L2)
     NW: gl.constexpr = gl.num_warps()
@@ -285,6 +290,6 @@ def fp8_grouped(
         ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=BLOCK_K,
         NUM_BUF=CONFIG["NUM_BUF"] if block_m <= 16 else CONFIG["NUM_BUF_WIDE"],
-        num_warps=bn // 16, maxnreg=CONFIG["maxnreg"],
+        num_warps=bn // 16, maxnreg=CONFIG["maxnreg"], **chain(x.device),
     )  # fmt: skip
     return y

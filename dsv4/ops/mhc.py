@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.extra.cuda.libdevice import fast_dividef
 
-from dsv4.ops.device import pdl
+from dsv4.ops.device import chain, chain_start, pdl
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
 FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench switch)
@@ -80,11 +80,10 @@ def _hc_mixes_partial_kernel(
     M_PAD: tl.constexpr,  # >= 16, power of 2
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,  # griddepcontrol (sm_90+): the finish kernel may launch now
+    PDL: tl.constexpr,  # chained launch (device.chain); the finish kernel may launch early
 ):
     # read BLOCK_T*split_k x elements and M*split_k fn floats ; write BLOCK_T*(M+1) floats
-    if PDL:
-        gdc_launch_dependents()
+    chain_start(PDL)
     pid_s = tl.program_id(0)
     pid_t = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -249,6 +248,7 @@ def _hc_pre_finish_kernel(
     ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     r, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N, N_PAD)
     if pid_d * BLOCK_D < D:
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -280,7 +280,9 @@ def _hc_post_kernel(
     N: tl.constexpr,
     N_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_D y + n*BLOCK_D residual + n + n*n floats ; write n*BLOCK_D
     t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
@@ -370,7 +372,7 @@ def _hc_collapse(
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
-        BLOCK_K=cfg.block_k, PDL=griddep, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **chain(x.device),
     )  # fmt: skip
     grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
@@ -438,6 +440,6 @@ def hc_post(
     _hc_post_kernel[grid](
         y, residual, post, comb, out, D, y.stride(0), residual.stride(0), residual.stride(1),
         out.stride(0), out.stride(1), N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **chain(y.device),
     )  # fmt: skip
     return out

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
+from dsv4.ops.device import chain, chain_start
 from dsv4.ops.kv_fp8 import exp2i
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
@@ -267,7 +268,9 @@ def _swiglu(g, u, limit):
 def _swiglu_kernel(
     g_ptr, u_ptr, w_ptr, h_ptr, n_cols, limit, stride_g, stride_u, stride_h,
     HAS_WEIGHT: tl.constexpr, RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):  # fmt: skip
+    chain_start(PDL)
     # read 2 * BLOCK elements (+ 1 weight) ; write BLOCK
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -298,7 +301,7 @@ def swiglu(
     _swiglu_kernel[(T, triton.cdiv(n, block))](
         g, u, w, h, n, float(limit), g.stride(0), u.stride(0), h.stride(0),
         HAS_WEIGHT=weights is not None, RNE_BF16=not g.is_cuda and g.dtype == torch.bfloat16,
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=4, **chain(g.device),
     )  # fmt: skip
     return h
 
@@ -311,7 +314,9 @@ def swiglu(
 
 @triton.jit
 def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_y,
-                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):  # fmt: skip
+    chain_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
@@ -335,7 +340,7 @@ def sum_slots(out: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> 
     s = shared if shared is not None else out
     _sum_slots_kernel[(T, triton.cdiv(D, block))](
         out, s, y, D, out.stride(0), s.stride(0), y.stride(0),
-        K=k, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4,
+        K=k, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4, **chain(out.device),
     )  # fmt: skip
     return y
 
@@ -377,7 +382,9 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_N rows of W1 and W3 (K/2 + K/32 B each) + BLOCK_M x rows ; write BLOCK_M x BLOCK_N
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -496,7 +503,9 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_N rows of W2 (K/2 + K/32 B each) + BLOCK_M h rows ; write BLOCK_M x BLOCK_N
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -663,7 +672,9 @@ def _align_rows_kernel(
     P_PAD: tl.constexpr,  # >= P, power of 2
     R_PAD: tl.constexpr,  # >= NB*BLOCK_M, power of 2
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # the torch form below in one program: counts by histogram, block / pair offsets by prefix
     # sums, the pairs ordered by (expert, pair id) in one sort, then scattered to their rows
     offs = tl.arange(0, P_PAD)
@@ -709,6 +720,7 @@ def align_rows(
             flat.long().contiguous(), rows, experts, scratch, P, NB,
             E_PAD=e_pad, P_PAD=triton.next_power_of_2(P),
             R_PAD=triton.next_power_of_2(NB * block_m), BLOCK_M=block_m, num_warps=4,
+            **chain(dev),
         )  # fmt: skip
         return rows, experts
     flat = flat.long()
@@ -849,7 +861,7 @@ def moe_experts(
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False)  # fmt: skip
+                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False) | chain(x.device)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 

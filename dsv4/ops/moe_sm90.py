@@ -53,8 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import is_sm90
+from dsv4.ops.device import chain, is_sm90
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
@@ -205,7 +206,11 @@ def _experts_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
+    PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
+    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
     # BLOCK_M x BLOCK_N
     NW: gl.constexpr = gl.num_warps()
@@ -404,7 +409,7 @@ def _launch(
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
-        num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}),
+        num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
     )  # fmt: skip
 
 

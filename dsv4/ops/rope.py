@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops.device import chain, chain_start
 from dsv4.ops.kv_fp8 import round_bf16, store_entries, store_index_keys
 from dsv4.quant import kv_entry_layout
 
@@ -85,7 +86,9 @@ def _norm_rope_kernel(
     ENTRIES: tl.constexpr,  # dst holds FP8 entries (`dsv4.ops.kv_fp8`)
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_R * d elements (+ their cos/sin) ; write BLOCK_R * d elements (twice if HAS_STORE)
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
@@ -142,7 +145,9 @@ def _rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read BLOCK_R * d elements ; write BLOCK_R * d elements: one launch for the reference's
     # seven (upcast, square, mean, add, rsqrt, multiply, weight, cast)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -172,7 +177,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, x2 if weight is None else weight, out, n_rows, d, eps, x2.stride(0),
         HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=num_warps,
+        num_warps=num_warps, **chain(x.device),
     )  # fmt: skip
     return out
 
@@ -277,6 +282,7 @@ def _launch_rows(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **chain(x.device),
     )
     return out
 
@@ -343,7 +349,9 @@ def _compress_store_kernel(
     KEY_FP8: tl.constexpr,  # out holds FP8 indexer keys of it (codes here, scales at scale_ptr)
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     # read 2 * slots * d fp32 (+ d weight, rd cos/sin) ; write d elements of out
     i = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -492,7 +500,7 @@ def compress_store(
         out_scale if key_fp8 else kv, slots, d, d - rd, eps, *strides, cos.stride(0),
         sin.stride(0), out.stride(0), rows.stride(0) if gather else 0,
         HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, KEY_FP8=key_fp8,
-        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps, **chain(kv.device),
     )  # fmt: skip
 
 
@@ -518,7 +526,9 @@ def _compress_keep_kernel(
     stride_kvs,
     stride_ss,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
+    chain_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     # the token's ring row as a [BLOCK] tensor (the interpreter takes tensor masks only)
@@ -568,5 +578,5 @@ def compress_keep(
     _compress_keep_kernel[(T, triton.cdiv(n, block))](
         kv, gate, ape, positions, rows, kv_state, score_state, n, ratio,
         kv.stride(0), gate.stride(0), ape.stride(0), kv_state.stride(0), score_state.stride(0),
-        BLOCK=block, num_warps=4 if block >= 512 else 1,
+        BLOCK=block, num_warps=4 if block >= 512 else 1, **chain(kv.device),
     )  # fmt: skip

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import num_sms, pdl, shared_memory
+from dsv4.ops.device import chain, chain_start, num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
 from dsv4.quant import kv_entry_layout
 
@@ -229,12 +229,11 @@ def _sparse_attn_kernel(
     BLOCK_H: tl.constexpr,
     KEYS_ON_M: tl.constexpr,  # keys on the MMA rows (S^T, O^T): no S recomputed per warpgroup
     PREFETCH: tl.constexpr,  # indices one tile ahead (a loop-carried plain load)
-    PDL: tl.constexpr,  # let the combine launch now (it waits for these partials itself)
+    PDL: tl.constexpr,  # chained launch (device.chain); the combine may launch early
 ):
     # read BLOCK_H*D q + keys_per_split*(D + 1) gathered elements ; write BLOCK_H*D/DV_SPLIT
     # (+ 2*BLOCK_H when SPLIT)
-    if PDL:
-        gdc_launch_dependents()
+    chain_start(PDL)
     BLOCK_DV: tl.constexpr = BLOCK_D // DV_SPLIT
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -418,6 +417,7 @@ def _sparse_attn_combine_kernel(
     m_run = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     denom = tl.full([], 1.0, tl.float32)  # 2^(sink - m_run)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -518,7 +518,7 @@ def _combine(
     early: bool,
 ) -> None:
     """o from the split partials (part [T, S, H, D], ml [T, S, 2, H]) and the sink; early: launched
-    with PDL, waiting for the partials in the kernel."""
+    with PDL, waiting for the partials in the kernel (the attention kernel lets it launch)."""
     T, H, D = o.shape
     BLOCK_D = max(16, triton.next_power_of_2(D))
     # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
@@ -532,7 +532,7 @@ def _combine(
         part, ml, attn_sink, o, H, D, num_splits,
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
         o.stride(0), o.stride(1),
-        BLOCK_S=block_s, BLOCK_D=block_d, PDL=early, launch_pdl=early,
+        BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(o.device), launch_pdl=early,
         num_warps=1 if few else 4,
     )  # fmt: skip
 
@@ -661,7 +661,7 @@ def sparse_attn(
         FP8_DECODE=fp8_decode(q) if entries else 0,
         UPCAST=q.device.type != "cuda",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=split and pdl(q.device),
+        **chain(q.device),
     )
 
     def grid(meta: dict) -> tuple[int, int, int]:
@@ -677,5 +677,5 @@ def sparse_attn(
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
 
     if split:
-        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"])
+        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"])  # early: PDL on this device
     return o

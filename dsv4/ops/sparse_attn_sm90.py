@@ -32,9 +32,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import is_sm90, num_sms
+from dsv4.ops.device import chain, is_sm90, num_sms
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -151,7 +152,11 @@ def _decode_kernel(
     MODE: gl.constexpr = 0,  # probes only: 1 = the gathers alone, 2 = the math alone (tile 0)
     ENTRIES: gl.constexpr = False,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`; MODE 0)
     NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
+    PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
+    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
     H: gl.constexpr = 64
     D: gl.constexpr = 512
     t = gl.program_id(0).to(gl.int64)
@@ -341,14 +346,15 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
+    launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
         q, src, topk_idxs, attn_sink, o, part, ml,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, num_warps=8,
+        NOPE=DIM - ROPE, num_warps=8, **launch,
     )  # fmt: skip
-    if split:  # the Triton kernel's combine (this kernel does not signal PDL)
-        _triton._combine(part, ml, attn_sink, o, num_splits, early=False)
+    if split:  # the Triton kernel's combine, launched early in the chain
+        _triton._combine(part, ml, attn_sink, o, num_splits, early=launch["launch_pdl"])
     return o

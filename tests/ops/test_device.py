@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +54,33 @@ def test_shared_memory_of_the_gpu() -> None:
 def test_is_sm90_cpu() -> None:
     # the Gluon kernels' device check: never on the CPU (no CUDA call made)
     assert not device.is_sm90(torch.device("cpu"))
+
+
+def test_chain_off_on_the_cpu() -> None:
+    # the interpreter has no griddepcontrol: no PDL constexpr, no PDL launch
+    assert device.chain(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+
+
+def _kernels() -> list[tuple[str, ast.FunctionDef]]:
+    out = []
+    for path in sorted(Path(device.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            jit = any(ast.unparse(d).endswith(".jit") for d in getattr(node, "decorator_list", []))
+            if jit and node.name.endswith("_kernel"):
+                out.append((path.name, node))
+    return out
+
+
+def test_every_kernel_is_chained() -> None:
+    # every kernel takes the PDL constexpr and waits for its predecessor (griddepcontrol.wait,
+    # directly or through chain_start) before the end of its first few statements: a kernel
+    # launched with PDL that never waited could read inputs its predecessor is still writing
+    kernels = _kernels()
+    assert len(kernels) >= 20, [n.name for _, n in kernels]
+    for fname, node in kernels:
+        args = [a.arg for a in node.args.args]
+        assert "PDL" in args, f"{fname}: {node.name} has no PDL parameter"
+        head = "\n".join(ast.unparse(s) for s in node.body[:12])
+        assert "chain_start(PDL)" in head or "gdc_wait()" in head, (
+            f"{fname}: {node.name} does not wait for its predecessor"
+        )
