@@ -954,6 +954,18 @@ def probe_select() -> None:
                 )
 
 
+def probe_select_small() -> None:
+    # index_topk at 4K context (1024 candidates: one levels-select program per token) by the
+    # select program's warps: its reductions cross warps through shared memory
+    for T in (1, 16, 64):
+        q, w, keys, cand = index_inputs(T, 64, 128, 1024, False, "cuda", True)
+        for sw in (1, 2, 4, 8):
+            us(
+                f"index_topk T={T} C=1024 select warps={sw}",
+                lambda n=sw: indexer.index_topk(q, w, keys, cand, 512, select_warps=n),  # noqa: B023
+            )
+
+
 @triton.jit
 def _stream_rows_kernel(k_ptr, idx_ptr, out_ptr, C, stride_it, TILES: tl.constexpr,
                         BLOCK_N: tl.constexpr, D: tl.constexpr, PAGED: tl.constexpr,
@@ -1463,7 +1475,7 @@ def main() -> None:
     p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
-             "select": probe_select, "topk": probe_topk, "phases": probe_phases,
+             "select": probe_select, "select_small": probe_select_small, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip

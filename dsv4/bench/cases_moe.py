@@ -1,5 +1,6 @@
 """Routed-expert cases: Flash MoE (D=4096, inter=2048, 256 MXFP4 experts, k=6) at decode batches
-T = 1, 16, 64 with random routing; quick = tiny CPU shapes."""
+T = 1, 16, 64 with random routing, and the router (`moe_gate`: 256 experts, bf16 gate); quick =
+tiny CPU shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from dsv4.bench.ops import Case
 from dsv4.model import Build, Expert
-from dsv4.ops import moe, ref, select
+from dsv4.ops import gate, moe, ref, select
 from dsv4.tiny import tiny_args
 
 
@@ -56,6 +57,21 @@ def cases(device: str, quick: bool) -> list[Case]:
             f"T={T} k={k} E={E} experts={used} D={D} I={I}",
             run=lambda a=args: moe.moe_experts(*a),
             ref=lambda a=args: ref.moe_experts(*a),
+            bytes=nbytes,
+        ))  # fmt: skip
+    for T in [1, 5] if quick else [1, 16, 64]:
+        g = torch.Generator(device=device).manual_seed(100 + T)
+        dtype = torch.float32 if quick else torch.bfloat16
+        x = torch.randn(T, D, generator=g, device=device).to(dtype)
+        w = (torch.randn(E, D, generator=g, device=device) / D**0.5).to(dtype)
+        bias = torch.randn(E, generator=g, device=device) * 0.1
+        # read x, the gate weight and bias ; write k weights (fp32) and k ids (int64) per token
+        nbytes = (x.numel() + w.numel()) * x.element_size() + E * 4 + T * k * 12
+        args = (x, w, bias, k, 2.5)
+        out.append(Case(
+            "moe_gate", f"T={T} E={E} D={D} k={k}",
+            run=lambda a=args: gate.moe_gate(*a),
+            ref=lambda a=args: ref.moe_gate(*a),
             bytes=nbytes,
         ))  # fmt: skip
     return out

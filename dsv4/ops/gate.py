@@ -98,36 +98,40 @@ def _gate_route_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,  # >= splits, power of 2
     HASH: tl.constexpr,
     PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
     chain_start(PDL)
     # read splits * E partials (+ E bias) ; write K weights and K ids
+    # Latency is the chain here (one program per token, one warp): every split's partials come in
+    # one load and one sum, and each of the k picks is one max over packed (value, id) keys
     t = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, S_PAD)
     offs_e = tl.arange(0, E_PAD)
     offs_j = tl.arange(0, K_PAD)
     e_ok = offs_e < E
-    dots = tl.zeros([E_PAD], tl.float32)
-    for s in range(splits):
-        dots += tl.load(part_ptr + s * stride_ps + t * stride_pt + offs_e, mask=e_ok, other=0.0)
-    scores = tl.sqrt(_softplus(dots))
-    chosen = tl.zeros([K_PAD], tl.float32)
-    ids = tl.zeros([K_PAD], tl.int64)
+    parts = part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + offs_e[None, :]
+    part = tl.load(parts, mask=(offs_s[:, None] < splits) & e_ok[None, :], other=0.0)
+    scores = tl.sqrt(_softplus(tl.sum(part, 0)))
     if HASH:
         ids = tl.load(idx_in_ptr + t * K + offs_j, mask=offs_j < K, other=0)
-        for j in tl.static_range(K):
-            i = tl.sum(tl.where(offs_j == j, ids, 0), 0)
-            chosen = tl.where(offs_j == j, tl.sum(tl.where(offs_e == i, scores, 0.0), 0), chosen)
     else:
         sel = scores + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0)
-        sel = tl.where(e_ok, sel, float("-inf"))
+        sel = tl.where(e_ok & (sel == sel), sel, float("-inf"))  # NaN is never picked
+        # key: sel's order-preserving int32 bits above the complemented id, so one max picks the
+        # largest value and, among equal values, the lower id
+        bits = sel.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs_e).to(tl.int64)
+        ids = tl.zeros([K_PAD], tl.int64)
         for j in tl.static_range(K):
-            top = tl.max(sel, 0)
-            i = tl.min(tl.where(sel == top, offs_e, E_PAD), 0)  # equal values: the lower id
-            i = tl.minimum(i, E - 1)  # (a NaN row matches nothing: keep the id in range)
-            ids = tl.where(offs_j == j, i.to(tl.int64), ids)
-            chosen = tl.where(offs_j == j, tl.sum(tl.where(offs_e == i, scores, 0.0), 0), chosen)
-            sel = tl.where(offs_e == i, float("-inf"), sel)
+            top = tl.max(key, 0)
+            i = E_PAD - 1 - (top & 0xFFFFFFFF)
+            ids = tl.where(offs_j == j, tl.minimum(i, E - 1), ids)
+            key = tl.where(offs_e == i, -(2**63), key)
+    chosen = tl.gather(scores, tl.where(offs_j < K, ids, 0).to(tl.int32), 0)
+    chosen = tl.where(offs_j < K, chosen, 0.0)
     weights = chosen / tl.sum(chosen, 0) * route_scale
     tl.store(w_out_ptr + t * K + offs_j, weights, mask=offs_j < K)
     tl.store(idx_out_ptr + t * K + offs_j, ids, mask=offs_j < K)
@@ -181,7 +185,7 @@ def moe_gate(
     _gate_route_kernel[(T,)](
         part, part if bias is None else bias, w_out if idx is None else idx, w_out, idx_out,
         E, splits, float(route_scale), part.stride(0), part.stride(1),
-        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E), HASH=idx is not None,
-        num_warps=4, **chain(x.device),
+        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E),
+        S_PAD=triton.next_power_of_2(splits), HASH=idx is not None, num_warps=1, **chain(x.device),
     )  # fmt: skip
     return w_out, idx_out
