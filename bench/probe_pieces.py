@@ -954,6 +954,20 @@ def probe_select() -> None:
                 )
 
 
+def probe_gate() -> None:
+    # the router at Flash width (256 experts, D 4096, k 6): both kernels, then the route kernel
+    # alone (its partials left from the last call)
+    from dsv4.ops import gate
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in (1, 16, 64):
+        x = torch.randn(T, 4096, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(256, 4096, device="cuda", generator=g) / 64).bfloat16()
+        bias = torch.randn(256, device="cuda", generator=g) * 0.1
+        us(f"moe_gate T={T}", lambda: gate.moe_gate(x, w, bias, 6, 2.5))  # noqa: B023
+        us(f"moe_gate T={T} warm", lambda: gate.moe_gate(x, w, bias, 6, 2.5), cold=False)  # noqa: B023
+
+
 def probe_select_small() -> None:
     # index_topk at 4K context (1024 candidates: one levels-select program per token) by the
     # select program's warps: its reductions cross warps through shared memory
@@ -1475,7 +1489,7 @@ def main() -> None:
     p.add_argument("--only", default="floors,mhc,attn,indexer,select")
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
-             "select": probe_select, "select_small": probe_select_small, "topk": probe_topk, "phases": probe_phases,
+             "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip
