@@ -1233,6 +1233,29 @@ def probe_moe_sm90() -> None:
     moe_sm90._experts_kernel = kernel
 
 
+def probe_moe_decode() -> None:
+    # the sm90 experts at their default tiles, this tree's kernel against the previous one
+    # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
+    import moe_sm90_prev  # noqa: PLC0415
+
+    from dsv4.ops import moe, moe_sm90
+
+    experts = _moe_experts()
+    kernel = moe_sm90._experts_kernel
+    for T in (2, 8, 16, 64):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        for rep in range(2):
+            for name, k in (("prev", moe_sm90_prev._experts_kernel), ("this", kernel)):
+                moe_sm90._experts_kernel = k
+                got = moe.moe_experts(x, weights, idx, experts, sm90=True)
+                err = float((got - want).norm() / want.norm())
+                us(f"moe T={T} sm90 {name} ({rep})",
+                   lambda: moe.moe_experts(x, weights, idx, experts, sm90=True),  # noqa: B023
+                   nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+    moe_sm90._experts_kernel = kernel
+
+
 def probe_linear() -> None:
     # FP8 projections at decode batches: the tensor-core form against the GEMV form (tile rows x
     # K splits x scale blocks a step; default: the launcher's pick), GB/s on the weight bytes,
@@ -1492,7 +1515,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -25,9 +25,9 @@ makes, for i = 0..7, a bf16x2 of code i of both: the sign to bit 15 and e1 e0 m 
 is the e2m1 value times 2^-126 (the code 0.5 lands on a bf16 subnormal), times 2^(S - 64) for the
 words' e8m0 scale S (words w, w+1 share their 32-column group; a prmt picks its byte). That is the
 weight times 2^-63, exact for S in [SCALE_MIN, SCALE_MAX]; the epilogue multiplies the fp32 sums by
-2^63. Compiled for sm_90a the down kernel's loop is 518 SASS instructions a step per thread, 4.05
-per weight: 2.8 the decode (2 shifts, 2 masks and 1 multiply per two weights, plus the byte
-shuffles), the rest the step's copies, MMAs and waits. Nsight: 57% (gate-up, 3 programs per SM
+2^63. Per two weights the decode is a mask, an integer multiply that places sign and magnitude at
+once, a mask and the bf16 multiply (`_planes`; it was two shifts, two masks and an or: the down
+kernel's SASS went from 800 to 768 instructions, the loop from 4.05 to ~3.8 per weight). Nsight: 57% (gate-up, 3 programs per SM
 before the register cap; 65.5% with it, 4 per SM) and 70% (down, 4 per SM) of issue slots busy.
 
 The 8 tensors A_i [BN, BK/8] (code i of each word: columns 8w + i) meet x's columns 8w + i, so x is
@@ -82,16 +82,18 @@ TWO_63 = gl.constexpr(9.223372036854775808e18)  # 2^63: undoes the decode's 2^-6
 
 def _planes(src: str, out0: int) -> list[str]:
     # the 4 codes of each 16-bit half of `src` -> $out0 .. $out0+3, one bf16x2 per code: the sign
-    # to bit 15 and e1 e0 m to bits 8..6, times f (2^(S - 64) in both halves)
-    lines = []
+    # to bit 15 and e1 e0 m to bits 8..6, times f (2^(S - 64) in both halves). Code j of both
+    # halves alone (a mask), then one multiply by 2^a + 2^b places the sign (shifted by a) and
+    # e1 e0 m (by b) at once: the two shifted copies share no bit, so the sum is their OR; a mask
+    # keeps those bits. Codes 2 and 3 are codes 0 and 1 of `src` >> 8 (b would be negative)
+    lines = [f"shr.b32 r, {src}, 8;"]
     for j in range(4):
-        to_sign, to_mag = 12 - 4 * j, 6 - 4 * j  # bit 4j+3 -> 15 ; bits 4j..4j+2 -> 6..8
+        word = src if j < 2 else "r"
+        nibble, spread = (0x000F000F, 0x1040) if j % 2 == 0 else (0x00F000F0, 0x0104)
         lines += [
-            f"shl.b32 u, {src}, {to_sign};" if to_sign else f"mov.b32 u, {src};",
-            f"shl.b32 v, {src}, {to_mag};" if to_mag > 0 else f"shr.b32 v, {src}, {-to_mag};",
-            "and.b32 u, u, 0x80008000;",
-            "and.b32 v, v, 0x01C001C0;",
-            "or.b32 u, u, v;",
+            f"and.b32 u, {word}, {nibble:#010x};",
+            f"mul.lo.u32 u, u, {spread:#06x};",  # 2^12 + 2^6, or 2^8 + 2^2
+            "and.b32 u, u, 0x81C081C0;",
             f"mul.rn.bf16x2 ${out0 + j}, u, f;",
         ]
     return lines
@@ -103,7 +105,7 @@ def _decode_asm() -> str:
     # -> $0..$7: bf16x2 of code i of word w (low half) and of word w+1 (high half) times 2^(S - 64)
     lines = [
         "{",
-        ".reg .b32 lo, hi, u, v, f;",
+        ".reg .b32 lo, hi, u, r, f;",
         "prmt.b32 lo, $8, $9, 0x5410;",  # codes 0..3 of w | codes 0..3 of w+1
         "prmt.b32 hi, $8, $9, 0x7632;",  # codes 4..7
         "prmt.b32 f, $10, $12, $14;",  # S + 63 in every byte

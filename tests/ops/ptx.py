@@ -48,6 +48,8 @@ def run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             env[d] = srcs[0] & 0xFFFF
         elif op == "add.u32":
             env[d] = srcs[0] + srcs[1]
+        elif op == "mul.lo.u32":  # the low 32 bits of the product
+            env[d] = (srcs[0].astype(np.uint64) * srcs[1].astype(np.uint64)) & 0xFFFFFFFF
         elif op == "shl.b32":
             env[d] = srcs[0] << srcs[1]
         elif op == "shr.b32":
