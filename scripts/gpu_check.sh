@@ -20,8 +20,10 @@ PARTS=${*:-tests ops step}
 
 # one decode step at Flash width after a python setup statement (a kernel switch A/B in one call)
 #   step_run "SETUP" BATCHES CONTEXT NAME  ->  $OUT/step_NAME.{json,txt}
+# (-P: no working directory on sys.path, so PYTHONPATH picks the package: base_ab's ab_base/;
+# without it `python -c` imported ./dsv4 for both sides of base_ab until the seventeenth session)
 step_run() {
-  python3 -c "import sys; $1; from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
+  python3 -P -c "import sys; $1; import dsv4; print('dsv4:', dsv4.__file__); from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench step --preset flash --ops triton --layers sliding,csa,hca --batch "$2" \
     --context "$3" --prefill 0 --repeat 3 --graph --json "$OUT/step_$4.json" 2>&1 \
     | tee "$OUT/step_$4.txt"
@@ -64,9 +66,11 @@ for part in $PARTS; do
     chain_ab)  # decode step: only the ops' second kernels launched early (PDL) vs every kernel
       # chained behind its predecessor (device.CHAIN)
       step_ab dsv4.ops.device CHAIN "False True" ${AB_BATCH:-1,16,64} 4096 chain ;;
-    base_ab)  # decode step: the package in ab_base/ (`git archive <commit> dsv4 | tar -x -C
-      # ab_base`; ignored, so pass carry=["ab_base"] to the device call) against this tree
-      PYTHONPATH=$PWD/ab_base step_run "pass" ${AB_BATCH:-1,16,64} 4096 base
+    base_ab)  # decode step: each package in AB_BASES (default ab_base; a dir made by `git archive
+      # <commit> dsv4 | tar -x -C DIR`, ab_* is ignored, so pass the dirs in carry) against this tree
+      for b in ${AB_BASES:-ab_base}; do
+        PYTHONPATH=$PWD/$b step_run "pass" ${AB_BATCH:-1,16,64} 4096 "$b"
+      done
       step_run "pass" ${AB_BATCH:-1,16,64} 4096 cur ;;
     moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
       # 256-wide tiles (0) vs the default (1)
