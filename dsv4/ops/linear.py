@@ -52,16 +52,21 @@ def _block_scale(s_rows, k0, r_ok):
 
 
 @triton.jit
-def _gemv_step(w_at, x_at, s_at, k0, k_end, r_ok, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
-    # the GEMV form's loads for the step at k0 (nothing past k_end): codes [BLOCK_N, STEP,
-    # BLOCK_K] uint8, x [STEP, BLOCK_K], scale exponents [BLOCK_N, STEP] int32
+def _gemv_weights(w_at, s_at, k0, k_end, r_ok, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
+    # the GEMV form's weight loads for the step at k0 (nothing past k_end): codes [BLOCK_N, STEP,
+    # BLOCK_K] uint8, scale exponents [BLOCK_N, STEP] int32
     col = tl.arange(0, STEP)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    k_ok = k0 + col < k_end
-    w = tl.load(w_at + k0, mask=r_ok[:, None, None] & k_ok[None, :, :], other=0)
-    x = tl.load(x_at + k0, mask=k_ok, other=0.0)
+    w = tl.load(w_at + k0, mask=r_ok[:, None, None] & (k0 + col < k_end)[None, :, :], other=0)
     block_ok = k0 + tl.arange(0, STEP) * BLOCK_K < k_end
     s = tl.load(s_at + k0 // BLOCK_K, mask=r_ok[:, None] & block_ok[None, :], other=127)
-    return w, x, s.to(tl.int32)
+    return w, s.to(tl.int32)
+
+
+@triton.jit
+def _gemv_x(x_at, k0, k_end, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
+    # the GEMV form's x [STEP, BLOCK_K] for the step at k0
+    col = tl.arange(0, STEP)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    return tl.load(x_at + k0, mask=k0 + col < k_end, other=0.0)
 
 
 @triton.jit
@@ -91,9 +96,8 @@ def _fp8_linear_kernel(
     GEMV: tl.constexpr = False,  # the GEMV form (w_ptr: the codes as uint8)
     STEP: tl.constexpr = 1,  # GEMV: scale blocks (BLOCK_K each) of K a step
     DECODE: tl.constexpr = 0,  # GEMV: `kv_fp8.decode_codes` (1: the GPU's conversion)
-    PDL: tl.constexpr = False,  # chained launch (device.chain)
+    PDL: tl.constexpr = False,  # chained launch (device.chain); GEMV: the first weights load first
 ):
-    chain_start(PDL)
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
     # write BLOCK_M * BLOCK_N outputs (with splits: fp32 partials, and the tile's last split
     # reads them all back from L2 and writes the outputs)
@@ -121,18 +125,23 @@ def _fp8_linear_kernel(
         w_at = w_ptr + rows[:, None, None] * stride_wn + col[None, :, :]  # [BLOCK_N, STEP, BLOCK_K]
         x_at = x_ptr + pid_m.to(tl.int64) * stride_xm + g * stride_xg + col
         s_at = s_rows[:, None] + offs_j[None, :]  # [BLOCK_N, STEP]
-        w_next, x_next, s_next = _gemv_step(w_at, x_at, s_at, k_start, k_end, r_ok, BLOCK_K, STEP)
+        # launched behind the previous kernel (device.chain), the program loads its first weights
+        # (nothing writes them) before it waits for that kernel, and x after
+        w_next, s_next = _gemv_weights(w_at, s_at, k_start, k_end, r_ok, BLOCK_K, STEP)
+        chain_start(PDL)
+        x_next = _gemv_x(x_at, k_start, k_end, BLOCK_K, STEP)
         for k0 in range(k_start, k_end, BLOCK_K * STEP):
             # the next step's codes, x and scales load before this step's math: no load waits
             # behind the math, and twice the codes are in flight
             w = decode_codes(w_next, DECODE)
             xk = x_next.to(tl.float32)
             scale = exp2i(s_next - 127)  # UE8M0 2^(s - 127)
-            w_next, x_next, s_next = _gemv_step(
-                w_at, x_at, s_at, k0 + BLOCK_K * STEP, k_end, r_ok, BLOCK_K, STEP
-            )
+            k1 = k0 + BLOCK_K * STEP
+            w_next, s_next = _gemv_weights(w_at, s_at, k1, k_end, r_ok, BLOCK_K, STEP)
+            x_next = _gemv_x(x_at, k1, k_end, BLOCK_K, STEP)
             acc += tl.sum(tl.sum(w * xk[None, :, :], axis=2) * scale, axis=1)[None, :]
     else:
+        chain_start(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K

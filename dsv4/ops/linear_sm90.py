@@ -137,11 +137,8 @@ def _fp8_linear_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     NUM_BUF: gl.constexpr,
-    PDL: gl.constexpr = False,  # chained launch (device.chain)
+    PDL: gl.constexpr = False,  # chained launch (device.chain): the prologue's weights load first
 ):
-    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
-        gdc_wait()
-        gdc_launch_dependents()
     # read BLOCK_N * k_per_split codes + BLOCK_M * k_per_split activations ; write BLOCK_M *
     # BLOCK_N outputs (with splits: fp32 partials, and the tile's last split sums them from L2)
     NW: gl.constexpr = gl.num_warps()
@@ -185,10 +182,21 @@ def _fp8_linear_kernel(
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
     w_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, BLOCK_K], w_sl)
 
-    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; the scale a step ahead
+    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; the scale a step ahead. Launched behind the
+    # previous kernel (device.chain), the program starts the weights' copies (one commit group:
+    # nothing writes weights) before it waits for that kernel, and x's after
     for pb in gl.static_range(NUM_BUF - 1):
-        _issue(x_smem, w_smem, pb, pb, n_steps, x_at, x_ok, w_at, BLOCK_K)
+        k = gl.minimum(pb, n_steps - 1) * BLOCK_K
+        cp.async_copy_global_to_shared(w_smem.index(pb), w_at + k)
+    cp.commit_group()
     s_next = _scale(s_at, 0, n_steps)
+    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
+        gdc_wait()
+        gdc_launch_dependents()
+    for pb in gl.static_range(NUM_BUF - 1):
+        k = gl.minimum(pb, n_steps - 1) * BLOCK_K
+        cp.async_copy_global_to_shared(x_smem.index(pb), x_at + k, mask=x_ok)
+        cp.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     for step in range(n_steps):
         # the decode's factor 2^(s - 7), for s clamped to SCALE_MAX (and the rest)
