@@ -130,7 +130,9 @@ def _gate_route_kernel(
             i = E_PAD - 1 - (top & 0xFFFFFFFF)
             ids = tl.where(offs_j == j, tl.minimum(i, E - 1), ids)
             key = tl.where(offs_e == i, -(2**63), key)
-    chosen = tl.gather(scores, tl.where(offs_j < K, ids, 0).to(tl.int32), 0)
+    # (a hash id outside [0, E) reads an in-range score rather than past the register tile)
+    pick = tl.minimum(tl.maximum(tl.where(offs_j < K, ids, 0), 0), E_PAD - 1)
+    chosen = tl.gather(scores, pick.to(tl.int32), 0)
     chosen = tl.where(offs_j < K, chosen, 0.0)
     weights = chosen / tl.sum(chosen, 0) * route_scale
     tl.store(w_out_ptr + t * K + offs_j, weights, mask=offs_j < K)
