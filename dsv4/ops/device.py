@@ -71,14 +71,14 @@ def _zeros(owner: str, device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
-def is_sm90(device: torch.device) -> bool:
-    """A Hopper GPU (compute capability 9.0), where the Gluon kernels of `*_sm90` run. Asked on
-    every launcher call, so the capability is looked up once per device."""
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of a CUDA device ("cuda" is the current one), (0, 0) for the CPU.
+    Asked on every launcher call, so it is looked up once per device."""
     if device.type != "cuda":
-        return False
+        return (0, 0)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _capability(device) == (9, 0)
+    return _capability(device)
 
 
 @functools.cache
@@ -86,13 +86,17 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.cache
+def is_sm90(device: torch.device) -> bool:
+    """A Hopper GPU (compute capability 9.0), where the Gluon kernels of `*_sm90` run."""
+    return capability(device) == (9, 0)
+
+
 def pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (sm_90+): a kernel launched with it may start while its
     predecessor runs (once every predecessor program has called gdc_launch_dependents) and waits in
     gdc_wait until the predecessor's writes are visible. Hides a launch between two dependent
     kernels; kernels take it as the PDL constexpr (the interpreter has no griddepcontrol)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return capability(device)[0] >= 9
 
 
 # Every decode kernel launches with PDL behind the stream's previous kernel: its programs take

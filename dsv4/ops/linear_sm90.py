@@ -99,13 +99,17 @@ def _bf16x2_exp2(e):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _issue(x_smem, w_smem, b, step, n_steps, x_at, x_ok, w_at, BLOCK_K: gl.constexpr):  # noqa: ANN001, ANN202
-    # step `step`'s x tile and weight tile into buffer b by cp.async, one commit group (past the
-    # last step the last step's again: the group count stays uniform)
+def _copy_w(w_smem, b, step, n_steps, w_at, BLOCK_K: gl.constexpr):  # noqa: ANN001, ANN202
+    # step `step`'s weight tile into buffer b by cp.async (past the last step the last step's
+    # again: the commit group count stays uniform)
+    cp.async_copy_global_to_shared(w_smem.index(b), w_at + gl.minimum(step, n_steps - 1) * BLOCK_K)
+
+
+@gluon.jit
+def _copy_x(x_smem, b, step, n_steps, x_at, x_ok, BLOCK_K: gl.constexpr):  # noqa: ANN001, ANN202
+    # step `step`'s x tile into buffer b by cp.async (as `_copy_w`)
     k = gl.minimum(step, n_steps - 1) * BLOCK_K
     cp.async_copy_global_to_shared(x_smem.index(b), x_at + k, mask=x_ok)
-    cp.async_copy_global_to_shared(w_smem.index(b), w_at + k)
-    cp.commit_group()
 
 
 @gluon.jit
@@ -186,16 +190,14 @@ def _fp8_linear_kernel(
     # previous kernel (device.chain), the program starts the weights' copies (one commit group:
     # nothing writes weights) before it waits for that kernel, and x's after
     for pb in gl.static_range(NUM_BUF - 1):
-        k = gl.minimum(pb, n_steps - 1) * BLOCK_K
-        cp.async_copy_global_to_shared(w_smem.index(pb), w_at + k)
+        _copy_w(w_smem, pb, pb, n_steps, w_at, BLOCK_K)
     cp.commit_group()
     s_next = _scale(s_at, 0, n_steps)
     if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
         gdc_wait()
         gdc_launch_dependents()
     for pb in gl.static_range(NUM_BUF - 1):
-        k = gl.minimum(pb, n_steps - 1) * BLOCK_K
-        cp.async_copy_global_to_shared(x_smem.index(pb), x_at + k, mask=x_ok)
+        _copy_x(x_smem, pb, pb, n_steps, x_at, x_ok, BLOCK_K)
         cp.commit_group()
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     for step in range(n_steps):
@@ -210,7 +212,9 @@ def _fp8_linear_kernel(
         fence_async_shared()
         gl.thread_barrier()
         nxt = step + NUM_BUF - 1
-        _issue(x_smem, w_smem, nxt % NUM_BUF, nxt, n_steps, x_at, x_ok, w_at, BLOCK_K)
+        _copy_x(x_smem, nxt % NUM_BUF, nxt, n_steps, x_at, x_ok, BLOCK_K)
+        _copy_w(w_smem, nxt % NUM_BUF, nxt, n_steps, w_at, BLOCK_K)
+        cp.commit_group()
         cur = step % NUM_BUF
         # (the codes load inside each branch, so each decodes as it loads)
         if s == s_in:

@@ -250,9 +250,11 @@ def compress_keep(
 ) -> None:
     # a compressor's projections of T tokens into its ring (decode: every token is its sequence's
     # last): kv_state[rows] = kv (fp32) ; score_state[rows] = gate (fp32) + ape[position % ratio]
-    # kv, gate: [T, n] ; ape: [ratio, n] fp32 ; positions, rows: [T] ; kv/score_state: [N, n] fp32
-    kv_state[rows] = kv.float()
-    score_state[rows] = gate.float() + ape[positions % ratio]
+    # kv, gate: [T, n] ; ape: [ratio, n] fp32 ; positions, rows: [T] (-1: no store) ;
+    # kv/score_state: [N, n] fp32
+    keep = rows >= 0
+    kv_state[rows[keep]] = kv[keep].float()
+    score_state[rows[keep]] = gate[keep].float() + ape[positions[keep] % ratio]
 
 
 def index_topk(
