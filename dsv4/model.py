@@ -285,8 +285,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope, inv_freq: torch.Tensor
     ) -> torch.Tensor:
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
+        qa, kva = pair(x, self.wq_a, self.wkv)  # one GEMM once joined (both read x)
         # ---- queries: low-rank, per-head unweighted RMS, RoPE on the trailing dims
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora_rank]
+        qr = self.q_norm(qa)  # [T, q_lora_rank]
         q = self.wq_b(qr).view(T, H, hd)
         q = self.ops.norm_rope(q, None, self.eps, *rope)
         # ---- window K=V of the new tokens; at decode also stored into the ring in the same op
@@ -301,7 +302,7 @@ class Attention(nn.Module):
             store = (chunk, batch.memo(("arange", T), lambda: torch.arange(T, device=x.device)))
         else:
             store = None
-        kv = self.ops.norm_rope(self.wkv(x), self.kv_norm.weight, self.eps, *rope, store=store)
+        kv = self.ops.norm_rope(kva, self.kv_norm.weight, self.eps, *rope, store=store)
         if chunk is not None:
             kv = chunk
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
@@ -503,12 +504,14 @@ class Transformer(nn.Module):
         )
 
     def join_projections(self) -> None:
-        """One GEMM for each pair of projections that read the same input: a compressor's wkv /
-        wgate (bf16), the shared expert's w1 / w3. Called once the weights are loaded, on their
-        device (`load_checkpoint`, `init_random_`); the routed experts keep their own tensors
-        (`ops.moe` addresses them by weight offsets)."""
+        """One GEMM for each pair of projections that read the same input: attention's wq_a /
+        wkv (FP8), a compressor's wkv / wgate (bf16), the shared expert's w1 / w3. Called once the
+        weights are loaded, on their device (`load_checkpoint`, `init_random_`); the routed
+        experts keep their own tensors (`ops.moe` addresses them by weight offsets)."""
         for m in self.modules():
-            if isinstance(m, Compressor):
+            if isinstance(m, Attention):
+                join_linears(m.wq_a, m.wkv)
+            elif isinstance(m, Compressor):
                 join_linears(m.wkv, m.wgate)
             elif isinstance(m, MoE) and m.shared_experts is not None:
                 join_linears(m.shared_experts.w1, m.shared_experts.w3)

@@ -178,24 +178,27 @@ def test_triton_ops_match_reference(name, tmp_path):  # noqa: ANN001
 
 
 def test_joined_projections_run_as_one_gemm() -> None:
-    # once the weights are final, each compressor's wkv / wgate and the shared expert's w1 / w3
-    # lie in one allocation and `pair` runs them as one GEMM (its outputs are slices of one
+    # once the weights are final, attention's wq_a / wkv, each compressor's wkv / wgate and the
+    # shared expert's w1 / w3 lie in one allocation and `pair` runs them as one GEMM (its outputs are slices of one
     # result) giving what the two projections give apart; a pair split again (a module moved,
     # a tensor replaced) falls back to two calls
     from dsv4.bench.step import _layer_list, bench_args
     from dsv4.bench.weights import init_random_
-    from dsv4.model import Compressor, MoE, Transformer, pair
+    from dsv4.model import Attention, Compressor, MoE, Transformer, pair
     from dsv4.ops import select
 
     args, _ = bench_args("tiny", _layer_list("csa,hca"))
-    args = args.replace(moe_inter_dim=128)  # FP8 pairs join on whole 128-row scale blocks
+    # FP8 pairs join on whole 128-row scale blocks
+    args = args.replace(moe_inter_dim=128, q_lora_rank=128)
     model = Transformer(args, torch.float32, quantized=True, ops=select("ref")).eval()
     init_random_(model, 0)
     pairs = [(m.wkv, m.wgate) for m in model.modules() if isinstance(m, Compressor)]
     pairs += [
         (m.shared_experts.w1, m.shared_experts.w3) for m in model.modules() if isinstance(m, MoE)
     ]
-    assert len(pairs) == 3 + 2  # CSA: main + indexer compressors, HCA: main; two shared experts
+    pairs += [(m.wq_a, m.wkv) for m in model.modules() if isinstance(m, Attention)]
+    # CSA: main + indexer compressors, HCA: main; two shared experts; two attentions
+    assert len(pairs) == 3 + 2 + 2 + 2 * args.n_mtp_layers, len(pairs)
     x = torch.randn(5, args.dim, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for a, b in pairs:
