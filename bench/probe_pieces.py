@@ -1271,7 +1271,7 @@ def probe_linear() -> None:
             x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
             for gemv in (False, True):
                 form = "gemv" if gemv else "dot"
-                run = lambda t=None, gv=gemv: linear._fp8_grouped(x, w, s, t, gv)  # noqa: B023, E731
+                run = lambda t=None, gv=gemv: linear._grouped(x, w, s, t, gv)  # noqa: B023, E731
                 us(f"linear {name} T={T} {form} default", run, nbytes=N * K)
             if T > 1:  # the GEMV tiles are swept at one row only
                 continue
@@ -1301,7 +1301,7 @@ def probe_linear_sm90() -> None:
         copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
         for T in (1, 2, 8, 16, 32, 64):
             x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
-            want = linear._fp8_grouped(x, w, s, gemv=False, sm90=False).float()
+            want = linear._grouped(x, w, s, gemv=False, sm90=False).float()
             forms = [("dot", dict(gemv=False, sm90=False), None)]
             forms += [
                 (f"sm90 {t['BLOCK_N']}x{t['NUM_BUF']}/{t['NUM_BUF_WIDE']}", dict(sm90=True), t)
@@ -1311,9 +1311,9 @@ def probe_linear_sm90() -> None:
                 forms.append(("gemv", dict(gemv=True, sm90=False), None))
             for form, kw, tile in forms:
                 linear_sm90.CONFIG = dict(tile or default)
-                got = linear._fp8_grouped(x, w, s, **kw).float()
+                got = linear._grouped(x, w, s, **kw).float()
                 err = float((got - want).norm() / want.norm())
-                us(f"linear {name} T={T} {form}", lambda kw=kw: linear._fp8_grouped(x, w, s, **kw),  # noqa: B023
+                us(f"linear {name} T={T} {form}", lambda kw=kw: linear._grouped(x, w, s, **kw),  # noqa: B023
                    nbytes=N * K, note=f" of weight bytes, rel diff vs dot {err:.1e}")  # fmt: skip
     linear_sm90.CONFIG = default
 
@@ -1428,10 +1428,10 @@ def probe_l2_prefetch() -> None:
             )
         for T in (1, 16):
             x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16, generator=g)
-            want = linear._fp8_grouped(x, w, s).float()
+            want = linear._grouped(x, w, s).float()
 
             def proj() -> torch.Tensor:
-                return linear._fp8_grouped(x, w, s)  # noqa: B023
+                return linear._grouped(x, w, s)  # noqa: B023
 
             def pre_proj(ev: bool) -> None:
                 l2_prefetch(w, evict_last=ev)

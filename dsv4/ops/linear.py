@@ -37,6 +37,7 @@ from dsv4.ops.kv_fp8 import decode_codes, decode_mode, exp2i
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
 GEMV_MAX_ROWS = 1  # rows up to which the GEMV form runs (one fp32 fma per code)
+DENSE_MAX_BYTES = 16 << 20  # bf16 weights up to this size take the kernel on a GPU
 # the GEMV form's (output rows per program, scale blocks of K a step): from GEMV_TILES[0][0]
 # weight rows on, the first; below, the second (H200, bench/probe_pieces.py linear, T=1 against
 # the tensor-core form: wq_b 15.8 vs 17.5 us and wo_a 16.8 vs 19.0 at 64 x 1; wo_b 17.3 vs 19.2,
@@ -52,13 +53,17 @@ def _block_scale(s_rows, k0, r_ok):
 
 
 @triton.jit
-def _gemv_weights(w_at, s_at, k0, k_end, r_ok, BLOCK_K: tl.constexpr, STEP: tl.constexpr):
+def _gemv_weights(w_at, s_at, k0, k_end, r_ok, BLOCK_K: tl.constexpr, STEP: tl.constexpr,
+                  SCALED: tl.constexpr):  # fmt: skip
     # the GEMV form's weight loads for the step at k0 (nothing past k_end): codes [BLOCK_N, STEP,
-    # BLOCK_K] uint8, scale exponents [BLOCK_N, STEP] int32
+    # BLOCK_K] uint8 (or bf16 weights), scale exponents [BLOCK_N, STEP] int32 (127 unscaled)
     col = tl.arange(0, STEP)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
     w = tl.load(w_at + k0, mask=r_ok[:, None, None] & (k0 + col < k_end)[None, :, :], other=0)
-    block_ok = k0 + tl.arange(0, STEP) * BLOCK_K < k_end
-    s = tl.load(s_at + k0 // BLOCK_K, mask=r_ok[:, None] & block_ok[None, :], other=127)
+    if SCALED:
+        block_ok = k0 + tl.arange(0, STEP) * BLOCK_K < k_end
+        s = tl.load(s_at + k0 // BLOCK_K, mask=r_ok[:, None] & block_ok[None, :], other=127)
+    else:
+        s = tl.full([r_ok.shape[0], STEP], 127, tl.int32)
     return w, s.to(tl.int32)
 
 
@@ -96,6 +101,7 @@ def _fp8_linear_kernel(
     GEMV: tl.constexpr = False,  # the GEMV form (w_ptr: the codes as uint8)
     STEP: tl.constexpr = 1,  # GEMV: scale blocks (BLOCK_K each) of K a step
     DECODE: tl.constexpr = 0,  # GEMV: `kv_fp8.decode_codes` (1: the GPU's conversion)
+    SCALED: tl.constexpr = True,  # fp8 codes with block scales, else weights in x's dtype
     PDL: tl.constexpr = False,  # chained launch (device.chain); GEMV: the first weights load first
 ):
     # read BLOCK_N * k_per_split fp8 bytes + BLOCK_M * k_per_split activations ;
@@ -127,17 +133,17 @@ def _fp8_linear_kernel(
         s_at = s_rows[:, None] + offs_j[None, :]  # [BLOCK_N, STEP]
         # launched behind the previous kernel (device.chain), the program loads its first weights
         # (nothing writes them) before it waits for that kernel, and x after
-        w_next, s_next = _gemv_weights(w_at, s_at, k_start, k_end, r_ok, BLOCK_K, STEP)
+        w_next, s_next = _gemv_weights(w_at, s_at, k_start, k_end, r_ok, BLOCK_K, STEP, SCALED)
         chain_start(PDL)
         x_next = _gemv_x(x_at, k_start, k_end, BLOCK_K, STEP)
         for k0 in range(k_start, k_end, BLOCK_K * STEP):
             # the next step's codes, x and scales load before this step's math: no load waits
             # behind the math, and twice the codes are in flight
-            w = decode_codes(w_next, DECODE)
+            w = decode_codes(w_next, DECODE) if SCALED else w_next.to(tl.float32)
             xk = x_next.to(tl.float32)
             scale = exp2i(s_next - 127)  # UE8M0 2^(s - 127)
             k1 = k0 + BLOCK_K * STEP
-            w_next, s_next = _gemv_weights(w_at, s_at, k1, k_end, r_ok, BLOCK_K, STEP)
+            w_next, s_next = _gemv_weights(w_at, s_at, k1, k_end, r_ok, BLOCK_K, STEP, SCALED)
             x_next = _gemv_x(x_at, k1, k_end, BLOCK_K, STEP)
             acc += tl.sum(tl.sum(w * xk[None, :, :], axis=2) * scale, axis=1)[None, :]
     else:
@@ -153,7 +159,10 @@ def _fp8_linear_kernel(
             else:
                 w = w.to(x.dtype)
             part = tl.dot(x, w, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-            acc += part * _block_scale(s_rows, k0, r_ok)[None, :]
+            if SCALED:
+                acc += part * _block_scale(s_rows, k0, r_ok)[None, :]
+            else:
+                acc += part
 
     mask = m_ok[:, None] & r_ok[None, :]
     tile = offs_m[:, None] * stride_ym + g * stride_yg + offs_r[None, :]  # [M, G, R] offsets
@@ -182,37 +191,47 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return arrival_counts("linear", device, MAX_SPLIT_TILES)
 
 
-def _fp8_grouped(
+def _grouped(
     x: torch.Tensor,
     weight: torch.Tensor,
-    scale: torch.Tensor,
+    scale: torch.Tensor | None,
     tiles: tuple[int, ...] | None = None,
     gemv: bool | None = None,
     sm90: bool | None = None,
 ) -> torch.Tensor:
-    """x [M, G, K] times fp8 weight [G*R, K] per group -> [M, G, R] x.dtype.
+    """x [M, G, K] times weight [G*R, K] per group -> [M, G, R] x.dtype: fp8 with its block
+    scale, or (scale None) a weight in x's dtype.
     tiles: force (BLOCK_N, K splits[, GEMV step]) instead of the heuristic; gemv: force the GEMV
     form on or off (default: up to GEMV_MAX_ROWS rows); sm90: the Gluon kernel of `linear_sm90`
-    on or off (default: where it applies and no other knob is set) -- knobs for
+    on or off (fp8; default: where it applies and no other knob is set) -- knobs for
     bench/probe_pieces.py linear."""
     M, G, K = x.shape
     N = weight.shape[0]
-    assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
-        f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
-    )
+    scaled = scale is not None
+    if scaled:
+        assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
+            f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
+        )
+        exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+        assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
+            f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
+        )
+        assert scale.stride(1) == 1, "the fp8 scale needs unit stride along the reduction"
+    else:
+        assert weight.dtype == x.dtype and weight.dim() == 2, (
+            f"weight must be {x.dtype} [out, in] (got {weight.dtype} {tuple(weight.shape)})"
+        )
     assert weight.shape[1] == K and N % G == 0, (
         f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)} ({G} groups)"
     )
-    exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
-    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
-        f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
-    )
-    assert weight.stride(1) == 1 and scale.stride(1) == 1 and x.stride(2) == 1, (
-        "fp8 weight, scale and x need unit stride along the reduction"
+    assert weight.stride(1) == 1 and x.stride(2) == 1, (
+        "weight and x need unit stride along the reduction"
     )
     R = N // G  # a group's rows may start inside a scale block: each row reads its own block
     on_gpu = x.device.type == "cuda"
-    if sm90 is None:  # the default decides quietly (and checks `supported` once)
+    if not scaled:
+        sm90 = False
+    elif sm90 is None:  # the default decides quietly (and checks `supported` once)
         sm90 = tiles is None and gemv is None and _sm90(x, weight, G)
     elif sm90:  # asked for: a clear error where the kernel cannot run
         from dsv4.ops import linear_sm90
@@ -231,6 +250,8 @@ def _fp8_grouped(
     if gemv:  # a row of x per program; tiles: GEMV_TILES by the weight's rows
         block_m = 1
         block_n, step = GEMV_TILES[0][1] if N >= GEMV_TILES[0][0] else GEMV_TILES[1][1]
+        if not scaled:  # 2-byte weights: half the blocks a step, the same bytes (and registers)
+            step = max(1, step // 2)
     else:
         # output tiles of 128 rows down to 32 until the grid covers the SMs twice (H200 sweep,
         # bench/probe_pieces.py linear, T=1: wq_a 9.0 us, wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4
@@ -250,14 +271,15 @@ def _fp8_grouped(
     ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
     grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
     assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
+    codes = weight.view(torch.uint8) if gemv and scaled else weight
+    scales = scale.view(torch.uint8) if scaled else codes  # (a dummy unscaled)
     _fp8_linear_kernel[grid](
-        x, weight.view(torch.uint8) if gemv else weight, scale.view(torch.uint8), y, ws,
-        _tile_counters(x.device), M, R, K, k_per_split,
-        x.stride(0), x.stride(1), weight.stride(0), scale.stride(0),
+        x, codes, scales, y, ws, _tile_counters(x.device), M, R, K, k_per_split,
+        x.stride(0), x.stride(1), weight.stride(0), scale.stride(0) if scaled else 0,
         y.stride(0), y.stride(1), ws.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, UPCAST=not on_gpu,
         PRECISION="ieee" if x.dtype == torch.float32 or not on_gpu else "tf32",
-        GEMV=gemv, STEP=step, DECODE=decode_mode(x.device),
+        GEMV=gemv, STEP=step, DECODE=decode_mode(x.device), SCALED=scaled,
         num_warps=4, num_stages=4 if on_gpu and not gemv else 1, **chain(x.device),
     )  # fmt: skip
     return y
@@ -275,11 +297,18 @@ def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     )
 
 
-def _kernel_serves(x: torch.Tensor, fmt: str, rows: int) -> bool:
-    # bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32 runs
-    # are for checking, the reference serves them)
+def _kernel_serves(x: torch.Tensor, weight: torch.Tensor, fmt: str, rows: int) -> bool:
+    # fp8: bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32
+    # runs are for checking, the reference serves them). "dense": bf16 weights of at most
+    # DENSE_MAX_BYTES (the compressors' wkv / wgate, the indexer's weights_proj; not the head) on a
+    # GPU, chained like every kernel, where cuBLAS took a split-K GEMM and its reduce
+    if not 0 < rows <= MAX_ROWS:
+        return False
+    if fmt == "dense":
+        small = weight.numel() * weight.element_size() <= DENSE_MAX_BYTES
+        return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and small
     dtypes = (torch.bfloat16,) if x.is_cuda else (torch.bfloat16, torch.float32)
-    return fmt == "fp8" and 0 < rows <= MAX_ROWS and x.dtype in dtypes
+    return fmt == "fp8" and x.dtype in dtypes
 
 
 def linear(
@@ -292,9 +321,9 @@ def linear(
     # x: [..., in] ; weight: [out, in] in `fmt` ; y: [..., out] in x.dtype
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
-    if not _kernel_serves(x, fmt, rows):
+    if not _kernel_serves(x, weight, fmt, rows):
         return ref.linear(x, weight, fmt, scale, scale2)
-    y = _fp8_grouped(x.reshape(rows, 1, K), weight, scale)
+    y = _grouped(x.reshape(rows, 1, K), weight, scale)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -306,6 +335,6 @@ def grouped_linear(
     scale2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
-    if not _kernel_serves(x, fmt, x.shape[0]):
+    if not _kernel_serves(x, weight, fmt, x.shape[0]):
         return ref.grouped_linear(x, weight, fmt, scale, scale2)
-    return _fp8_grouped(x, weight, scale)
+    return _grouped(x, weight, scale)

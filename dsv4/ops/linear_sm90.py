@@ -1,7 +1,7 @@
 """FP8 projections (e4m3, 128x128 UE8M0 block scales) for Hopper (sm_90) in Gluon at decode batches:
 the codes decoded in registers straight into the wgmma A operand.
 
-  fp8_grouped(x, weight, scale) -> [M, G, R], as `dsv4.ops.linear._fp8_grouped` (which decides when
+  fp8_grouped(x, weight, scale) -> [M, G, R], as `dsv4.ops.linear._grouped` (which decides when
   this applies: `supported`, MIN_WEIGHT_BYTES)
 
 Why a second kernel: the Triton form converts each e4m3 tile to bf16 and stores it to shared memory
@@ -282,7 +282,7 @@ def fp8_grouped(
     """x [M, G, K] bf16 times e4m3 weight [G*R, K] (scale [cdiv(G*R, 128), K/128] UE8M0) per
     group -> [M, G, R] bf16. counts: the split-K arrival counts, one per output tile, zero between
     launches (the Triton form's, `linear._tile_counters`). The caller checks shapes, dtypes and
-    strides (`linear._fp8_grouped`)."""
+    strides (`linear._grouped`)."""
     M, G, K = x.shape
     R = weight.shape[0] // G
     bn = CONFIG["BLOCK_N"]

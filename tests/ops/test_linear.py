@@ -51,7 +51,7 @@ def test_fp8_linear_matches_reference(lead, N, K, dtype) -> None:  # noqa: ANN00
 @pytest.mark.parametrize(
     "T,G,R,K", [(1, 2, 128, 256), (5, 4, 128, 128), (3, 4, 16, 64), (2, 3, 80, 200)]
 )  # groups of 16 / 80 rows share scale blocks (the tiny model's wo_a)
-def test_fp8_grouped_linear_matches_reference(T, G, R, K, dtype) -> None:  # noqa: ANN001
+def test_grouped_linear_matches_reference(T, G, R, K, dtype) -> None:  # noqa: ANN001
     wq, s = _fp8(G * R, K, seed=2)
     x = torch.randn(T, G, K, generator=torch.Generator().manual_seed(3)).to(dtype)
     y = linear.grouped_linear(x, wq, "fp8", s)
@@ -76,10 +76,29 @@ def test_gemv_and_dot_forms_match_the_reference(M, G, R, K, tiles, gemv) -> None
     # both forms at the same shapes: ragged rows and K, groups, K splits
     wq, s = _fp8(G * R, K, seed=7)
     x = torch.randn(M, G, K, generator=torch.Generator().manual_seed(8))
-    y = linear._fp8_grouped(x, wq, s, tiles, gemv)
+    y = linear._grouped(x, wq, s, tiles, gemv)
     want = ref.grouped_linear(x, wq, "fp8", s)
     assert y.shape == (M, G, R)
     assert _rel(y, want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize(
+    "M,G,R,K,tiles",
+    [(1, 1, 200, 384, None), (3, 2, 48, 300, (16, 2)), (1, 1, 64, 1100, (16, 4, 2))],
+)
+def test_unscaled_weights_match_the_reference(M, G, R, K, tiles, gemv) -> None:  # noqa: ANN001
+    # weights in x's dtype (scale None: the compressors' bf16 projections on a GPU) through both
+    # forms, ragged shapes and K splits
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(G * R, K, generator=g)
+    x = torch.randn(M, G, K, generator=g)
+    y = linear._grouped(x, w, None, tiles, gemv)
+    want = ref.grouped_linear(x, w, "dense")
+    assert y.shape == (M, G, R)
+    assert _rel(y, want) < TOL[torch.float32]
+    with pytest.raises(AssertionError, match="weight must be torch.float32"):
+        linear._grouped(x, w.bfloat16(), None, tiles, gemv)
 
 
 def test_gemv_form_is_the_default_for_one_row(monkeypatch) -> None:  # noqa: ANN001
@@ -116,10 +135,10 @@ def test_a_wrong_scale_or_dtype_is_named() -> None:
 
 def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None:  # noqa: ANN001
     calls = []
-    monkeypatch.setattr(linear, "_fp8_grouped", lambda *a: calls.append(a))
+    monkeypatch.setattr(linear, "_grouped", lambda *a: calls.append(a))
     wq, s = _fp8(64, 128)
     linear.linear(torch.randn(linear.MAX_ROWS + 1, 128), wq, "fp8", s)
-    linear.linear(torch.randn(2, 128), torch.randn(64, 128), "dense")
+    linear.linear(torch.randn(2, 128), torch.randn(64, 128), "dense")  # the CPU: dense stays
     assert calls == []
 
 
@@ -130,9 +149,9 @@ def test_split_k_fixup(splits: int) -> None:
     wq, s = _fp8(96, 1024, seed=4)  # 3 output tiles of 32 rows, grouped: 2 groups of 48 rows
     x = torch.randn(3, 2, 1024, generator=torch.Generator().manual_seed(5))
     want = ref.grouped_linear(x, wq, "fp8", s)
-    first = linear._fp8_grouped(x, wq, s, (32, splits))
+    first = linear._grouped(x, wq, s, (32, splits))
     assert _rel(first, want) < TOL[torch.float32]
-    again = linear._fp8_grouped(x, wq, s, (32, splits))
+    again = linear._grouped(x, wq, s, (32, splits))
     assert torch.equal(first, again)
     assert int(linear._tile_counters(x.device).abs().sum()) == 0
 
@@ -171,3 +190,20 @@ def test_fp8_linear_on_gpu(T, N, K, G) -> None:  # noqa: ANN001
     assert _rel(y, want) < 1e-2
     if exact is not None:
         assert _rel(y, exact) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 16, 64])
+@pytest.mark.parametrize("N,K", [(1024, 4096), (256, 4096), (64, 4096)])
+def test_dense_bf16_on_gpu(T, N, K) -> None:  # noqa: ANN001
+    # the compressors' wkv | wgate (CSA, HCA; the indexer's) and the indexer's weights_proj: the
+    # kernel, not cuBLAS, and against the fp32 products
+    g = torch.Generator(device="cuda").manual_seed(T)
+    w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
+    x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
+    assert linear._kernel_serves(x, w, "dense", T)
+    y = linear.linear(x, w, "dense")
+    assert _rel(y, x.float() @ w.float().T) < 5e-3
+    assert _rel(y, ref.linear(x, w, "dense")) < 1e-2
+    head = torch.empty(linear.DENSE_MAX_BYTES // 2 + K, K // K, device="cuda").bfloat16()
+    assert not linear._kernel_serves(x[:, :1], head, "dense", T)  # the LM head stays on cuBLAS

@@ -74,7 +74,7 @@ def test_not_on_cpu() -> None:
     x = torch.randn(4, 1, 256).to(torch.bfloat16)
     assert not linear_sm90.supported(x, wq, 1)
     with pytest.raises(AssertionError, match="sm90 linear"):
-        linear._fp8_grouped(x, wq, s, sm90=True)
+        linear._grouped(x, wq, s, sm90=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_gpu_every_weight_read_back() -> None:
     for k0 in range(0, K, 64):
         x = torch.zeros(64, 1, K, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(64), 0, k0 + torch.arange(64)] = 1.0
-        got[:, k0 : k0 + 64] = linear._fp8_grouped(x, wq, s, sm90=True)[:, 0].float().T.cpu()
+        got[:, k0 : k0 + 64] = linear._grouped(x, wq, s, sm90=True)[:, 0].float().T.cpu()
     bad = []
     for rb in range(N // 128):
         for kb in range(K // 128):
@@ -136,7 +136,7 @@ def test_gpu_flash_shapes(T: int, N: int, K: int, G: int) -> None:
     _needs_sm90()
     wq, s = _fp8(N, K, device="cuda", seed=T)
     x = torch.randn(T, G, K, device="cuda").to(torch.bfloat16)
-    y = linear._fp8_grouped(x, wq, s, sm90=True)
+    y = linear._grouped(x, wq, s, sm90=True)
     R = N // G
     exact = torch.stack(
         [ref.linear(x[:, gi].float(), wq[gi * R : (gi + 1) * R], "fp8", s[gi * R // 128 : (gi + 1) * R // 128]) for gi in range(G)],
