@@ -1506,6 +1506,58 @@ def probe_l2_prefetch() -> None:
     us("moe T=1 busy 20 us | side prefetch, then experts", ahead)
 
 
+@triton.jit
+def _read_sum_kernel(ptr, out_ptr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                     STAGES: tl.constexpr):  # fmt: skip
+    # read STEPS * BLOCK contiguous int32 words (program p: the p-th such span) and sum them: a
+    # weight stream with no decode and no math
+    base = tl.program_id(0).to(tl.int64) * STEPS * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.range(0, STEPS, num_stages=STAGES):
+        acc += tl.load(ptr + base + i * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def probe_read_floor() -> None:
+    # how fast can one kernel read a batch-1 weight stream (32 MB: wq_b / wo_a / wo_b; 80 MB: six
+    # routed experts), cold and with the bytes in L2, against the projections and experts that read
+    # them: is the GEMV form bound by the reads, or by its own work?
+    from dsv4.bench.cases_linear import FLASH, _fp8_weight
+    from dsv4.ops import linear, moe
+
+    copy_floor("copy_ 128 MiB", 128 << 20)
+    for mb in (32, 80):
+        words = torch.ones(mb << 18, dtype=torch.int32, device="cuda")
+        for block, steps, warps, stages in ((1024, 8, 4, 3), (2048, 8, 4, 3), (4096, 4, 8, 3),
+                                            (4096, 8, 8, 3), (2048, 16, 4, 4), (4096, 16, 8, 4),
+                                            (8192, 4, 8, 2), (1024, 32, 4, 4)):  # fmt: skip
+            n = words.numel() // (block * steps)
+            out = torch.empty(n, dtype=torch.int32, device="cuda")
+
+            def run(src=words, out=out, n=n, b=block, s=steps, w=warps, st=stages) -> None:  # noqa: ANN001
+                _read_sum_kernel[(n,)](src, out, STEPS=s, BLOCK=b, STAGES=st, num_warps=w)
+
+            for cold in (True, False):
+                us(f"read {mb} MB: {n} programs x {steps} x {block} words, {warps} warps, "
+                   f"{stages} stages, {'cold' if cold else 'warm'}", run, cold=cold,
+                   nbytes=mb << 20)  # fmt: skip
+        del words
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K, G in FLASH:
+        if N * K < 32 << 20:
+            continue
+        w, s = _fp8_weight(N, K, "cuda", g)
+        x = torch.randn(1, G, K, device="cuda", dtype=torch.bfloat16)
+        for cold in (True, False):
+            us(f"linear {name} T=1 default, {'cold' if cold else 'warm'}",
+               lambda: linear._grouped(x, w, s), cold=cold, nbytes=N * K)  # noqa: B023  # fmt: skip
+    experts = _moe_experts()
+    x, weights, idx, nbytes = _moe_tokens(1, experts)
+    for cold in (True, False):
+        us(f"moe T=1 default, {'cold' if cold else 'warm'}",
+           lambda: moe.moe_experts(x, weights, idx, experts), cold=cold, nbytes=nbytes)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
@@ -1515,7 +1567,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
