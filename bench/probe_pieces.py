@@ -36,10 +36,12 @@ from dsv4.ops import indexer, mhc, ref, sparse_attn
 ROWS: list[dict] = []
 
 
-def us(name: str, fn, cold: bool = True, nbytes: int = 0, rw: int = 1, note: str = "") -> float:  # noqa: ANN001, E501
-    # device time, L2 cleared before every call (cold=False: back-to-back calls, L2 warm);
+def us(name: str, fn, cold: bool = True, nbytes: int = 0, rw: int = 1, note: str = "",  # noqa: ANN001
+       clean: bool = False) -> float:  # fmt: skip
+    # device time, L2 cleared before every call (cold=False: back-to-back calls, L2 warm; clean:
+    # cleared by a read, so no dirty lines are left for fn to write back);
     # nbytes: also print the rate (rw=2: the bytes are read and written, as by a copy)
-    t = sorted(_graph_us(fn, 3, cold=cold))[1]
+    t = sorted(_graph_us(fn, 3, cold=cold, clean=clean))[1]
     ROWS.append({"probe": name, "us": t})
     print(f"{name:<60}{t:>9.2f} us", flush=True)
     if nbytes:
@@ -1157,9 +1159,9 @@ def probe_moe_tiles() -> None:
 
 
 def probe_moe_gemv() -> None:
-    # batch 1-8 (6-48 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA
-    # cores) at several tiles, with and without the next step's loads ahead of the math, against
-    # the dot form
+    # batch 1-2 (6-12 pairs): the GEMV form (codes decoded by inline PTX, products on the CUDA
+    # cores) at several tiles and warp counts, with and without the next step's loads ahead of
+    # the math
     from dsv4.ops import moe
 
     def run(cfg, ds, gv):  # noqa: ANN001, ANN202
@@ -1167,20 +1169,18 @@ def probe_moe_gemv() -> None:
 
     experts = _moe_experts()
     copy_floor("copy_ 128 MiB", 128 << 20)
-    for T in (1, 2, 4, 8):
+    for T in (1, 2):  # from 2 tokens the sm90 experts are the default
         x, weights, idx, nbytes = _moe_tokens(T, experts)
         want = ref.moe_experts(x, weights, idx, experts)
-        variants = [("dot, autotuned", None, False, False), ("gemv default", None, False, True)]
-        for bn, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (16, 1024), (32, 1024)):
-            for pf in (False, True):
-                cfg = {
-                    "BLOCK_N": bn,
-                    "BLOCK_K": bk,
-                    "num_warps": 4,
-                    "num_stages": 3,
-                    "PREFETCH": pf,
-                }
-                variants.append((f"gemv {bn}x{bk} prefetch={pf}", cfg, False, True))
+        variants = [("gemv default", None, False, True)]
+        # (BLOCK_N, BLOCK_K, warps, prefetch): 16 x 1024 on 4 warps with prefetch takes 255
+        # registers (2 programs, 8 warps an SM); on 8 warps 127 (16 warps an SM)
+        for bn, bk, nw, pf in ((16, 1024, 4, True), (16, 1024, 4, False), (16, 1024, 8, True),
+                               (8, 1024, 4, True), (16, 512, 4, True), (32, 512, 8, True),
+                               (8, 512, 2, True), (32, 1024, 8, True), (16, 2048, 8, True),
+                               (8, 2048, 4, True)):  # fmt: skip
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 3, "PREFETCH": pf}
+            variants.append((f"gemv {bn}x{bk} {nw} warps prefetch={pf}", cfg, False, True))
         for name, cfg, ds, gv in variants:
             got = run(cfg, ds, gv)
             err = float((got - want).norm() / want.norm())
@@ -1537,10 +1537,9 @@ def probe_read_floor() -> None:
             def run(src=words, out=out, n=n, b=block, s=steps, w=warps, st=stages) -> None:  # noqa: ANN001
                 _read_sum_kernel[(n,)](src, out, STEPS=s, BLOCK=b, STAGES=st, num_warps=w)
 
-            for cold in (True, False):
+            for mode, kw in MODES:
                 us(f"read {mb} MB: {n} programs x {steps} x {block} words, {warps} warps, "
-                   f"{stages} stages, {'cold' if cold else 'warm'}", run, cold=cold,
-                   nbytes=mb << 20)  # fmt: skip
+                   f"{stages} stages, {mode}", run, nbytes=mb << 20, **kw)  # fmt: skip
         del words
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, N, K, G in FLASH:
@@ -1548,14 +1547,27 @@ def probe_read_floor() -> None:
             continue
         w, s = _fp8_weight(N, K, "cuda", g)
         x = torch.randn(1, G, K, device="cuda", dtype=torch.bfloat16)
-        for cold in (True, False):
-            us(f"linear {name} T=1 default, {'cold' if cold else 'warm'}",
-               lambda: linear._grouped(x, w, s), cold=cold, nbytes=N * K)  # noqa: B023  # fmt: skip
+        for mode, kw in MODES:
+            us(f"linear {name} T=1 default, {mode}", lambda: linear._grouped(x, w, s),  # noqa: B023
+               nbytes=N * K, **kw)  # fmt: skip
     experts = _moe_experts()
     x, weights, idx, nbytes = _moe_tokens(1, experts)
-    for cold in (True, False):
-        us(f"moe T=1 default, {'cold' if cold else 'warm'}",
-           lambda: moe.moe_experts(x, weights, idx, experts), cold=cold, nbytes=nbytes)  # fmt: skip
+    for mode, kw in MODES:
+        us(f"moe T=1 default, {mode}", lambda: moe.moe_experts(x, weights, idx, experts),
+           nbytes=nbytes, **kw)  # fmt: skip
+    # the targets, L2 cleared by a memset (do_bench's way) and by a read
+    attn = AttnDecode(g)
+    for T in (1, 64):
+        args = attn.tokens(T)
+        for mode, kw in MODES[:2]:
+            us(f"sparse_attn T={T} K=640, {mode}", lambda a=args: sparse_attn.sparse_attn(*a, 0.04),
+               **kw)  # fmt: skip
+    args = index_inputs(16, 64, 128, 32768, False, "cuda", True)
+    for mode, kw in MODES[:2]:
+        us(f"index_topk T=16 128K paged, {mode}", lambda a=args: indexer.index_topk(*a, 512), **kw)
+
+
+MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
 def main() -> None:

@@ -76,18 +76,23 @@ def replay_ms(g: torch.cuda.CUDAGraph, replays: int = 5) -> float:
 
 
 def _graph_us(
-    fn: Callable[[], object], repeat: int, n: int = 20, cold: bool = True
+    fn: Callable[[], object], repeat: int, n: int = 20, cold: bool = True, clean: bool = False
 ) -> list[float] | None:
     """Device time without host launch cost, L2 still cleared: a CUDA graph of n x (memset 256 MB,
     fn) minus a graph of n x memset, per call (None when fn cannot be captured). cold=False: a
-    graph of n back-to-back calls, L2 warm."""
+    graph of n back-to-back calls, L2 warm. clean: the 256 MB are read instead of written, so L2
+    is left holding clean lines (a memset, as `triton.testing.do_bench` clears L2, leaves dirty
+    lines, and fn's first reads then also pay their write-back)."""
     flush = _l2_flush_buffer()
+    flush_words = flush.view(torch.int32)
 
     def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(n):
-                if cold:
+                if cold and clean:
+                    flush_words.amax()
+                elif cold:
                     flush.zero_()
                 if with_fn:
                     fn()
