@@ -1,6 +1,6 @@
 """Per-kernel device time inside one op call (torch profiler): which launch of a multi-kernel op
 (sparse_attn main + combine, hc_pre partial + finish, index_topk scores + select levels, the
-experts' gate-up + down with --only moe) takes the
+experts' gate-up + down with --only moe, the 32 MB FP8 projections with --only linear) takes the
 time. L2 is warm (back-to-back calls), so this is the kernels' execution chain, not HBM.
 Usage: python3 bench/kernel_times.py [--json FILE] [--only NAME] [--plain]"""
 
@@ -65,11 +65,20 @@ def main() -> None:
         from dsv4.ops import moe
 
         experts = random_experts(4096, 2048, 256, "cuda")
-        for T in (16, 64):
+        for T in (1, 16, 64):
             idx = torch.rand(T, 256, generator=g, device="cuda").argsort(-1)[:, :6]
             wts = torch.rand(T, 6, generator=g, device="cuda") / 6
             xm = torch.randn(T, 4096, generator=g, device="cuda").to(bf)
             cases[f"moe T={T}"] = lambda a=(xm, wts, idx, experts): moe.moe_experts(*a)
+    if "linear" in ns.only:  # the FP8 projections of 32 MB at one row (the GEMV form)
+        from dsv4.bench.cases_linear import FLASH, _fp8_weight
+        from dsv4.ops import linear
+
+        for name, N, K, G in FLASH:
+            if N * K >= 32 << 20:
+                w8, s8 = _fp8_weight(N, K, "cuda", g)
+                xl = torch.randn(1, G, K, device="cuda", dtype=bf, generator=g)
+                cases[f"linear {name} T=1"] = lambda a=(xl, w8, s8): linear._grouped(*a)
     out = {}
     for name, f in cases.items():
         if ns.only not in name:
