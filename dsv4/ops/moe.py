@@ -66,7 +66,11 @@ GEMV_MAX_PAIRS = 48
 # 371 us); up to 8 pairs the next step's codes and x load before this step's math (PREFETCH:
 # -4 us at T=1, +1-14 us at T = 2-8)
 GEMV_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 3, "PREFETCH": False}
-GEMV_CONFIG_ONE = {**GEMV_CONFIG, "PREFETCH": True}  # <= 8 pairs
+# <= 8 pairs: 8 rows x 512 columns on 2 warps under a 128-register cap (ptxas -v, sm_90a: no
+# spills in either kernel; 8 programs an SM where 16 x 1024 on 4 warps took 255 registers and 2).
+# H200, T=1 (eighteenth session, moe_gemv, twice each): 47.06 / 47.17 us against 50.26 / 50.25
+GEMV_CONFIG_ONE = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "num_stages": 3, "PREFETCH": True,
+                   "maxnreg": 128}  # fmt: skip
 MXFP4_BLOCK = tl.constexpr(32)  # one e8m0 scale per 32 weights of a row
 # rows of the address table (globals a kernel reads must be constexpr)
 W1, W3, W2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # int8 packed weights
