@@ -11,7 +11,10 @@ cleared), against the fixed cost of any launch measured the same way:
     math; ld.global / cp.async, or one TMA copy per row);
   - index_floor: the indexer's key reads with no math (contiguous, paged, TMA pages);
   - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles; moe_sm90: the
-    Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64.
+    Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64; moe_gemv: the GEMV
+    form's tiles and register caps at batch 1;
+  - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
+    read, or warm) beside the batch-1 projections and experts and the issue's target cases.
 Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
 
 from __future__ import annotations
