@@ -1,5 +1,6 @@
-"""A small interpreter for the inline PTX of the Gluon kernels' weight decodes (`dsv4.ops.moe_sm90`,
-`dsv4.ops.linear_sm90`): the instructions they use, run on numpy arrays on the CPU."""
+"""A small interpreter for the inline PTX of the weight decodes (the Gluon kernels of
+`dsv4.ops.moe_sm90` and `dsv4.ops.linear_sm90`, the GEMV form of `dsv4.ops.moe`): the
+instructions they use, run on numpy arrays on the CPU."""
 
 from __future__ import annotations
 
@@ -29,6 +30,12 @@ def run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):  # mov.b32 {lo, hi}, src: split the halves
+            halves, src = rest[1:].split("}")
+            lo, hi = (h.strip() for h in halves.split(","))
+            v = val(src.strip(" ,"))
+            env[lo], env[hi] = (v & 0xFFFF).astype(np.uint32), (v >> 16).astype(np.uint32)
+            continue
         args = [a.strip() for a in rest.split(",")]
         d, srcs = args[0], [val(a) for a in args[1:]]
         if op == "prmt.b32":  # byte j of d = byte (selector nibble j) of {a, b}
@@ -44,6 +51,9 @@ def run_ptx(asm: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 byte = np.where(n & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
                 out |= byte << (8 * j)
             env[d] = out
+        elif op == "cvt.f32.f16":  # fp16 bits (low 16) -> fp32 bits, exact (subnormals too)
+            f16 = (srcs[0] & 0xFFFF).astype(np.uint16).view(np.float16)
+            env[d] = f16.astype(np.float32).view(np.uint32)
         elif op == "cvt.u32.u16":
             env[d] = srcs[0] & 0xFFFF
         elif op == "add.u32":

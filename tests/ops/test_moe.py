@@ -3,6 +3,7 @@ alignment and the cached address table."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,8 @@ from dsv4 import quant
 from dsv4.model import Build, Expert
 from dsv4.ops import moe, ref, select
 from dsv4.tiny import tiny_args
+
+from .ptx import run_ptx
 
 # relative-norm tolerance per x dtype: fp32 differs only by summation order; bf16 follows the
 # reference's cast points (exact in the interpreter, a bf16 ulp here and there on the GPU)
@@ -160,6 +163,23 @@ def test_moe_experts_gemv(
     assert _rel(y, want) < TOL[dtype], _rel(y, want)
     y0 = moe.moe_experts(x, weights, idx, experts, gemv=False)
     assert _rel(y, y0) < TOL[dtype], _rel(y, y0)
+
+
+def test_gemv_decode_ptx_is_the_reference_dequantization() -> None:
+    # the GEMV form's inline PTX (GPU only) against the packed codes' values: output i of a word
+    # is code i (column 8w + i, low nibble first) times 2^-14 in fp32, bit for bit, over random
+    # words and every code at every position
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    words[:16] = np.arange(16, dtype=np.uint32) * np.uint32(0x11111111)
+    env = run_ptx(moe._E2M1_WORDS_ASM.value, {"$8": words})
+    # each word's 4 bytes as one 32-column row (repeated: a whole scale group), scale 2^0
+    codes = torch.from_numpy(words.view(np.uint8).copy()).view(torch.int8).view(-1, 4)
+    one = torch.full((codes.shape[0], 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    want = quant.dequant_mxfp4(codes.repeat(1, 4), one).double() * 2.0**-14
+    for i in range(8):
+        got = torch.from_numpy(env[f"${i}"].view(np.float32).astype(np.float64))
+        assert torch.equal(got, want[:, i]), i
 
 
 @pytest.mark.parametrize("D,I", [(4096, 2048), (96, 64), (64, 32), (7168, 2048)])
