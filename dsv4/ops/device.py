@@ -116,8 +116,9 @@ def chain(device: torch.device) -> dict:
 
 @triton.jit
 def chain_start(PDL: tl.constexpr):
-    # first thing in a chained kernel, before it touches memory an earlier kernel writes or reads:
-    # wait until the previous kernel has finished (its writes visible), then let the next launch
+    # first thing in a chained kernel (Triton or Gluon), before it touches memory an earlier kernel
+    # writes or reads: wait until the previous kernel has finished (its writes visible), then let
+    # the next launch
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -45,9 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import chain, is_sm90, num_sms, split_reduction
+from dsv4.ops.device import chain, chain_start, is_sm90, num_sms, split_reduction
 
 BLOCK_K = 128  # columns per step: one scale block
 # BLOCK_N weight rows per program (64 per warpgroup: num_warps = BLOCK_N / 16), NUM_BUF steps of
@@ -193,9 +192,7 @@ def _fp8_linear_kernel(
         _copy_w(w_smem, pb, pb, n_steps, w_at, BLOCK_K)
     cp.commit_group()
     s_next = _scale(s_at, 0, n_steps)
-    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
-        gdc_wait()
-        gdc_launch_dependents()
+    chain_start(PDL)
     for pb in gl.static_range(NUM_BUF - 1):
         _copy_x(x_smem, pb, pb, n_steps, x_at, x_ok, BLOCK_K)
         cp.commit_group()

@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import chain, chain_start, pdl
@@ -246,9 +245,7 @@ def _hc_pre_finish_kernel(
     offs_s = tl.arange(0, S_PAD)
     mask_s = offs_s < splits
     ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    chain_start(PDL)
     r, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N, N_PAD)
     if pid_d * BLOCK_D < D:
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -53,9 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import chain, is_sm90
+from dsv4.ops.device import chain, chain_start, is_sm90
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
@@ -210,9 +209,7 @@ def _experts_kernel(
     NUM_BUF: gl.constexpr,
     PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
-    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
-        gdc_wait()
-        gdc_launch_dependents()
+    chain_start(PDL)
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + BLOCK_M x rows ; write
     # BLOCK_M x BLOCK_N
     NW: gl.constexpr = gl.num_warps()

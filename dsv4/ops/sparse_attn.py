@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import chain, chain_start, num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
@@ -415,9 +414,7 @@ def _sparse_attn_combine_kernel(
 
     # o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s + 2^(sink - M)), M the running max
     m_run = tl.load(sink_ptr + h) * 1.4426950408889634  # log2 units like the split maxima
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    chain_start(PDL)
     denom = tl.full([], 1.0, tl.float32)  # 2^(sink - m_run)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):

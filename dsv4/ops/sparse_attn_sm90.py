@@ -32,10 +32,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
 )
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import chain, is_sm90, num_sms
+from dsv4.ops.device import chain, chain_start, is_sm90, num_sms
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -154,9 +153,7 @@ def _decode_kernel(
     NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
     PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
-    if PDL:  # chained launch (device.chain): wait, then let the next kernel launch
-        gdc_wait()
-        gdc_launch_dependents()
+    chain_start(PDL)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
     t = gl.program_id(0).to(gl.int64)
