@@ -59,8 +59,9 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
 # (NUM_BUF - 1 in flight); maxnreg: a register cap for (gate-up, down). H200
-# (bench/probe_pieces.py moe_sm90), routed experts at T = 8 / 16 / 64: 246.7 / 411.5 / 964.2 us,
-# against 300.9 (GEMV form) / 748.7 / 1773.3 (tl.dot_scaled). Uncapped, the gate-up kernel takes
+# (bench/probe_pieces.py moe_sm90, nineteenth session: one MMA a step), routed experts at
+# T = 8 / 16 / 64: 222.4 / 373.2 / 901.0 us, against 443.6 / 741.2 / 1761.7 (tl.dot_scaled).
+# Fourteenth session, per code plane MMAs: 246.7 / 411.5 / 964.2 us. Uncapped, the gate-up kernel takes
 # 139 registers and 3 programs fit an SM (251.1 / 425.1 / 1012.3 us); at 128 it fits 4 with no
 # spills (ptxas -v, sm_90a). Slower: a cap of 96 (5 programs, 60-156 B of spills: +20-33%),
 # NUM_BUF 3 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8 warps, and each
@@ -130,38 +131,34 @@ def _scales(s_base, s_offs, step, SW: gl.constexpr):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _mma_step(words, sc, sel, xs, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
-    # acc += W x^T over one step: the 8 decoded code planes against their x slices (async; the
-    # planes are returned to stay alive until the wait)
+def _cat2(a, b):  # noqa: ANN001, ANN202
+    # [R, C] and [R, C] -> [R, 2C]: a's columns, then b's
+    t = gl.join(a, b).permute(0, 2, 1)
+    return t.reshape(t.shape[0], 2 * t.shape[2])
+
+
+@gluon.jit
+def _mma_step(words, sc, sel, xs, acc, a_l: gl.constexpr):  # noqa: ANN001, ANN202
+    # acc += W x^T over one step: the 8 decoded code planes joined into one [BN, BK] operand
+    # (plane i as columns i*BK/8 .. (i+1)*BK/8, the permuted x's order), one MMA (async; the
+    # operand is returned to stay alive until the wait). In the A-operand layout each plane's
+    # registers already hold its columns of the joined tile, so the join moves no data
     lo, hi = sc
     a0, a1, a2, a3, a4, a5, a6, a7 = gl.inline_asm_elementwise(
         DECODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
         [words, lo[:, None], hi[:, None], sel[None, :]], dtype=(gl.bfloat16,) * 8,
         is_pure=True, pack=2,
     )  # fmt: skip
-    acc = _mma4((a0, a1, a2, a3), xs, 0, acc, BK8)
-    acc = _mma4((a4, a5, a6, a7), xs, 4, acc, BK8)
-    return acc, (a0, a1, a2, a3, a4, a5, a6, a7)
+    w = _cat2(_cat2(_cat2(a0, a1), _cat2(a2, a3)), _cat2(_cat2(a4, a5), _cat2(a6, a7)))
+    w = gl.convert_layout(w, a_l, assert_trivial=True)
+    acc = warpgroup_mma(w, xs.permute((1, 0)), acc, is_async=True)
+    return acc, w
 
 
 @gluon.jit
-def _mma4(p, xs, i0: gl.constexpr, acc, BK8: gl.constexpr):  # noqa: ANN001, ANN202
-    # acc += planes i0..i0+3 times their x slices (async)
-    acc = warpgroup_mma(p[0], xs.slice((i0 + 0) * BK8, BK8, dim=1).permute((1, 0)), acc,
-                        is_async=True)  # fmt: skip
-    acc = warpgroup_mma(p[1], xs.slice((i0 + 1) * BK8, BK8, dim=1).permute((1, 0)), acc,
-                        is_async=True)  # fmt: skip
-    acc = warpgroup_mma(p[2], xs.slice((i0 + 2) * BK8, BK8, dim=1).permute((1, 0)), acc,
-                        is_async=True)  # fmt: skip
-    acc = warpgroup_mma(p[3], xs.slice((i0 + 3) * BK8, BK8, dim=1).permute((1, 0)), acc,
-                        is_async=True)  # fmt: skip
-    return acc
-
-
-@gluon.jit
-def _wait(acc, p):  # noqa: ANN001, ANN202
-    # the MMAs of a step done; the code planes they read stay alive until then
-    return warpgroup_mma_wait(0, deps=[acc, p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]])[0]
+def _wait(acc, w):  # noqa: ANN001, ANN202
+    # the MMA of a step done; the operand it reads stays alive until then
+    return warpgroup_mma_wait(0, deps=[acc, w])[0]
 
 
 @gluon.jit
@@ -299,12 +296,12 @@ def _experts_kernel(
                wb, w_tile, BLOCK_K, GATE_UP)  # fmt: skip
         cur = step % NUM_BUF
         xs = x_smem.index(cur)
-        # one matrix at a time: its 8 code planes (64 registers) live until its MMAs are done
-        acc_a, planes = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, BK8)
-        acc_a = _wait(acc_a, planes)
+        # one matrix at a time: its decoded tile (64 registers) lives until its MMA is done
+        acc_a, w = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, a_l)
+        acc_a = _wait(acc_a, w)
         if GATE_UP:
-            acc_b, planes = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, BK8)
-            acc_b = _wait(acc_b, planes)
+            acc_b, w = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, a_l)
+            acc_b = _wait(acc_b, w)
     cp.wait_group(0)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
