@@ -310,6 +310,49 @@ def probe_sinkhorn() -> None:
     mhc.FAST_SINKHORN = True
 
 
+def probe_mhc_norm() -> None:
+    # hc_pre with the block's RMSNorm in the finish (one program a token) against the unfused pair
+    # (hc_pre, then rms_norm), by the norm launch's warps and column step, each twice
+    from dsv4.ops import rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn, sc, base = hc_pre_params(g)
+    w = torch.rand(4096, device="cuda", generator=g) + 0.5
+    for T in (1, 16, 64):
+        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(2):
+            us(
+                f"hc_pre T={T} then rms_norm",
+                lambda: rope.rms_norm(mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)[0], w, 1e-6),  # noqa: B023
+            )
+            for warps, block in (
+                (4, 1024),
+                (4, 2048),
+                (4, 4096),
+                (2, 1024),
+                (2, 2048),
+                (8, 1024),
+                (8, 2048),
+            ):
+                mhc.NORM_BLOCK_D = block
+                us(
+                    f"hc_pre+norm T={T} {warps} warps, {block} columns a step",
+                    lambda: mhc._hc_collapse(
+                        x,
+                        fn,
+                        sc,
+                        base,
+                        1e-6,
+                        1e-6,
+                        20,
+                        True,
+                        w,  # noqa: B023
+                        finish_warps=warps,
+                    ),  # noqa: B023  # fmt: skip
+                )
+    mhc.NORM_BLOCK_D = 2048
+
+
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -320,7 +363,7 @@ def probe_mhc_splits() -> None:
             cfg = mhc._mix_config(1, 24, 16384, 4096, programs)._replace(block_d=block_d)
             us(
                 f"hc_pre T=1 {16384 // cfg.split_k} splits, collapse block_d={block_d}",
-                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg),  # noqa: B023
+                lambda: mhc._hc_collapse(x, fn, sc, base, 1e-6, 1e-6, 20, True, cfg=cfg),  # noqa: B023
             )
 
 
@@ -1586,7 +1629,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "sinkhorn": probe_sinkhorn,
+             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()

@@ -114,7 +114,7 @@ def sweep_hc_pre(rows: list) -> None:
             cfg = mhc._mix_config(T, 24, n * D, D, programs)
 
             def run(cfg=cfg):  # noqa: ANN001, ANN202
-                return mhc._hc_collapse(x, fn, scale, base, 1e-6, 1e-6, 20, True, cfg)
+                return mhc._hc_collapse(x, fn, scale, base, 1e-6, 1e-6, 20, True, cfg=cfg)
 
             try:
                 us = t_us(run)

@@ -393,9 +393,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)  # [T, k] each
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        # routed experts summed over the k slots, plus the shared expert's output: [T, D] fp32
-        y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared)
-        return y.to(x.dtype)
+        # routed experts summed over the k slots, plus the shared expert's output, in fp32; then
+        # cast to x.dtype in the same op
+        return self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, out_dtype=x.dtype)
 
 
 class Block(nn.Module):
@@ -413,9 +413,13 @@ class Block(nn.Module):
         _hc_params(self, "hc_attn", mix, 3, args.hc_dim)  # hc_attn_fn / _base / _scale
         _hc_params(self, "hc_ffn", mix, 3, args.hc_dim)
 
-    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor):  # noqa: ANN201
+    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+               norm: RMSNorm):  # fmt: skip  # noqa: ANN201
+        # the collapse goes through `norm` in the same op (its eps is args.norm_eps, as hc_pre's)
         a = self.args
-        return self.ops.hc_pre(x, fn, scale, base, a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
+        return self.ops.hc_pre(
+            x, fn, scale, base, a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, norm.weight
+        )
 
     def forward(
         self,
@@ -428,12 +432,18 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         # x: [T, n, D]
         residual = x
-        y, post, comb = self.hc_pre(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        y = self.attn(self.attn_norm(y), batch, ls, rope, inv_freq)
+        # y = attn_norm(collapse(x))
+        y, post, comb = self.hc_pre(
+            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm
+        )
+        y = self.attn(y, batch, ls, rope, inv_freq)
         x = self.ops.hc_post(y, residual, post, comb)
         residual = x
-        y, post, comb = self.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        y = self.ffn(self.ffn_norm(y), input_ids)
+        # y = ffn_norm(collapse(x))
+        y, post, comb = self.hc_pre(
+            x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm
+        )
+        y = self.ffn(y, input_ids)
         return self.ops.hc_post(y, residual, post, comb)
 
 
@@ -545,10 +555,10 @@ class Transformer(nn.Module):
     def hc_head(self, h: torch.Tensor, owner: nn.Module) -> torch.Tensor:
         """Collapse the n streams with `owner`'s hc_head params (main model or an MTP layer), norm."""
         a = self.args
-        x = self.ops.hc_head(
-            h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, a.norm_eps, a.hc_eps
-        )
-        return owner.norm(x)
+        return self.ops.hc_head(
+            h, owner.hc_head_fn, owner.hc_head_scale, owner.hc_head_base, a.norm_eps, a.hc_eps,
+            owner.norm.weight,
+        )  # fmt: skip
 
     def mtp_forward(
         self,

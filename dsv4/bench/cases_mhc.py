@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.bench.ops import Case
-from dsv4.ops import mhc, ref
+from dsv4.ops import mhc, ref, rope
 
 EPS = 1e-6
 SINKHORN_ITERS = 20
@@ -25,6 +25,7 @@ def _inputs(T: int, n: int, D: int, device: str) -> dict[str, torch.Tensor]:
         "y": torch.randn(T, D, generator=g),
         "post": 2 * torch.rand(T, n, generator=g),
         "comb": torch.rand(T, n, n, generator=g),
+        "norm_w": 0.5 + torch.rand(D, generator=g),
     }
     act = {"x", "y"}  # bf16 activations; mHC parameters, post and comb stay fp32
     return {k: v.to(device=device, dtype=torch.bfloat16 if k in act else torch.float32)
@@ -50,6 +51,22 @@ def cases(device: str, quick: bool) -> list[Case]:
             bytes=pre_bytes,
             target_us=8.0 if T == 1 and not quick else None,
             target_bw=0.5 if T == 64 and not quick else None,
+        ))  # fmt: skip
+        # with the block's RMSNorm in the finish (+ the norm weight read), and the unfused pair
+        # it replaces (hc_pre, then rms_norm: y written and read once more)
+        w = t["norm_w"]
+        norm_args = pre_args + (w,)
+        out.append(Case(
+            "hc_pre+norm", shape,
+            run=lambda a=norm_args: mhc.hc_pre(*a),
+            ref=lambda a=norm_args: ref.hc_pre(*a),
+            bytes=pre_bytes + D * 4,
+        ))  # fmt: skip
+        out.append(Case(
+            "hc_pre,norm", shape,
+            run=lambda a=pre_args, w=w: rope.rms_norm(mhc.hc_pre(*a)[0], w, EPS),
+            ref=lambda a=norm_args: ref.hc_pre(*a)[0],
+            bytes=pre_bytes + D * 4,
         ))  # fmt: skip
         # read y + residual + post + comb ; write n streams
         post_bytes = T * D * act + 2 * T * K * act + T * (n + n * n) * 4

@@ -22,9 +22,18 @@ import triton.language as tl
 from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import chain, chain_start, pdl
+from dsv4.ops.kv_fp8 import round_bf16
+from dsv4.ops.rope import _check_norm_weight
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
 FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench switch)
+# the one-program-per-token collapse + RMSNorm (norm_weight): columns per step and warps of that
+# finish launch (its Sinkhorn program runs on as many). H200 (`PROBE=mhc_norm`), T = 1 / 16 / 64
+# against hc_pre then rms_norm (9.40 / 10.01 / 13.76 us): 4 warps x 2048 columns 8.02 / 8.53 /
+# 12.50 us (x 4096 the same; x 1024 8.68 / 9.16 / 12.78); 2 warps x 2048 8.46 / 8.94 / 12.89;
+# 8 x 2048 8.28 / 8.90 / 12.88; 1 warp x 512 13.6 / 14.5 / 21.9; 4 x 512 20.1 / 27.3 / 23.8
+NORM_BLOCK_D = 2048
+NORM_WARPS = 4
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
 
@@ -147,9 +156,9 @@ def _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M: tl.c
 
 
 @triton.jit
-def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N: tl.constexpr,
-              N_PAD: tl.constexpr):  # fmt: skip
-    # y[t, offs_d] = sum_i pre_i x[t, i, offs_d] in fp32
+def _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N: tl.constexpr,
+                   N_PAD: tl.constexpr):  # fmt: skip
+    # sum_i pre_i x[t, i, offs_d] in fp32 (0 past D)
     offs_n = tl.arange(0, N_PAD)
     mask_d = offs_d < D
     x = tl.load(
@@ -157,8 +166,46 @@ def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, 
         mask=(offs_n[:, None] < N) & mask_d[None, :],
         other=0.0,
     ).to(tl.float32)  # [N_PAD, BLOCK_D]
-    y = tl.sum(pre[:, None] * x, axis=0)
-    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=mask_d)
+    return tl.sum(pre[:, None] * x, axis=0)
+
+
+@triton.jit
+def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N: tl.constexpr,
+              N_PAD: tl.constexpr):  # fmt: skip
+    # y[t, offs_d] = sum_i pre_i x[t, i, offs_d] in fp32
+    y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
+    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+@triton.jit
+def _cast(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    # fp32 -> ty, to nearest even (the interpreter's bf16 cast is not: RNE_BF16 rounds the bits)
+    if RNE_BF16:
+        v = round_bf16(v)
+    return v.to(ty)
+
+
+@triton.jit
+def _collapse_norm(x_ptr, y_ptr, nw_ptr, t, pre, D, eps, stride_xt, stride_xn, stride_yt,
+                   N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                   D_CHUNKS: tl.constexpr, RNE_BF16: tl.constexpr):  # fmt: skip
+    # the token's whole row: y = the collapse in y's dtype, then the reference's rms_norm of it,
+    # y * rsqrt(mean(y^2) + eps) * w in fp32, cast back. Two passes over x (the second from L1)
+    ty: tl.constexpr = y_ptr.dtype.element_ty
+    sq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c in tl.static_range(D_CHUNKS):
+        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
+        y = _cast(y, ty, RNE_BF16).to(tl.float32)
+        sq += y * y
+    rstd = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
+    for c in tl.static_range(D_CHUNKS):
+        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
+        y = _cast(y, ty, RNE_BF16).to(tl.float32)
+        w = tl.load(nw_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        y = _cast(w * (y * rstd), ty, RNE_BF16)
+        tl.store(y_ptr + t * stride_yt + offs_d, y, mask=offs_d < D)
 
 
 @triton.jit
@@ -216,6 +263,7 @@ def _hc_pre_finish_kernel(
     scale_ptr,  # [3] (hc_pre) or [1] (hc_head) fp32
     base_ptr,  # [M] fp32
     y_ptr,  # [T, D] x.dtype
+    nw_ptr,  # [D] the norm weight after the collapse (NORM)
     post_ptr,  # [T, n] fp32 (HAS_COMB)
     comb_ptr,  # [T, n, n] fp32 (HAS_COMB)
     D,
@@ -235,11 +283,15 @@ def _hc_pre_finish_kernel(
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
+    NORM: tl.constexpr,  # one program per token collapses the whole row and applies the RMSNorm
+    D_CHUNKS: tl.constexpr,  # NORM: cdiv(D, BLOCK_D)
+    RNE_BF16: tl.constexpr,  # NORM in the interpreter with bf16 x: round on the bits
     PDL: tl.constexpr,  # griddepcontrol (sm_90+): when launched early, wait for the partials here
     FAST_DIV: tl.constexpr,  # Sinkhorn iterations with div.approx (GPU; the interpreter lacks it)
 ):
     # read n*BLOCK_D x + splits*(n+1) floats ; write BLOCK_D y ; with HAS_COMB one more program per
-    # token (pid_d = cdiv(D, BLOCK_D)) writes post and the Sinkhorn comb beside the collapse
+    # token (pid_d = cdiv(D, BLOCK_D), or 1 with NORM) writes post and the Sinkhorn comb beside
+    # the collapse
     t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -247,11 +299,18 @@ def _hc_pre_finish_kernel(
     ws_t = ws_ptr + t * stride_wst + offs_s * stride_wss
     chain_start(PDL)
     r, pre = _pre_weights(ws_t, mask_s, scale_ptr, base_ptr, K, norm_eps, hc_eps, M, N, N_PAD)
-    if pid_d * BLOCK_D < D:
-        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
+    if NORM:
+        extra = pid_d > 0
+        if pid_d == 0:
+            _collapse_norm(x_ptr, y_ptr, nw_ptr, t, pre, D, norm_eps, stride_xt, stride_xn,
+                           stride_yt, N, N_PAD, BLOCK_D, D_CHUNKS, RNE_BF16)  # fmt: skip
+    else:
+        extra = pid_d * BLOCK_D >= D
+        if not extra:
+            offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+            _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
     if HAS_COMB:
-        if pid_d * BLOCK_D >= D:  # the extra program: its Sinkhorn runs beside the collapse
+        if extra:  # the extra program: its Sinkhorn runs beside the collapse
             _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
                        sinkhorn_iters, N, N_PAD, FAST_DIV)  # fmt: skip
 
@@ -339,13 +398,15 @@ def _hc_collapse(
     hc_eps: float,
     sinkhorn_iters: int,
     has_comb: bool,
+    norm_weight: torch.Tensor | None = None,
     cfg: _MixConfig | None = None,
-    finish_warps: int = 1,
+    finish_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_pre when has_comb (M = (2+n)n rows) else hc_head (M = n rows): split-K partials, then
-    the finish.
+    the finish; with norm_weight the collapse goes through RMSNorm(norm_weight, norm_eps) in the
+    finish (one program per token: 2 launches where the norm took a third).
     finish_warps: one warp was fastest on an H200 at T = 1, 16, 64 (the 4x4 Sinkhorn reduces
-    within a warp: 9.6 vs 11.2 us at T = 1)."""
+    within a warp: 9.6 vs 11.2 us at T = 1); NORM_WARPS with norm_weight."""
     T, n, D = x.shape
     M, K = hc_fn.shape
     y = torch.empty((T, D), dtype=x.dtype, device=x.device)
@@ -353,7 +414,9 @@ def _hc_collapse(
     comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    # the CPU interpreter pays per program: few large ones there
+    # the CPU interpreter pays per program: few large ones there ; a given cfg also sets the norm's
+    # column step (tests)
+    norm_block = cfg.block_d if cfg is not None else NORM_BLOCK_D
     cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
     splits = triton.cdiv(K, cfg.split_k)
@@ -371,12 +434,23 @@ def _hc_collapse(
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **chain(x.device),
     )  # fmt: skip
-    grid2 = (T, triton.cdiv(D, cfg.block_d) + int(has_comb))
+    norm = norm_weight is not None
+    if finish_warps is None:
+        finish_warps = NORM_WARPS if norm else 1
+    if norm:
+        _check_norm_weight(norm_weight, D)
+        block_d = min(norm_block, triton.next_power_of_2(D))
+        grid2 = (T, 1 + int(has_comb))
+    else:
+        block_d = cfg.block_d
+        grid2 = (T, triton.cdiv(D, block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
-        x, ws, hc_scale, hc_base, y, post, comb, D, K, splits, float(norm_eps), float(hc_eps),
-        int(sinkhorn_iters), x.stride(0), x.stride(1), ws.stride(0), ws.stride(1), y.stride(0),
-        M=M, N=n, N_PAD=triton.next_power_of_2(n), S_PAD=triton.next_power_of_2(splits),
-        BLOCK_D=cfg.block_d, HAS_COMB=has_comb, PDL=griddep, launch_pdl=early,
+        x, ws, hc_scale, hc_base, y, norm_weight if norm else y, post, comb, D, K, splits,
+        float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
+        ws.stride(0), ws.stride(1), y.stride(0), M=M, N=n, N_PAD=triton.next_power_of_2(n),
+        S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_COMB=has_comb, NORM=norm,
+        D_CHUNKS=triton.cdiv(D, block_d), RNE_BF16=not x.is_cuda and x.dtype == torch.bfloat16,
+        PDL=griddep, launch_pdl=early,
         FAST_DIV=FAST_SINKHORN and x.is_cuda, num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb
@@ -390,12 +464,16 @@ def hc_pre(
     norm_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x: [T, n, D] -> y: [T, D] x.dtype (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
+    # x: [T, n, D] -> y: [T, D] x.dtype (collapse, then RMSNorm with norm_weight if given), post:
+    # [T, n] fp32, comb: [T, n, n] fp32
     n = x.shape[1] if x.dim() == 3 else 0
     _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
     assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
-    return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True)
+    return _hc_collapse(
+        x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True, norm_weight
+    )
 
 
 def hc_head(
@@ -405,11 +483,13 @@ def hc_head(
     hc_base: torch.Tensor,
     norm_eps: float,
     hc_eps: float,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
+    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn (then RMSNorm with
+    # norm_weight if given)
     n = x.shape[1] if x.dim() == 3 else 0
     _check_mix_args(x, hc_fn, hc_scale, hc_base, n, 1)
-    return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, 1, False)[0]
+    return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, 1, False, norm_weight)[0]
 
 
 def hc_post(

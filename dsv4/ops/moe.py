@@ -318,8 +318,8 @@ def swiglu(
 
 @triton.jit
 def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_y,
-                      K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
-                      PDL: tl.constexpr = False):  # fmt: skip
+                      K: tl.constexpr, HAS_SHARED: tl.constexpr, RNE_BF16: tl.constexpr,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     chain_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -329,22 +329,29 @@ def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_
         acc += tl.load(out_ptr + (t * K + j) * stride_o + cols, mask=ok).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_s + cols, mask=ok).to(tl.float32)
-    tl.store(y_ptr + t * stride_y + cols, acc, mask=ok)
+    tl.store(y_ptr + t * stride_y + cols, _round(acc, y_ptr.dtype.element_ty, RNE_BF16), mask=ok)
 
 
-def sum_slots(out: torch.Tensor, k: int, shared: torch.Tensor | None = None) -> torch.Tensor:
-    # out: [T*k, D] each (token, slot) pair's expert output -> [T, D] fp32: sum over the k slots
-    # (+ shared [T, D])
+def sum_slots(
+    out: torch.Tensor,
+    k: int,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    # out: [T*k, D] each (token, slot) pair's expert output -> [T, D]: sum over the k slots
+    # (+ shared [T, D]) in fp32, returned in out_dtype (rounded to nearest in the same launch)
     P, D = out.shape
     T = P // k
-    y = torch.empty((T, D), dtype=torch.float32, device=out.device)
+    y = torch.empty((T, D), dtype=out_dtype, device=out.device)
     if T == 0:
         return y
     block = min(1024, triton.next_power_of_2(D))
     s = shared if shared is not None else out
     _sum_slots_kernel[(T, triton.cdiv(D, block))](
         out, s, y, D, out.stride(0), s.stride(0), y.stride(0),
-        K=k, HAS_SHARED=shared is not None, BLOCK=block, num_warps=4, **chain(out.device),
+        K=k, HAS_SHARED=shared is not None,
+        RNE_BF16=not out.is_cuda and out_dtype == torch.bfloat16, BLOCK=block, num_warps=4,
+        **chain(out.device),
     )  # fmt: skip
     return y
 
@@ -788,16 +795,18 @@ def moe_experts(
     gemv: bool | None = None,
     sm90: bool | None = None,
     shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] fp32, plus
-    # shared [T, D] (the shared expert's output) when given, in the launch that sums the k slots
+    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] out_dtype (the sum
+    # in fp32, then cast), plus shared [T, D] (the shared expert's output) when given, in the
+    # launch that sums the k slots
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
     # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
     # knob is given -- knobs for bench/probe_pieces.py and the tests)
     if len(experts) == 0 or not _fp4(experts) or x.dtype not in _DOT_TYPES:
-        return ref.moe_experts(x, weights, idx, experts, shared)
+        return ref.moe_experts(x, weights, idx, experts, shared, out_dtype)
 
     # ---- check
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, D] rows (shape {tuple(x.shape)})"
@@ -821,7 +830,7 @@ def moe_experts(
     )
     if P == 0:
         y = torch.zeros((T, D), dtype=torch.float32, device=x.device)
-        return y if shared is None else y + shared.float()
+        return (y if shared is None else y + shared.float()).to(out_dtype)
     rw = weights.reshape(-1).float().contiguous()  # [P] fp32
     if sm90 is None:
         sm90 = (
@@ -846,7 +855,7 @@ def moe_experts(
 
         rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
-        return sum_slots(out, k, shared)
+        return sum_slots(out, k, shared, out_dtype)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
@@ -895,4 +904,4 @@ def moe_experts(
         assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
         _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **(consts | cfg))
         _moe_down_kernel[grid(D)](*args2, **(consts | cfg))
-    return sum_slots(out, k, shared)
+    return sum_slots(out, k, shared, out_dtype)

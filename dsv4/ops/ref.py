@@ -144,8 +144,10 @@ def hc_pre(
     norm_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # x: [T, n, D] -> y: [T, D] (collapse), post: [T, n] fp32, comb: [T, n, n] fp32
+    # x: [T, n, D] -> y: [T, D] (collapse; then rms_norm(., norm_weight, norm_eps) when a weight is
+    # given: the block's attn_norm / ffn_norm), post: [T, n] fp32, comb: [T, n, n] fp32
     n = x.shape[1]
     mixes = _hc_mixes(x, hc_fn, norm_eps)  # [T, (2+n)*n]
     pre = torch.sigmoid(mixes[:, :n] * hc_scale[0] + hc_base[:n]) + hc_eps
@@ -156,7 +158,8 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return _hc_collapse(pre, x), post, comb
+    y = _hc_collapse(pre, x)
+    return (y if norm_weight is None else rms_norm(y, norm_weight, norm_eps)), post, comb
 
 
 def hc_post(
@@ -176,11 +179,14 @@ def hc_head(
     hc_base: torch.Tensor,
     norm_eps: float,
     hc_eps: float,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn
+    # x: [T, n, D] -> [T, D]: sigmoid-weighted collapse, no Sinkhorn (then rms_norm with
+    # norm_weight if given: the model's final norm)
     mixes = _hc_mixes(x, hc_fn, norm_eps)  # [T, n]
     pre = torch.sigmoid(mixes * hc_scale.float() + hc_base.float()) + hc_eps
-    return _hc_collapse(pre, x)
+    y = _hc_collapse(pre, x)
+    return y if norm_weight is None else rms_norm(y, norm_weight, norm_eps)
 
 
 def moe_gate(
@@ -298,10 +304,11 @@ def moe_experts(
     idx: torch.Tensor,
     experts: torch.nn.ModuleList,
     shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] fp32:
+    # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] out_dtype:
     # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2), plus the
-    # shared expert's output shared [T, D] (as fp32) when given.
+    # shared expert's output shared [T, D] (as fp32) when given, summed in fp32, then cast.
     # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     order = idx.flatten().argsort(stable=True)
@@ -313,4 +320,4 @@ def moe_experts(
             t, k = tok[start : start + n], slot[start : start + n]
             y.index_add_(0, t, experts[e](x[t], weights[t, k]).float())
             start += n
-    return y if shared is None else y + shared.float()
+    return (y if shared is None else y + shared.float()).to(out_dtype)

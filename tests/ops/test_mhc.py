@@ -80,7 +80,7 @@ def test_hc_pre_tiles(cfg: mhc._MixConfig) -> None:
     T, n, D, iters = (3, 4, 48, 20) if cfg.block_t == 1 else (17, 4, 48, 3)
     fn, scale, base = _params((2 + n) * n, n * D, 3, seed=2)
     x = _x(T, n, D, torch.float32, seed=3)
-    out = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, cfg)
+    out = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, iters, True, cfg=cfg)
     _check_pre(out, x, fn, scale, base, iters, 1e-5)
 
 
@@ -129,8 +129,58 @@ def test_hc_head_tiles() -> None:
     fn, scale, base = _params(n, n * D, 1, seed=8)
     x = _x(T, n, D, torch.float32, seed=9)
     cfg = mhc._MixConfig(block_t=16, block_k=16, split_k=80, block_d=32, num_warps=4)
-    h = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, 1, False, cfg)[0]
+    h = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, 1, False, cfg=cfg)[0]
     assert _rel(h, ref.hc_head(x, fn, scale, base, EPS, EPS)) < 1e-5
+
+
+# ---- the collapse through the block's RMSNorm in the finish (norm_weight): one program per token
+
+
+def _norm_weight(D: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(20)
+    return (0.5 + torch.rand(D, generator=g)).to(device)  # not ones: the weight is applied
+
+
+# (T, n, D, block_d): one column step; several with a ragged last one; the default step
+NORM_SHAPES = [(1, 4, 64, None), (3, 4, 48, 16), (17, 2, 300, 128), (2, 4, 40, None)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,n,D,block_d", NORM_SHAPES)
+def test_hc_pre_norm(T: int, n: int, D: int, block_d: int | None, dtype: torch.dtype) -> None:
+    fn, scale, base = _params((2 + n) * n, n * D, 3, seed=21)
+    x, w = _x(T, n, D, dtype, seed=22), _norm_weight(D)
+    cfg = mhc._MixConfig(1 if T == 1 else 16, 16, 64, block_d, 4) if block_d else None
+    y, post, comb = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, 20, True, w, cfg=cfg)
+    y_ref, post_ref, comb_ref = ref.hc_pre(x.float(), fn, scale, base, EPS, EPS, 20, w)
+    assert y.dtype == dtype and y.shape == (T, D)
+    assert _rel(y, y_ref) < TOL[dtype], f"y: {_rel(y, y_ref):.2e}"
+    assert _rel(post, post_ref) < 1e-5 and _rel(comb, comb_ref) < 1e-5
+    # the reference's rounding points: the collapse in x.dtype, then rms_norm (the reference on
+    # x itself; only summation orders differ)
+    y_same = ref.hc_pre(x, fn, scale, base, EPS, EPS, 20, w)[0]
+    assert _rel(y, y_same) < (1e-6 if dtype == torch.float32 else 1e-3), f"{_rel(y, y_same):.2e}"
+    _, post0, comb0 = mhc._hc_collapse(x, fn, scale, base, EPS, EPS, 20, True, cfg=cfg)
+    assert torch.equal(post, post0) and torch.equal(comb, comb0)
+
+
+@pytest.mark.parametrize("T,n,D", [(1, 4, 64), (17, 4, 48)])
+def test_hc_head_norm(T: int, n: int, D: int) -> None:
+    fn, scale, base = _params(n, n * D, 1, seed=23)
+    x, w = _x(T, n, D, torch.bfloat16, seed=24), _norm_weight(D)
+    h = mhc.hc_head(x, fn, scale, base, EPS, EPS, w)
+    h_ref = ref.hc_head(x.float(), fn, scale, base, EPS, EPS, w)
+    assert _rel(h, h_ref) < TOL[torch.bfloat16], f"{_rel(h, h_ref):.2e}"
+    h_same = ref.hc_head(x, fn, scale, base, EPS, EPS, w)
+    assert _rel(h, h_same) < 1e-3, f"{_rel(h, h_same):.2e}"
+
+
+def test_norm_weight_checked() -> None:
+    n, D = 4, 32
+    fn, scale, base = _params((2 + n) * n, n * D, 3)
+    x = _x(2, n, D, torch.float32)
+    with pytest.raises(AssertionError, match="weight must be a contiguous"):
+        mhc.hc_pre(x, fn, scale, base, EPS, EPS, 20, torch.ones(D + 1))
 
 
 def _post_inputs(T: int, n: int, D: int, dtype: torch.dtype, device: str = "cpu"):  # noqa: ANN202
@@ -192,6 +242,12 @@ def test_mhc_gpu_flash(T: int) -> None:
     fh, sh, bh = _params(n, n * D, 1, dev, seed=13)
     h = mhc.hc_head(x, fh, sh, bh, EPS, EPS)
     assert _rel(h, ref.hc_head(x.float(), fh, sh, bh, EPS, EPS)) < TOL[torch.bfloat16]
+
+    w = _norm_weight(D, dev)  # the collapse through the block's norm (one finish program a token)
+    y_n = mhc.hc_pre(x, fn, scale, base, EPS, EPS, iters, w)[0]
+    y_ref = ref.hc_pre(x.float(), fn, scale, base, EPS, EPS, iters, w)[0]
+    assert _rel(y_n, y_ref) < TOL[torch.bfloat16], f"{_rel(y_n, y_ref):.2e}"
+    assert _rel(y_n, ref.rms_norm(y, w, EPS)) < 2e-3, f"{_rel(y_n, ref.rms_norm(y, w, EPS)):.2e}"
 
     out = mhc.hc_post(y, x, post, comb)
     out_ref = ref.hc_post(y.float(), x.float(), post, comb)

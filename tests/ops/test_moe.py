@@ -84,6 +84,9 @@ def test_sum_slots_and_shared() -> None:
     assert torch.equal(moe.sum_slots(out, k, shared), want + shared.float())
     assert _rel(moe.sum_slots(out, k), seq.sum(1)) < 1e-6
     assert moe.sum_slots(out[:0], k).shape == (0, D)
+    # returned in bf16 by the same launch: the fp32 sum rounded to nearest even, as torch's cast
+    y = moe.sum_slots(out, k, shared, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (want + shared.float()).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
