@@ -362,6 +362,16 @@ def sum_slots(
 
 
 @triton.jit
+def _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    # the row-block's pair ids: its run of `align_rows`'s rows, or (DIRECT) the block's own index
+    if DIRECT:
+        rows = pid_m * BLOCK_M + offs_m
+    else:
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m).to(tl.int32)
+    return rows
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr,  # [T, D] bf16/fp16/fp32 (D contiguous)
     rw_ptr,  # [T*k] fp32 routing weights, pair p = t*k + j
@@ -390,6 +400,7 @@ def _moe_gate_up_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
+    DIRECT: tl.constexpr,  # GEMV: row-block m is pair m, blk_ptr the router's ids (no align_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -406,7 +417,7 @@ def _moe_gate_up_kernel(
 
     # ---- the block's pairs and its expert's weights
     offs_m = tl.arange(0, BLOCK_M)
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m)
+    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, DIRECT)
     r_ok = rows >= 0
     pair = tl.where(r_ok, rows, 0).to(tl.int64)
     tok = pair // TOPK
@@ -424,7 +435,7 @@ def _moe_gate_up_kernel(
     part_g = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
     part_u = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)
     x_rows = x_ptr + tok[:, None] * stride_xt
-    x_one = x_ptr + (tl.load(rows_ptr + pid_m) // TOPK).to(tl.int64) * stride_xt  # GEMV's x row
+    x_one = x_ptr + (tl.max(rows, 0) // TOPK).to(tl.int64) * stride_xt  # GEMV's x row (BLOCK_M 1)
     # GEMV: the one pair's x row against the [BLOCK_N, BLOCK_K] codes, on the CUDA cores; with
     # PREFETCH the next step's codes and x load before this step's math (the last step reloads
     # its own, from L1 / L2)
@@ -511,6 +522,7 @@ def _moe_down_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
+    DIRECT: tl.constexpr,  # GEMV: row-block m is pair m, blk_ptr the router's ids (no align_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -527,7 +539,7 @@ def _moe_down_kernel(
 
     # ---- the block's pairs and its expert's W2
     offs_m = tl.arange(0, BLOCK_M)
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m)
+    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, DIRECT)
     r_ok = rows >= 0
     pair = tl.where(r_ok, rows, 0).to(tl.int64)
     w2_ptr = wbase_ptr + tl.load(tbl_ptr + W2 * E + e) * UNIT
@@ -540,7 +552,7 @@ def _moe_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     part = tl.zeros((BLOCK_N, BLOCK_K // MXFP4_BLOCK), dtype=tl.float32)  # GEMV: group sums
     h_rows = h_ptr + pair[:, None] * stride_ht
-    h_one = h_ptr + tl.load(rows_ptr + pid_m).to(tl.int64) * stride_ht  # GEMV's h row
+    h_one = h_ptr + tl.max(rows, 0).to(tl.int64) * stride_ht  # GEMV's h row (BLOCK_M 1)
     if GEMV and PREFETCH:  # as in the gate-up kernel
         hv = _gemv_x(h_one, 0, BLOCK_K)
         c2 = _gemv_codes(w2_ptr, s2_ptr, offs_n, n_ok, 0, stride_w, stride_s, BLOCK_K)
@@ -861,7 +873,10 @@ def moe_experts(
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
     assert not (gemv and x.is_cuda and table.unit != 16), "gemv: expert weights not 16-B aligned"
     block_m = 1 if gemv else 16 if P < 2048 else 64
-    rows, blk = align_rows(idx, E, block_m)
+    if gemv:  # one pair per row-block, in pair order: the router's ids are the blocks' experts
+        rows = blk = idx.reshape(-1)
+    else:
+        rows, blk = align_rows(idx, E, block_m)
     NB = blk.numel()
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
     out = torch.empty((P, D), dtype=x.dtype, device=x.device)
@@ -874,7 +889,7 @@ def moe_experts(
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False) | chain(x.device)  # fmt: skip
+                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False, DIRECT=gemv) | chain(x.device)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 
