@@ -353,6 +353,32 @@ def probe_mhc_norm() -> None:
     mhc.NORM_BLOCK_D = 2048
 
 
+def probe_prep() -> None:
+    # a static decode step's index lists (Batch.build_static + prepare, what the engine's CUDA
+    # graphs replay every step) for the bench's sliding + CSA + HCA layers at Flash width: the torch
+    # builders against the one-launch form (decode_lists.FUSED), each twice
+    from dsv4.bench.step import _layer_list, bench_args
+    from dsv4.ops import decode_lists
+    from dsv4.state import Batch, DecodeState
+
+    args, _ = bench_args("flash", _layer_list("sliding,csa,hca"))
+    for L in (4096, 131072):
+        for B in (1, 16, 64):
+            state = DecodeState(args, B, L, torch.bfloat16, "cuda")
+            slots = torch.arange(B, device="cuda")
+            starts = torch.full((B,), L - 1 - 37, device="cuda")
+
+            def step(state=state, slots=slots, starts=starts, L=L) -> None:  # noqa: ANN001
+                Batch.build_static(slots, starts, state, L).prepare(args)
+
+            for _ in range(2):
+                for fused in (False, True):
+                    decode_lists.FUSED = fused
+                    us(f"prep B={B} L={L} {'one launch' if fused else 'torch builders'}", step)
+            del state
+    decode_lists.FUSED = False
+
+
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -1629,7 +1655,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "sinkhorn": probe_sinkhorn,
+             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()

@@ -528,6 +528,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
         """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""
+        batch.prepare(self.args)  # the index lists every layer shares (memoized: once per step)
         x = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
         ropes = {
             kind: rope_at(inv, batch.positions)

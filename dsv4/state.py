@@ -297,6 +297,35 @@ class Batch:
             graph_len=graph_len,
         )
 
+    def prepare(self, args: ModelArgs) -> None:
+        """Build the index lists every layer of the step shares, before the first layer asks: the
+        window rows and ring writes, and per compressed kind present the closing windows, their
+        ring rows (decode), the ring writes and the visible entries with their key rows. A static
+        decode step on a GPU writes them all in one launch (`ops.decode_lists`, when FUSED); the
+        builders below are the reference it is tested against."""
+        from dsv4.ops import decode_lists
+
+        kinds = [(m, o) for kind, m, o in ((CSA, args.csa_ratio, True), (HCA, args.hca_ratio, False))
+                 if kind in args.layer_types]  # fmt: skip
+        # rows before the entries: the window rings (+ the new tokens' K=V)
+        base = self.max_seqs * args.window_size + (0 if self.decode else self.num_tokens)
+        if decode_lists.FUSED and self.graph_len and self.positions.is_cuda:
+            ratios = dict((o, m) for m, o in kinds)
+            decode_lists.fill(self, args.window_size, ratios.get(True), ratios.get(False), base)
+            return
+        self.window_idxs(args.window_size, ring_only=self.decode)
+        self.ring_writes(args.window_size)
+        for m, overlap in kinds:
+            self.closing_windows(m, overlap)
+            if self.decode:
+                self.closing_ring_rows(m, overlap)
+            self.ring_writes(2 * m if overlap else m)
+            self.visible_entries(m)
+            if overlap:  # CSA: the rows its layers pick their entries from
+                self.entry_idxs(m, base)
+            else:  # HCA: one key list for every HCA layer
+                self.attention_idxs(args.window_size, m, base)
+
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]

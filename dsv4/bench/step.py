@@ -226,19 +226,7 @@ def bench_args(preset: str, layers: tuple[tuple[str, str], ...]) -> tuple[ModelA
 def _prepare(batch: Batch, args: ModelArgs) -> None:
     """Build the index lists the layers share (memoized on the Batch) once per step, so their cost
     lands in 'rest' rather than in whichever layer asks first."""
-    batch.window_idxs(args.window_size, ring_only=batch.decode)
-    batch.ring_writes(args.window_size)
-    for kind, m, overlap in ((CSA, args.csa_ratio, True), (HCA, args.hca_ratio, False)):
-        if kind in args.layer_types:
-            batch.closing_windows(m, overlap)
-            batch.ring_writes(2 * m if overlap else m)
-            batch.visible_entries(m)
-    # rows before the entries: the rings (+ the new tokens' K=V)
-    base = batch.max_seqs * args.window_size + (0 if batch.decode else batch.num_tokens)
-    if HCA in args.layer_types:
-        batch.attention_idxs(args.window_size, args.hca_ratio, base)
-    if CSA in args.layer_types:  # the rows the CSA layers pick their entries from
-        batch.entry_idxs(args.csa_ratio, base)
+    batch.prepare(args)
 
 
 class NonFinite(RuntimeError):

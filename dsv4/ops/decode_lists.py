@@ -1,0 +1,175 @@
+"""A static decode step's index lists in one launch (`Batch.prepare` on a GPU, `FUSED`).
+
+A CUDA-graph decode step (`Batch.build_static`) replays the index arithmetic of its `Batch` every
+step: the window rows, the ring writes, the windows a token closes, the visible compressed entries
+and the attention's key rows, each as a chain of small torch ops (~150 of them at batch 1 for a
+sliding + CSA + HCA model, counted on the CPU). This kernel writes the same lists, one program per
+token, and `fill` stores them under the keys `Batch`'s builders memoize them by. The builders are
+the reference: `tests/ops/test_decode_lists.py` checks every list against them, entry for entry.
+
+Only the static decode form (one token per sequence, graph_len > 0) is covered: there every list
+has a shape fixed by the batch size and graph_len.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4.ops.device import chain, chain_start
+
+FUSED = False  # Batch.prepare runs this kernel on a GPU (off until timed on one: docs/PERF.md)
+BLOCK = 128  # list entries per step of a program's loops
+
+
+@triton.jit
+def _entry_rows(bt_row, w, epb, max_blocks):
+    # the paged rows of compressed entries w of one sequence (block table row bt_row); w < 0 -> -1
+    blk = tl.minimum(tl.maximum(w, 0) // epb, max_blocks - 1)
+    page = tl.load(bt_row + blk)
+    return tl.where((w >= 0) & (page >= 0), page * epb + tl.maximum(w, 0) % epb, -1)
+
+
+@triton.jit
+def _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, close_ptr, rows_ptr,
+          ring_ptr, vis_ptr, cring_ptr, keys_ptr, keys_stride, keys_off,
+          M: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, KEYS_LAST: tl.constexpr,
+          BLOCK: tl.constexpr):  # fmt: skip
+    # one compression ratio M, token t at position p:
+    #   close_ptr [3, T]: w, dest, count ; rows_ptr [T, S]: the closing window's source rows
+    #   (ring | chunk) ; ring_ptr [T]: the compressor ring row of p ; vis_ptr [T, C]: visible
+    #   entries ; cring_ptr [T, S]: the closing window's rows in the compressor ring (as [rows*c, d]
+    #   with overlap) ; keys_ptr: the attention's key rows of the entries (+ base, -1 = none),
+    #   from column keys_off, with a last column of -1 when KEYS_LAST
+    T = tl.num_programs(0)
+    S: tl.constexpr = 2 * M if OVERLAP else M  # slots of a window = the ring
+    epb = block_size // M
+    w = p // M
+    dest = _entry_rows(bt_row, w, epb, max_blocks)
+    dest = tl.where((p + 1) % M == 0, dest, -1)
+    count = (p + 1) // M
+    tl.store(close_ptr + t, w)
+    tl.store(close_ptr + T + t, dest)
+    tl.store(close_ptr + 2 * T + t, count)
+    tl.store(ring_ptr + t, slot * S + p % S)
+
+    j = tl.arange(0, S)
+    first = M * w - M if OVERLAP else M * w
+    pos = first + j
+    # history rows: this step's token (pos >= p) in the chunk rows after the ring, else the ring
+    hist = tl.where(pos >= p, max_seqs * S + t + (pos - p), slot * S + tl.maximum(pos, 0) % S)
+    tl.store(rows_ptr + t * S + j, tl.where(pos >= 0, hist, -1))
+    ring = slot * S + tl.maximum(pos, 0) % S
+    if OVERLAP:
+        ring = 2 * ring + j // M
+    tl.store(cring_ptr + t * S + j, tl.where(pos >= 0, ring, -1))
+
+    for c0 in range(0, C, BLOCK):
+        cw = c0 + tl.arange(0, BLOCK)
+        ok = cw < C
+        rows = _entry_rows(bt_row, tl.where(cw < count, cw, -1), epb, max_blocks)
+        tl.store(vis_ptr + t * C + cw, rows, mask=ok)
+        keys = tl.where(rows >= 0, rows + base, -1)
+        tl.store(keys_ptr + t * keys_stride + keys_off + cw, keys, mask=ok)
+    if KEYS_LAST:
+        tl.store(keys_ptr + t * keys_stride + keys_off + C, -1)
+
+
+@triton.jit
+def _decode_lists_kernel(
+    slots_ptr,  # [T] int64 state slot of each token's sequence
+    pos_ptr,  # [T] int64 position of each token
+    bt_ptr,  # [T, max_blocks] int64 block table rows of the batch
+    win_ptr,  # [T, W] window rows (ring only)
+    wring_ptr,  # [T] the window ring row of p
+    tok_ptr,  # [T] 0..T-1
+    a_close, a_rows, a_ring, a_vis, a_cring, a_keys,  # CSA (ratio MA, overlap): see _kind
+    b_close, b_rows, b_ring, b_vis, b_cring, b_keys,  # HCA (ratio MB)
+    max_blocks,
+    stride_bt,
+    max_seqs,
+    block_size,
+    base,
+    W: tl.constexpr,
+    HAS_A: tl.constexpr,
+    MA: tl.constexpr,
+    CA: tl.constexpr,
+    HAS_B: tl.constexpr,
+    MB: tl.constexpr,
+    CB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    chain_start(PDL)
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    p = tl.load(pos_ptr + t)
+    bt_row = bt_ptr + t * stride_bt
+    tl.store(tok_ptr + t, t.to(tl.int64))
+    tl.store(wring_ptr + t, slot * W + p % W)
+    j = tl.arange(0, W)
+    pos = p - W + 1 + j
+    win = tl.where(pos >= 0, slot * W + tl.maximum(pos, 0) % W, -1)
+    tl.store(win_ptr + t * W + j, win)
+    if HAS_A:  # CSA: the entry_idxs list, [T, CA + 1], its last column -1
+        _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, a_close, a_rows, a_ring,
+              a_vis, a_cring, a_keys, CA + 1, 0, MA, True, CA, True, BLOCK)  # fmt: skip
+    if HAS_B:  # HCA: the attention_idxs list, [T, W + CB]: the window rows, then the entries
+        tl.store(b_keys + t * (W + CB) + j, win)
+        _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, b_close, b_rows, b_ring,
+              b_vis, b_cring, b_keys, W + CB, W, MB, False, CB, False, BLOCK)  # fmt: skip
+
+
+def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base: int) -> None:  # noqa: ANN001
+    """Compute the static decode `batch`'s shared lists in one launch and memoize them on it under
+    the keys of `Batch.window_idxs(window, True)`, `ring_writes`, `closing_windows`,
+    `closing_ring_rows`, `visible_entries`, `entry_idxs(csa_ratio, base)` and
+    `attention_idxs(window, hca_ratio, base)` (a ratio of None: no layer of that kind)."""
+    assert batch.graph_len > 0 and batch.decode, "decode_lists: a static decode batch only"
+    assert window & (window - 1) == 0, f"window {window} must be a power of 2"
+    T, dev = batch.num_tokens, batch.positions.device
+    i64 = dict(dtype=torch.long, device=dev)
+    win = torch.empty((T, window), **i64)
+    wring = torch.empty(T, **i64)
+    tok = torch.empty(T, **i64)
+    kinds = []
+    for m, overlap in ((csa_ratio, True), (hca_ratio, False)):
+        if m is None:
+            kinds.append(None)
+            continue
+        assert m & (m - 1) == 0, f"ratio {m} must be a power of 2"
+        S, C = (2 * m if overlap else m), max(batch.graph_len // m, 1)
+        keys_w = C + 1 if overlap else window + C
+        kinds.append((m, overlap, S, C, torch.empty((3, T), **i64), torch.empty((T, S), **i64),
+                      torch.empty(T, **i64), torch.empty((T, C), **i64),
+                      torch.empty((T, S), **i64), torch.empty((T, keys_w), **i64)))  # fmt: skip
+    if T:
+        bt = batch.block_table
+        assert bt.dtype == torch.long and bt.stride(1) == 1, "block table: int64 rows"
+        a, b = kinds
+        dummy = (wring,) * 6
+        _decode_lists_kernel[(T,)](
+            batch.slots, batch.positions, bt, win, wring, tok,
+            *(a[4:] if a else dummy), *(b[4:] if b else dummy),
+            bt.shape[1], bt.stride(0), batch.max_seqs, batch.block_size, base,
+            W=window, HAS_A=a is not None, MA=a[0] if a else 1, CA=a[3] if a else 1,
+            HAS_B=b is not None, MB=b[0] if b else 1, CB=b[3] if b else 1, BLOCK=BLOCK,
+            num_warps=4, **chain(dev),
+        )  # fmt: skip
+    cache = batch._cache
+    cache[("win", window, True)] = win
+    cache[("ring", window)] = (tok, wring)
+    for kind, ratio in zip(kinds, (csa_ratio, hca_ratio)):
+        if kind is None:
+            continue
+        m, overlap, S, C, close, rows, ring, vis, cring, keys = kind
+        w, dest, count = close[0], close[1], close[2]
+        cache[("close", m, overlap)] = (tok, w, dest, rows)
+        cache[("close_ring", m, overlap)] = cring
+        cache[("ring", S)] = (tok, ring)
+        cache[("vis", m)] = (vis, count)
+        if overlap:
+            cache[("entries", ratio, base)] = keys
+        else:
+            cache[("attn", window, ratio, base)] = keys
