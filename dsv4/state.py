@@ -310,8 +310,9 @@ class Batch:
         # rows before the entries: the window rings (+ the new tokens' K=V)
         base = self.max_seqs * args.window_size + (0 if self.decode else self.num_tokens)
         if decode_lists.FUSED and self.graph_len and self.positions.is_cuda:
-            ratios = dict((o, m) for m, o in kinds)
-            decode_lists.fill(self, args.window_size, ratios.get(True), ratios.get(False), base)
+            csa = args.csa_ratio if CSA in args.layer_types else None
+            hca = args.hca_ratio if HCA in args.layer_types else None
+            decode_lists.fill(self, args.window_size, csa, hca, base)
             return
         self.window_idxs(args.window_size, ring_only=self.decode)
         self.ring_writes(args.window_size)

@@ -5,7 +5,9 @@ Same signatures and semantics as `dsv4.ops.ref`. The mix projection `fn . flatte
 programs at once. Every output (rsqrt norm, pre / post weights, the Sinkhorn comb, the collapse
 y = sum_i pre_i x_i) needs the whole reduction of its token, so there are two dependent kernels:
 split-K partials [splits, T, M+1], then the finish (fixed-order sums, rsqrt / sigmoid, the collapse
-re-reading x, one more program per token for the 4x4 Sinkhorn beside it).
+re-reading x, one more program per token for the 4x4 Sinkhorn beside it). Given the block's norm
+weight, the finish collapses each token's whole row in one program and applies the RMSNorm there,
+so the block's attn_norm / ffn_norm (and the model's final norm, through hc_head) take no launch.
 Tried in one launch and slower on an H200 (docs/PERF.md): the last split program finishing alone
 (11.5 vs 7.6 us at T=1), and a grid-wide barrier with each program collapsing its own D columns
 (10.8 vs 9.2 us at T=1; the last arrival then runs every token's Sinkhorn in turn, 94 us at T=16).

@@ -376,7 +376,7 @@ def _moe_gate_up_kernel(
     x_ptr,  # [T, D] bf16/fp16/fp32 (D contiguous)
     rw_ptr,  # [T*k] fp32 routing weights, pair p = t*k + j
     rows_ptr,  # [NB*BLOCK_M] int32 pair ids per row-block, -1 = padding
-    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count
+    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count (DIRECT: int64 ids)
     tbl_ptr,  # [6, E] int64 offsets in UNIT bytes: w1, w3 (from wbase), s1, s3 (from sbase), ...
     wbase_ptr,  # int8: expert 0's w1 ; packed weights int8 [out, in/2] lie at wbase + UNIT * off
     sbase_ptr,  # uint8: expert 0's w1 scale ; e8m0 scales [out, in/32] lie at sbase + UNIT * off
@@ -500,7 +500,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr,  # [T*k, I] x.dtype
     rows_ptr,  # [NB*BLOCK_M] int32 pair ids, -1 = padding
-    blk_ptr,  # [NB] int32 expert per row-block, -1 = none
+    blk_ptr,  # [NB] int32 expert per row-block, -1 = none (DIRECT: the router's int64 ids)
     tbl_ptr,  # [6, E] int64 offsets in UNIT bytes (see _moe_gate_up_kernel)
     wbase_ptr,
     sbase_ptr,
