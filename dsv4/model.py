@@ -252,10 +252,13 @@ class Indexer(nn.Module):
         self.compressor(x, batch, ls.indexer, inv_freq)
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = self.ops.rotary(q, *rope)
-        weights = self.weights_proj(x).float() * (self.softmax_scale * self.n_heads**-0.5)
+        # head weights: weights_proj(x).float() * softmax_scale / sqrt(heads), the scaling inside
+        # the op (no launch of its own)
+        weights = self.weights_proj(x)
         cand, _ = batch.visible_entries(self.compressor.ratio)
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
-        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale)
+        scale = self.softmax_scale * self.n_heads**-0.5
+        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale, scale)
 
 
 class Attention(nn.Module):

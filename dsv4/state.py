@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.config import CSA, HCA, KV_CACHE_DTYPES, ModelArgs
+from dsv4.ops import decode_lists
 from dsv4.quant import index_key_bytes, kv_entry_layout
 
 
@@ -303,8 +304,6 @@ class Batch:
         ring rows (decode), the ring writes and the visible entries with their key rows. A static
         decode step on a GPU writes them all in one launch (`ops.decode_lists`, when FUSED); the
         builders below are the reference it is tested against."""
-        from dsv4.ops import decode_lists
-
         kinds = [(m, o) for kind, m, o in ((CSA, args.csa_ratio, True), (HCA, args.hca_ratio, False))
                  if kind in args.layer_types]  # fmt: skip
         # rows before the entries: the window rings (+ the new tokens' K=V)
@@ -465,8 +464,11 @@ class Batch:
         indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) taken from
         `entry_idxs`; -1 picks its last column (ent mod C+1): one remainder, gather and cat."""
         t = self.entry_idxs(ratio, base)
+        win = self.window_idxs(window, ring_only=self.decode)
+        if decode_lists.FUSED and ent.is_cuda:  # one launch (ops.decode_lists)
+            return decode_lists.selected_rows(win, t, ent)
         picked = t.gather(1, ent.remainder(t.shape[1]))
-        return torch.cat([self.window_idxs(window, ring_only=self.decode), picked], dim=1)
+        return torch.cat([win, picked], dim=1)
 
     def closing_ring_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
         """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once

@@ -8,7 +8,9 @@ token, and `fill` stores them under the keys `Batch`'s builders memoize them by.
 the reference: `tests/ops/test_decode_lists.py` checks every list against them, entry for entry.
 
 Only the static decode form (one token per sequence, graph_len > 0) is covered: there every list
-has a shape fixed by the batch size and graph_len.
+has a shape fixed by the batch size and graph_len. `selected_rows` is the CSA layers' per-layer
+list (`Batch.selected_idxs`: the window rows, then the rows of the entries the indexer picked) in
+one launch where the builder takes three (remainder, gather, cat); any batch.
 """
 
 from __future__ import annotations
@@ -173,3 +175,37 @@ def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base:
             cache[("entries", ratio, base)] = keys
         else:
             cache[("attn", window, ratio, base)] = keys
+
+
+@triton.jit
+def _selected_rows_kernel(win_ptr, ent_rows_ptr, ent_ptr, out_ptr, C1, K, stride_er,
+                          W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    # token t: out[t] = win[t] (W rows), then ent_rows[t, ent[t, i] mod C1] for the K picks
+    chain_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, W)
+    tl.store(out_ptr + t * (W + K) + j, tl.load(win_ptr + t * W + j))
+    for k0 in range(0, K, BLOCK):
+        i = k0 + tl.arange(0, BLOCK)
+        ok = i < K
+        e = tl.load(ent_ptr + t * K + i, mask=ok, other=0)
+        e = tl.where(e < 0, C1 - 1, e)  # -1 picks the last column (all -1)
+        rows = tl.load(ent_rows_ptr + t * stride_er + e, mask=ok)
+        tl.store(out_ptr + t * (W + K) + W + i, rows, mask=ok)
+
+
+def selected_rows(win: torch.Tensor, ent_rows: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    """win [T, W] window rows, ent_rows [T, C + 1] entry key rows (`Batch.entry_idxs`, last column
+    -1), ent [T, K] picked positions (-1 = none) -> [T, W + K] int64: `Batch.selected_idxs`."""
+    T, W = win.shape
+    K = ent.shape[1]
+    assert W & (W - 1) == 0, f"window {W} must be a power of 2"
+    assert ent_rows.shape[0] == T == ent.shape[0], f"{win.shape} {ent_rows.shape} {ent.shape}"
+    assert win.is_contiguous() and ent.is_contiguous() and ent_rows.stride(1) == 1
+    out = torch.empty((T, W + K), dtype=torch.long, device=win.device)
+    if T:
+        _selected_rows_kernel[(T,)](
+            win, ent_rows, ent, out, ent_rows.shape[1], K, ent_rows.stride(0), W=W,
+            BLOCK=min(BLOCK, triton.next_power_of_2(max(K, 1))), num_warps=4, **chain(win.device),
+        )  # fmt: skip
+    return out

@@ -64,7 +64,7 @@ HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates u
 @triton.jit
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
-    w_ptr,  # [T, Hi] any float dtype (already scaled)
+    w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
     k_ptr,  # [N, d] key rows (d contiguous; KEY_FP8: uint8 e4m3 codes)
     ks_ptr,  # KEY_FP8: [N] fp32 key scales
     idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
@@ -80,6 +80,7 @@ def _index_score_kernel(
     stride_kn,
     stride_it,
     stride_ot,
+    w_scale,
     UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
     PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
     KEYS_ON_M: tl.constexpr,
@@ -120,6 +121,7 @@ def _index_score_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    w = w * w_scale  # the reference's weights.float() * scale, in fp32
     coarse = tl.zeros([COARSE_BINS], tl.int32)
     row_t = t.to(tl.int64)
 
@@ -531,9 +533,11 @@ def _scores(
     cfg: ScoreConfig = ScoreConfig(),  # noqa: B008  (immutable)
     hist: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_scale: torch.Tensor | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
-    coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys."""
+    coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys.
+    `weight_scale`: the head weights are weights.float() * weight_scale."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     key_fp8 = key_scale is not None
@@ -547,7 +551,7 @@ def _scores(
         *(hist or (skey, skey)),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
-        skey.stride(0),
+        skey.stride(0), float(weight_scale),
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
         KEYS_ON_M=cfg.keys_on_m,
@@ -572,6 +576,7 @@ def index_topk(
     cand_idxs: torch.Tensor,
     topk: int,
     key_scale: torch.Tensor | None = None,
+    weight_scale: float = 1.0,
     *,
     segment: int = SEGMENT,
     sort: bool = True,
@@ -581,7 +586,8 @@ def index_topk(
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
-    # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`)
+    # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`;
+    # weight_scale: the head weights are weights.float() * weight_scale, in the score kernel)
     # (segment: keys per select program ; sort=False leaves the winners in position order (levels
     # only) ; select: "hist" or "levels", default hist for rows longer than one segment ;
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
@@ -634,12 +640,15 @@ def index_topk(
         )
         fine, coarse, _ = _hist_workspace(q.device)
         skey = _scores(
-            q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale
-        )
+            q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale,
+            weight_scale,
+        )  # fmt: skip
         _hist_select(skey, out, segment, select_warps or 16)
         return out
 
-    skey = _scores(q, weights, keys, cand_idxs, score_config or ScoreConfig(), None, key_scale)
+    skey = _scores(
+        q, weights, keys, cand_idxs, score_config or ScoreConfig(), None, key_scale, weight_scale
+    )
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     x, L = skey, C

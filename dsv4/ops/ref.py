@@ -270,10 +270,12 @@ def index_topk(
     cand_idxs: torch.Tensor,
     topk: int,
     key_scale: torch.Tensor | None = None,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
-    # q: [T, H, d] ; weights: [T, H] (already scaled) ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 =
-    # not visible. score(t, c) = sum_h w_th * relu(q_th . k_c); returns [T, min(topk, C)] positions in
-    # 0..C-1 (the compressed entry ids), -1 where fewer than topk entries are visible.
+    # q: [T, H, d] ; weights: [T, H] ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 = not visible.
+    # score(t, c) = sum_h w_th * relu(q_th . k_c) with w = weights.float() * weight_scale; returns
+    # [T, min(topk, C)] positions in 0..C-1 (the compressed entry ids), -1 where fewer than topk
+    # entries are visible.
     # key_scale [N] fp32: keys are FP8 indexer keys (uint8 e4m3 codes, `dsv4.quant.quant_index_keys`)
     valid = cand_idxs >= 0
     rows = cand_idxs.clamp(min=0)
@@ -282,7 +284,8 @@ def index_topk(
     else:
         k = keys[rows].float()  # [T, C, d]
     s = torch.relu(torch.einsum("thd,tcd->thc", q.float(), k))
-    s = (s * weights.float().unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
+    w = weights.float() * weight_scale
+    s = (s * w.unsqueeze(-1)).sum(1).masked_fill(~valid, float("-inf"))
     top = stable_topk(s, min(topk, s.shape[-1]))
     return torch.where(valid.gather(1, top), top, -1)
 

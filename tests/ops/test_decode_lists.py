@@ -73,6 +73,21 @@ def test_fill_equals_the_builders(layer_types: tuple, slots: list, starts: list,
         assert _equal(got[key], want[key]), key
 
 
+@pytest.mark.parametrize("T,C,K", [(1, 5, 4), (3, 40, 7), (4, 300, 200)])
+def test_selected_rows_equal_the_builder(T: int, C: int, K: int) -> None:
+    # the CSA layers' key rows: the window rows, then the picked entries' rows (-1 picks -1)
+    g = torch.Generator().manual_seed(C)
+    W = 8
+    win = torch.randint(-1, 1000, (T, W), generator=g)
+    ent_rows = torch.cat([torch.randint(-1, 5000, (T, C), generator=g), -torch.ones(T, 1)], 1)
+    ent_rows = ent_rows.long()
+    ent = torch.randint(0, C, (T, K), generator=g)
+    ent[:, -1] = -1  # none picked
+    ent[0, : min(K, 2)] = C - 1  # the last visible column
+    want = torch.cat([win, ent_rows.gather(1, ent.remainder(C + 1))], dim=1)
+    assert torch.equal(decode_lists.selected_rows(win, ent_rows, ent), want)
+
+
 def test_prepare_takes_the_fused_form_only_for_a_static_gpu_step(monkeypatch):  # noqa: ANN001
     # on the CPU (or for an eager batch) prepare keeps the builders even when FUSED is on
     st = _state((SLIDING, CSA, HCA))
@@ -103,3 +118,9 @@ def test_gpu_fill_equals_the_builders(graph_len: int):
     decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, st.max_seqs * a.window_size)
     for key in (k for k in want if k[0] != "tok"):
         assert _equal(b._cache[key], want[key]), key
+    # the CSA layers' selected rows, the picks -1 included
+    ent = torch.randint(-1, 8, (5, 6), device="cuda")
+    rows = b._cache[("entries", a.csa_ratio, st.max_seqs * a.window_size)]
+    win = b._cache[("win", a.window_size, True)]
+    want_sel = torch.cat([win, rows.gather(1, ent.remainder(rows.shape[1]))], dim=1)
+    assert torch.equal(decode_lists.selected_rows(win, rows, ent), want_sel)

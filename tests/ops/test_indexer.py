@@ -106,6 +106,23 @@ def test_index_topk_strided_bf16_weights() -> None:
 
 
 @pytest.mark.parametrize("select", SELECTS)
+def test_index_topk_weight_scale(select: str) -> None:
+    # bf16 head weights scaled inside the op (the model's softmax_scale / sqrt(heads)): the same
+    # positions as weights.float() * scale passed in, in the kernel and in the reference
+    q, weights, keys, cand = _inputs(4, 16, 32, 300, torch.float32)
+    w16, scale = (weights * 8).bfloat16(), 32**-0.5 * 16**-0.5
+    want = ref.index_topk(q, w16.float() * scale, keys, cand, 64)
+    assert torch.equal(ref.index_topk(q, w16, keys, cand, 64, None, scale), want)
+    out = indexer.index_topk(q, w16, keys, cand, 64, None, scale, select=select)
+    assert torch.equal(out, want)
+    # a positive scale keeps the order; a negative one shows that the kernel applies it
+    flipped = ref.index_topk(q, w16, keys, cand, 64, None, -scale)
+    assert not torch.equal(flipped, want)
+    assert torch.equal(indexer.index_topk(q, w16, keys, cand, 64, None, -scale, select=select),
+                       flipped)  # fmt: skip
+
+
+@pytest.mark.parametrize("select", SELECTS)
 def test_index_topk_zero_scores(select: str) -> None:
     # zero rows score exactly 0 (-0.0 in torch under all-negative weights): ties by position
     q, weights, keys, cand = _inputs(4, 16, 16, 300, torch.float32, n_keys=9, integer=True)
