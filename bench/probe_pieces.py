@@ -353,6 +353,26 @@ def probe_mhc_norm() -> None:
     mhc.NORM_BLOCK_D = 2048
 
 
+def probe_post_pre() -> None:
+    # the attention sublayer's hc_post + the FFN's hc_pre (with its norm): two launches + the finish
+    # (hc_post, then hc_pre's partials) against hc_post computing the partials (hc_post_pre's fused
+    # form) by its column chunk, each twice
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn, sc, base = hc_pre_params(g)
+    w = torch.rand(4096, device="cuda", generator=g) + 0.5
+    for T in (1, 2, 4, 8, 16):
+        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = torch.randn(T, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        post = torch.rand(T, 4, device="cuda", generator=g) * 2
+        comb = torch.rand(T, 4, 4, device="cuda", generator=g)
+        args = (y, x, post, comb, fn, sc, base, 1e-6, 1e-6, 20, w)
+        for _ in range(2):
+            us(f"hc_post, hc_pre T={T}", lambda a=args: mhc.hc_post_pre(*a, fused=False))
+            for bd in (None, 16, 32, 64):
+                us(f"hc_post_pre T={T} chunk {bd or 'default'}",
+                   lambda a=args, bd=bd: mhc.hc_post_pre(*a, fused=True, block_d=bd))  # fmt: skip
+
+
 def probe_prep() -> None:
     # a static decode step's index lists (Batch.build_static + prepare, what the engine's CUDA
     # graphs replay every step) for the bench's sliding + CSA + HCA layers at Flash width: the torch
@@ -1655,7 +1675,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "sinkhorn": probe_sinkhorn,
+             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()

@@ -440,12 +440,13 @@ class Block(nn.Module):
             x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm
         )
         y = self.attn(y, batch, ls, rope, inv_freq)
-        x = self.ops.hc_post(y, residual, post, comb)
+        # x = hc_post(y, ...); y = ffn_norm(collapse(x)): one op, which may share launches
+        a = self.args
+        x, y, post, comb = self.ops.hc_post_pre(
+            y, residual, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+            a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, self.ffn_norm.weight,
+        )  # fmt: skip
         residual = x
-        # y = ffn_norm(collapse(x))
-        y, post, comb = self.hc_pre(
-            x, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.ffn_norm
-        )
         y = self.ffn(y, input_ids)
         return self.ops.hc_post(y, residual, post, comb)
 

@@ -68,6 +68,16 @@ def cases(device: str, quick: bool) -> list[Case]:
             ref=lambda a=norm_args: ref.hc_pre(*a)[0],
             bytes=pre_bytes + D * 4,
         ))  # fmt: skip
+        # hc_post, then the next hc_pre (with its norm) on the new streams: the fused form, a
+        # decode form (each token's programs read fn: T x 1.5 MB from L2)
+        pp_args = (y, x, post, comb, t["fn"], t["scale"], t["base"], EPS, EPS, SINKHORN_ITERS, w)
+        if T <= 64:
+            out.append(Case(
+                "hc_post_pre", shape,
+                run=lambda a=pp_args: mhc.hc_post_pre(*a, fused=True),
+                ref=lambda a=pp_args: ref.hc_post_pre(*a),
+                bytes=T * D * act + 2 * T * K * act + T * (n + n * n) * 4 + M * K * 4 + T * D * act,
+            ))  # fmt: skip
         # read y + residual + post + comb ; write n streams
         post_bytes = T * D * act + 2 * T * K * act + T * (n + n * n) * 4
         post_args = (y, x, post, comb)

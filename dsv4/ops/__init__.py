@@ -1,7 +1,7 @@
 """The op interface: `select(EngineConfig.ops)` returns the namespace whose functions the model calls.
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
-rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_head, compress_store, compress_keep,
+rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_post_pre, hc_head, compress_store, compress_keep,
 index_topk, stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module
 per op, each beside its reference) and keeps the reference for ops without a kernel. This is the
 only backend dispatch in the package.
@@ -22,6 +22,7 @@ OPS = (
     "sparse_attn",
     "hc_pre",
     "hc_post",
+    "hc_post_pre",
     "hc_head",
     "compress_store",
     "compress_keep",
@@ -44,6 +45,7 @@ def _triton() -> SimpleNamespace:
         index_topk=indexer.index_topk,
         hc_pre=mhc.hc_pre,
         hc_post=mhc.hc_post,
+        hc_post_pre=mhc.hc_post_pre,
         hc_head=mhc.hc_head,
         rms_norm=rope.rms_norm,
         rotary=rope.rotary,

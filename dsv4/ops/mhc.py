@@ -36,6 +36,9 @@ FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench sw
 # 8 x 2048 8.28 / 8.90 / 12.88; 1 warp x 512 13.6 / 14.5 / 21.9; 4 x 512 20.1 / 27.3 / 23.8
 NORM_BLOCK_D = 2048
 NORM_WARPS = 4
+# tokens up to which hc_post_pre's hc_post launch also computes the next hc_pre's partials (0: off
+# until timed on a GPU: docs/PERF.md)
+POST_PRE_MAX_T = 0
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
 
@@ -173,10 +176,11 @@ def _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N: tl.constex
 
 @triton.jit
 def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N: tl.constexpr,
-              N_PAD: tl.constexpr):  # fmt: skip
+              N_PAD: tl.constexpr, RNE_BF16: tl.constexpr):  # fmt: skip
     # y[t, offs_d] = sum_i pre_i x[t, i, offs_d] in fp32
     y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
-    tl.store(y_ptr + t * stride_yt + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
+    y = _cast(y, y_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(y_ptr + t * stride_yt + offs_d, y, mask=offs_d < D)
 
 
 @triton.jit
@@ -287,7 +291,7 @@ def _hc_pre_finish_kernel(
     HAS_COMB: tl.constexpr,
     NORM: tl.constexpr,  # one program per token collapses the whole row and applies the RMSNorm
     D_CHUNKS: tl.constexpr,  # NORM: cdiv(D, BLOCK_D)
-    RNE_BF16: tl.constexpr,  # NORM in the interpreter with bf16 x: round on the bits
+    RNE_BF16: tl.constexpr,  # the interpreter with bf16 x: round on the bits
     PDL: tl.constexpr,  # griddepcontrol (sm_90+): when launched early, wait for the partials here
     FAST_DIV: tl.constexpr,  # Sinkhorn iterations with div.approx (GPU; the interpreter lacks it)
 ):
@@ -310,7 +314,8 @@ def _hc_pre_finish_kernel(
         extra = pid_d * BLOCK_D >= D
         if not extra:
             offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-            _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD)
+            _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, N, N_PAD,
+                      RNE_BF16)  # fmt: skip
     if HAS_COMB:
         if extra:  # the extra program: its Sinkhorn runs beside the collapse
             _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps,
@@ -329,19 +334,29 @@ def _hc_post_kernel(
     post_ptr,  # [T, n] fp32
     comb_ptr,  # [T, n, n] fp32
     out_ptr,  # [T, n, D] y.dtype
+    fn_ptr,  # MIX: [M, n*D] fp32, the next hc_pre's mix projection
+    ws_ptr,  # MIX: [splits = cdiv(D, BLOCK_D), T, M+1] fp32 partials (as _hc_mixes_partial_kernel's)
     D,
     stride_yt,
     stride_rt,
     stride_rn,
     stride_ot,
     stride_on,
+    stride_fnm,
+    stride_wss,
+    stride_wst,
     N: tl.constexpr,
     N_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MIX: tl.constexpr = False,  # also the next hc_pre's split-K partials of the new streams
+    M: tl.constexpr = 1,
+    M_PAD: tl.constexpr = 16,
+    RNE_BF16: tl.constexpr = False,  # the interpreter with bf16 streams: round on the bits
     PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
     chain_start(PDL)
-    # read BLOCK_D y + n*BLOCK_D residual + n + n*n floats ; write n*BLOCK_D
+    # read BLOCK_D y + n*BLOCK_D residual + n + n*n floats ; write n*BLOCK_D (MIX: + read M*n*BLOCK_D
+    # fn floats, write M+1 partials)
     t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs_n = tl.arange(0, N_PAD)
@@ -358,7 +373,24 @@ def _hc_post_kernel(
         res_j = tl.load(res_ptr + t * stride_rt + j * stride_rn + offs_d, mask=mask_d, other=0.0)
         out += comb_j[:, None] * res_j.to(tl.float32)[None, :]
     out_ptrs = out_ptr + t * stride_ot + offs_n[:, None] * stride_on + offs_d[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_d[None, :])
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    x = _cast(out, out_ptr.dtype.element_ty, RNE_BF16)
+    tl.store(out_ptrs, x, mask=mask_nd)
+    if MIX:
+        # the new streams as stored (the next hc_pre reads them in their dtype): this chunk's part of
+        # fn . flatten(x') and of sum(x'^2), split = pid_d
+        x = tl.where(mask_nd, x.to(tl.float32), 0.0)
+        offs_m = tl.arange(0, M_PAD)
+        k = offs_n[:, None] * D + offs_d[None, :]  # [N_PAD, BLOCK_D] columns of fn
+        fn = tl.load(
+            fn_ptr + offs_m[:, None, None] * stride_fnm + k[None, :, :],
+            mask=(offs_m < M)[:, None, None] & mask_nd[None, :, :],
+            other=0.0,
+        )  # [M_PAD, N_PAD, BLOCK_D]
+        acc = tl.sum(tl.sum(fn * x[None, :, :], axis=2), axis=1)
+        sq = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        acc = tl.where(offs_m == M, sq, acc)
+        tl.store(ws_ptr + pid_d * stride_wss + t * stride_wst + offs_m, acc, mask=offs_m <= M)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -411,11 +443,9 @@ def _hc_collapse(
     within a warp: 9.6 vs 11.2 us at T = 1); NORM_WARPS with norm_weight."""
     T, n, D = x.shape
     M, K = hc_fn.shape
-    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    post = torch.empty((T, n), dtype=torch.float32, device=x.device)
-    comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
-        return y, post, comb
+        return (x.new_empty((0, D)), x.new_empty((0, n), dtype=torch.float32),
+                x.new_empty((0, n, n), dtype=torch.float32))  # fmt: skip
     # the CPU interpreter pays per program: few large ones there ; a given cfg also sets the norm's
     # column step (tests)
     norm_block = cfg.block_d if cfg is not None else NORM_BLOCK_D
@@ -426,28 +456,52 @@ def _hc_collapse(
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
-    # the finish launched early (programmatic dependent launch) where it measured faster on an
-    # H200: T=1 8.15 vs 8.5 us, T=16 8.8 vs 9.1; not at T=64 (12.8 vs 12.0: 1088 waiting programs)
-    griddep = pdl(x.device)
-    early = griddep and T <= PDL_MAX_T
     grid1 = (splits, triton.cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
         M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **chain(x.device),
     )  # fmt: skip
+    return _finish(x, ws, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, has_comb,
+                   norm_weight, cfg.block_d, norm_block, finish_warps)  # fmt: skip
+
+
+def _finish(
+    x: torch.Tensor,
+    ws: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    has_comb: bool,
+    norm_weight: torch.Tensor | None,
+    collapse_block: int | None = None,
+    norm_block: int | None = None,
+    finish_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The finish launch over the split-K partials ws [splits, T, M+1] of x: (y, post, comb)."""
+    T, n, D = x.shape
+    splits, M = ws.shape[0], ws.shape[2] - 1
+    y = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    post = torch.empty((T, n), dtype=torch.float32, device=x.device)
+    comb = torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    # the finish launched early (programmatic dependent launch) where it measured faster on an
+    # H200: T=1 8.15 vs 8.5 us, T=16 8.8 vs 9.1; not at T=64 (12.8 vs 12.0: 1088 waiting programs)
+    griddep = pdl(x.device)
+    early = griddep and T <= PDL_MAX_T
     norm = norm_weight is not None
     if finish_warps is None:
         finish_warps = NORM_WARPS if norm else 1
     if norm:
         _check_norm_weight(norm_weight, D)
-        block_d = min(norm_block, triton.next_power_of_2(D))
+        block_d = min(norm_block or NORM_BLOCK_D, triton.next_power_of_2(D))
         grid2 = (T, 1 + int(has_comb))
     else:
-        block_d = cfg.block_d
+        block_d = collapse_block or _mix_config(T, M, n * D, D).block_d
         grid2 = (T, triton.cdiv(D, block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
-        x, ws, hc_scale, hc_base, y, norm_weight if norm else y, post, comb, D, K, splits,
+        x, ws, hc_scale, hc_base, y, norm_weight if norm else y, post, comb, D, n * D, splits,
         float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
         ws.stride(0), ws.stride(1), y.stride(0), M=M, N=n, N_PAD=triton.next_power_of_2(n),
         S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_COMB=has_comb, NORM=norm,
@@ -494,10 +548,9 @@ def hc_head(
     return _hc_collapse(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, 1, False, norm_weight)[0]
 
 
-def hc_post(
+def _check_post_args(
     y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    # X'[k] = post[k] * y + sum_j comb[j, k] * X[j]   (comb consumed transposed), fp32 math
+) -> tuple[int, int, int]:
     assert residual.dim() == 3, f"residual must be [T, n, D] (got {tuple(residual.shape)})"
     T, n, D = residual.shape
     assert y.shape == (T, D), f"y shape {tuple(y.shape)} != {(T, D)}"
@@ -511,14 +564,69 @@ def hc_post(
         f"y / residual need unit stride in D (strides {y.stride()}, {residual.stride()})"
     )
     assert post.is_contiguous() and comb.is_contiguous(), "post / comb must be contiguous"
+    return T, n, D
+
+
+def hc_post(
+    y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    # X'[k] = post[k] * y + sum_j comb[j, k] * X[j]   (comb consumed transposed), fp32 math
+    T, n, D = _check_post_args(y, residual, post, comb)
     out = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
     if T == 0:
         return out
     block_d = min(triton.next_power_of_2(D), 256 if T <= 16 else 1024)
     grid = (T, triton.cdiv(D, block_d))
     _hc_post_kernel[grid](
-        y, residual, post, comb, out, D, y.stride(0), residual.stride(0), residual.stride(1),
-        out.stride(0), out.stride(1), N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d,
-        num_warps=4, **chain(y.device),
+        y, residual, post, comb, out, y, y, D, y.stride(0), residual.stride(0),
+        residual.stride(1), out.stride(0), out.stride(1), 0, 0, 0, N=n,
+        N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d,
+        RNE_BF16=not y.is_cuda and y.dtype == torch.bfloat16, num_warps=4, **chain(y.device),
     )  # fmt: skip
     return out
+
+
+def hc_post_pre(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+    fused: bool | None = None,
+    block_d: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    # hc_post(y, residual, post, comb) -> x', then hc_pre(x', hc_fn, ...): (x', y', post', comb').
+    # Up to POST_PRE_MAX_T tokens the hc_post launch also computes hc_pre's split-K partials of x'
+    # (one D chunk of every stream per program), so hc_pre's partial launch and its re-read of x'
+    # go; then hc_pre's finish. fused: force either form, block_d: the fused form's chunk (tests,
+    # bench)
+    T, n, D = _check_post_args(y, residual, post, comb)
+    if fused is None:
+        fused = T <= POST_PRE_MAX_T
+    if T == 0 or not fused:
+        x = hc_post(y, residual, post, comb)
+        return (x,) + hc_pre(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters,
+                             norm_weight)  # fmt: skip
+    x = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
+    _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
+    assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
+    M = hc_fn.shape[0]
+    # ~_TARGET_PROGRAMS programs stream fn, at most 64 columns each (the fn tile in registers)
+    block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _TARGET_PROGRAMS)))
+    splits = triton.cdiv(D, block_d)
+    ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
+    _hc_post_kernel[(T, splits)](
+        y, residual, post, comb, x, hc_fn, ws, D, y.stride(0), residual.stride(0),
+        residual.stride(1), x.stride(0), x.stride(1), hc_fn.stride(0), ws.stride(0), ws.stride(1),
+        N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, MIX=True, M=M,
+        M_PAD=max(16, triton.next_power_of_2(M + 1)),
+        RNE_BF16=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=4, **chain(y.device),
+    )  # fmt: skip
+    return (x,) + _finish(x, ws, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True,
+                          norm_weight)  # fmt: skip

@@ -172,6 +172,24 @@ def hc_post(
     return out.to(y.dtype)
 
 
+def hc_post_pre(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    # a sublayer's hc_post, then the next sublayer's hc_pre on its streams: (x', y', post', comb')
+    x = hc_post(y, residual, post, comb)
+    return (x,) + hc_pre(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, norm_weight)
+
+
 def hc_head(
     x: torch.Tensor,
     hc_fn: torch.Tensor,

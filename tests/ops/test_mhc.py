@@ -175,6 +175,36 @@ def test_hc_head_norm(T: int, n: int, D: int) -> None:
     assert _rel(h, h_same) < 1e-3, f"{_rel(h, h_same):.2e}"
 
 
+# ---- hc_post_pre: the attention sublayer's hc_post also computes the FFN hc_pre's partials
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,n,D,block_d", [(1, 4, 64, 16), (3, 2, 48, 32), (17, 4, 40, 16)])
+def test_hc_post_pre(T: int, n: int, D: int, block_d: int, dtype: torch.dtype, norm: bool) -> None:
+    y, residual, post, comb = _post_inputs(T, n, D, dtype)
+    fn, scale, base = _params((2 + n) * n, n * D, 3, seed=25)
+    w = _norm_weight(D) if norm else None
+    args = (fn, scale, base, EPS, EPS, 20, w)
+    x, y2, post2, comb2 = mhc.hc_post_pre(
+        y, residual, post, comb, *args, fused=True, block_d=block_d
+    )
+    # the new streams: the unfused hc_post's, bit for bit
+    x0 = mhc.hc_post(y, residual, post, comb)
+    assert x.dtype == dtype and torch.equal(x, x0)
+    # the next sublayer's inputs: the reference on the same streams (summation order only)
+    y_ref, post_ref, comb_ref = ref.hc_pre(x0, fn, scale, base, EPS, EPS, 20, w)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert _rel(y2, y_ref) < tol, f"y: {_rel(y2, y_ref):.2e}"
+    assert _rel(post2, post_ref) < 1e-5 and _rel(comb2, comb_ref) < 1e-5
+    # and the whole op against the fp32 reference
+    want = ref.hc_post_pre(y.float(), residual.float(), post, comb, *args)
+    assert _rel(y2, want[1]) < TOL[dtype], f"{_rel(y2, want[1]):.2e}"
+    # the unfused pair (the default while POST_PRE_MAX_T is 0)
+    got = mhc.hc_post_pre(y, residual, post, comb, *args, fused=False)
+    assert torch.equal(got[0], x0) and _rel(got[1], y2) < tol
+
+
 def test_norm_weight_checked() -> None:
     n, D = 4, 32
     fn, scale, base = _params((2 + n) * n, n * D, 3)
@@ -248,6 +278,13 @@ def test_mhc_gpu_flash(T: int) -> None:
     y_ref = ref.hc_pre(x.float(), fn, scale, base, EPS, EPS, iters, w)[0]
     assert _rel(y_n, y_ref) < TOL[torch.bfloat16], f"{_rel(y_n, y_ref):.2e}"
     assert _rel(y_n, ref.rms_norm(y, w, EPS)) < 2e-3, f"{_rel(y_n, ref.rms_norm(y, w, EPS)):.2e}"
+
+    # hc_post_pre: the fused form against the unfused pair at Flash shapes
+    pp_args = (fn, scale, base, EPS, EPS, iters, w)
+    fused = mhc.hc_post_pre(y, x, post, comb, *pp_args, fused=True)
+    unfused = mhc.hc_post_pre(y, x, post, comb, *pp_args, fused=False)
+    assert torch.equal(fused[0], unfused[0])
+    assert _rel(fused[1], unfused[1]) < 2e-3 and _rel(fused[3], unfused[3]) < GPU_TOL_FP32
 
     out = mhc.hc_post(y, x, post, comb)
     out_ref = ref.hc_post(y.float(), x.float(), post, comb)
