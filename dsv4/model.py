@@ -416,14 +416,6 @@ class Block(nn.Module):
         _hc_params(self, "hc_attn", mix, 3, args.hc_dim)  # hc_attn_fn / _base / _scale
         _hc_params(self, "hc_ffn", mix, 3, args.hc_dim)
 
-    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-               norm: RMSNorm):  # fmt: skip  # noqa: ANN201
-        # the collapse goes through `norm` in the same op (its eps is args.norm_eps, as hc_pre's)
-        a = self.args
-        return self.ops.hc_pre(
-            x, fn, scale, base, a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, norm.weight
-        )
-
     def forward(
         self,
         x: torch.Tensor,
@@ -433,15 +425,16 @@ class Block(nn.Module):
         rope: Rope,
         inv_freq: torch.Tensor,
     ) -> torch.Tensor:
-        # x: [T, n, D]
+        # x: [T, n, D] ; the norms' eps is args.norm_eps, as hc_pre's
+        a = self.args
         residual = x
         # y = attn_norm(collapse(x))
-        y, post, comb = self.hc_pre(
-            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.attn_norm
-        )
+        y, post, comb = self.ops.hc_pre(
+            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, a.norm_eps, a.hc_eps,
+            a.hc_sinkhorn_iters, self.attn_norm.weight,
+        )  # fmt: skip
         y = self.attn(y, batch, ls, rope, inv_freq)
         # x = hc_post(y, ...); y = ffn_norm(collapse(x)): one op, which may share launches
-        a = self.args
         x, y, post, comb = self.ops.hc_post_pre(
             y, residual, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
             a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, self.ffn_norm.weight,

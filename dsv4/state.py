@@ -225,6 +225,7 @@ class Batch:
     # below graph_len, and windows that do not close are stored nowhere (dest -1)
     graph_len: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
+    _prepared: bool = field(default=False, repr=False)  # `prepare` ran
 
     @classmethod
     def build(
@@ -301,21 +302,25 @@ class Batch:
     def prepare(self, args: ModelArgs) -> None:
         """Build the index lists every layer of the step shares, before the first layer asks: the
         window rows and ring writes, and per compressed kind present the closing windows, their
-        ring rows (decode), the ring writes and the visible entries with their key rows. A static
-        decode step on a GPU writes them all in one launch (`ops.decode_lists`, when FUSED); the
-        builders below are the reference it is tested against."""
-        kinds = [(m, o) for kind, m, o in ((CSA, args.csa_ratio, True), (HCA, args.hca_ratio, False))
-                 if kind in args.layer_types]  # fmt: skip
+        ring rows (decode), the ring writes and the visible entries with their key rows. Once per
+        step (later calls return at once). A static decode step on a GPU writes them all in one
+        launch (`ops.decode_lists`, when FUSED); the builders below are the reference it is
+        tested against."""
+        if self._prepared:
+            return
+        self._prepared = True
+        csa = args.csa_ratio if CSA in args.layer_types else None
+        hca = args.hca_ratio if HCA in args.layer_types else None
         # rows before the entries: the window rings (+ the new tokens' K=V)
         base = self.max_seqs * args.window_size + (0 if self.decode else self.num_tokens)
         if decode_lists.FUSED and self.graph_len and self.positions.is_cuda:
-            csa = args.csa_ratio if CSA in args.layer_types else None
-            hca = args.hca_ratio if HCA in args.layer_types else None
             decode_lists.fill(self, args.window_size, csa, hca, base)
             return
         self.window_idxs(args.window_size, ring_only=self.decode)
         self.ring_writes(args.window_size)
-        for m, overlap in kinds:
+        for m, overlap in ((csa, True), (hca, False)):
+            if m is None:
+                continue
             self.closing_windows(m, overlap)
             if self.decode:
                 self.closing_ring_rows(m, overlap)

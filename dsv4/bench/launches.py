@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4.bench.step import _layer_list, _prepare, bench_args
+from dsv4.bench.step import _layer_list, bench_args
 from dsv4.bench.weights import fill_state_, init_random_
 from dsv4.model import Transformer
 from dsv4.ops import OPS, select
@@ -72,7 +72,7 @@ def count(layers: str = "sliding,csa,hca", batch: int = 1, static: bool = True) 
         b = Batch.build_static(torch.arange(batch), torch.full((batch,), pos), state, 512)
     else:
         b = Batch.build(list(range(batch)), [pos] * batch, [1] * batch, state)
-    _prepare(b, args)  # the step's shared index lists, as the bench builds them
+    b.prepare(args)  # the step's shared index lists, as the bench builds them
     counter.counts.clear()
     with torch.no_grad(), counter:
         model(ids, b, state)

@@ -223,12 +223,6 @@ def bench_args(preset: str, layers: tuple[tuple[str, str], ...]) -> tuple[ModelA
 # ---- our model ------------------------------------------------------------------------------
 
 
-def _prepare(batch: Batch, args: ModelArgs) -> None:
-    """Build the index lists the layers share (memoized on the Batch) once per step, so their cost
-    lands in 'rest' rather than in whichever layer asks first."""
-    batch.prepare(args)
-
-
 class NonFinite(RuntimeError):
     """Random-weight activations overflowed: the timing would not be representative."""
 
@@ -252,7 +246,7 @@ def decode_stepper(
     def step(j: int) -> None:
         clock.mark("start")
         b = Batch.build(list(range(batch)), [context + j] * batch, [1] * batch, state)
-        _prepare(b, args)
+        b.prepare(args)  # the shared index lists: their cost lands in 'rest'
         clock.mark("batch")
         logits = model.logits(model(ids, b, state))
         clock.mark("end")
@@ -410,7 +404,7 @@ class Bench:
         if self.device.type != "cuda":
             return {"skipped": "CUDA graphs need a GPU"}
         b = Batch.build(list(range(batch)), [context] * batch, [1] * batch, state)
-        _prepare(b, self.args)
+        b.prepare(self.args)
         self.clock.paused = True
         try:
             t = graph_measure(self.model, state, b, ids, self.keys, self.a.repeat)

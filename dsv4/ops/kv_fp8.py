@@ -63,6 +63,15 @@ def round_bf16(y):
 
 
 @triton.jit
+def cast_rne(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
+    # fp32 -> ty rounded to nearest even. The interpreter's fp32 -> bf16 cast does not round to
+    # nearest, so there (RNE_BF16) the rounding is done on the bits first
+    if RNE_BF16:
+        v = round_bf16(v)
+    return v.to(ty)
+
+
+@triton.jit
 def exp2i(e):
     # int32 e (-126 <= e <= 127) -> fp32 2^e, exactly
     return ((e + 127) << 23).to(tl.float32, bitcast=True)

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import chain, chain_start, pdl
-from dsv4.ops.kv_fp8 import round_bf16
+from dsv4.ops.kv_fp8 import cast_rne
 from dsv4.ops.rope import _check_norm_weight
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
@@ -179,16 +179,8 @@ def _collapse(x_ptr, y_ptr, t, pre, offs_d, D, stride_xt, stride_xn, stride_yt, 
               N_PAD: tl.constexpr, RNE_BF16: tl.constexpr):  # fmt: skip
     # y[t, offs_d] = sum_i pre_i x[t, i, offs_d] in fp32
     y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
-    y = _cast(y, y_ptr.dtype.element_ty, RNE_BF16)
+    y = cast_rne(y, y_ptr.dtype.element_ty, RNE_BF16)
     tl.store(y_ptr + t * stride_yt + offs_d, y, mask=offs_d < D)
-
-
-@triton.jit
-def _cast(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
-    # fp32 -> ty, to nearest even (the interpreter's bf16 cast is not: RNE_BF16 rounds the bits)
-    if RNE_BF16:
-        v = round_bf16(v)
-    return v.to(ty)
 
 
 @triton.jit
@@ -202,15 +194,15 @@ def _collapse_norm(x_ptr, y_ptr, nw_ptr, t, pre, D, eps, stride_xt, stride_xn, s
     for c in tl.static_range(D_CHUNKS):
         offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
-        y = _cast(y, ty, RNE_BF16).to(tl.float32)
+        y = cast_rne(y, ty, RNE_BF16).to(tl.float32)
         sq += y * y
     rstd = tl.rsqrt(tl.sum(sq, axis=0) / D + eps)
     for c in tl.static_range(D_CHUNKS):
         offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         y = _collapse_tile(x_ptr, t, pre, offs_d, D, stride_xt, stride_xn, N, N_PAD)
-        y = _cast(y, ty, RNE_BF16).to(tl.float32)
+        y = cast_rne(y, ty, RNE_BF16).to(tl.float32)
         w = tl.load(nw_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        y = _cast(w * (y * rstd), ty, RNE_BF16)
+        y = cast_rne(w * (y * rstd), ty, RNE_BF16)
         tl.store(y_ptr + t * stride_yt + offs_d, y, mask=offs_d < D)
 
 
@@ -374,7 +366,7 @@ def _hc_post_kernel(
         out += comb_j[:, None] * res_j.to(tl.float32)[None, :]
     out_ptrs = out_ptr + t * stride_ot + offs_n[:, None] * stride_on + offs_d[None, :]
     mask_nd = mask_n[:, None] & mask_d[None, :]
-    x = _cast(out, out_ptr.dtype.element_ty, RNE_BF16)
+    x = cast_rne(out, out_ptr.dtype.element_ty, RNE_BF16)
     tl.store(out_ptrs, x, mask=mask_nd)
     if MIX:
         # the new streams as stored (the next hc_pre reads them in their dtype): this chunk's part of
@@ -575,15 +567,34 @@ def hc_post(
     out = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
     if T == 0:
         return out
-    block_d = min(triton.next_power_of_2(D), 256 if T <= 16 else 1024)
-    grid = (T, triton.cdiv(D, block_d))
-    _hc_post_kernel[grid](
-        y, residual, post, comb, out, y, y, D, y.stride(0), residual.stride(0),
-        residual.stride(1), out.stride(0), out.stride(1), 0, 0, 0, N=n,
-        N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d,
+    _post_launch(
+        y, residual, post, comb, out, min(triton.next_power_of_2(D), 256 if T <= 16 else 1024)
+    )
+    return out
+
+
+def _post_launch(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    block_d: int,
+    hc_fn: torch.Tensor | None = None,
+    ws: torch.Tensor | None = None,
+) -> None:
+    # the hc_post kernel over D chunks of block_d; with hc_fn the next hc_pre's partials into ws
+    T, n, D = residual.shape
+    mix = hc_fn is not None
+    M = hc_fn.shape[0] if mix else 1
+    _hc_post_kernel[(T, triton.cdiv(D, block_d))](
+        y, residual, post, comb, out, hc_fn if mix else y, ws if mix else y, D, y.stride(0),
+        residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
+        hc_fn.stride(0) if mix else 0, ws.stride(0) if mix else 0, ws.stride(1) if mix else 0,
+        N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, MIX=mix, M=M,
+        M_PAD=max(16, triton.next_power_of_2(M + 1)),
         RNE_BF16=not y.is_cuda and y.dtype == torch.bfloat16, num_warps=4, **chain(y.device),
     )  # fmt: skip
-    return out
 
 
 def hc_post_pre(
@@ -621,12 +632,6 @@ def hc_post_pre(
     block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _TARGET_PROGRAMS)))
     splits = triton.cdiv(D, block_d)
     ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
-    _hc_post_kernel[(T, splits)](
-        y, residual, post, comb, x, hc_fn, ws, D, y.stride(0), residual.stride(0),
-        residual.stride(1), x.stride(0), x.stride(1), hc_fn.stride(0), ws.stride(0), ws.stride(1),
-        N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, MIX=True, M=M,
-        M_PAD=max(16, triton.next_power_of_2(M + 1)),
-        RNE_BF16=not x.is_cuda and x.dtype == torch.bfloat16, num_warps=4, **chain(y.device),
-    )  # fmt: skip
+    _post_launch(y, residual, post, comb, x, block_d, hc_fn, ws)
     return (x,) + _finish(x, ws, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True,
                           norm_weight)  # fmt: skip

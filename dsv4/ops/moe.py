@@ -48,7 +48,7 @@ import triton.language as tl
 
 from dsv4.ops import ref
 from dsv4.ops.device import chain, chain_start
-from dsv4.ops.kv_fp8 import exp2i
+from dsv4.ops.kv_fp8 import cast_rne, exp2i
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
 # tl.dot_scaled on the packed codes for bf16/fp16 x from this many (token, slot) pairs: on an
@@ -146,17 +146,6 @@ def _mxfp4_tile(
     scale = _e8m0_scale(s)
     w = tl.reshape(w, (BLOCK_N, BLOCK_K // MXFP4_BLOCK, MXFP4_BLOCK)) * scale[:, :, None]
     return tl.reshape(w, (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _round(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
-    # fp32 -> ty rounded to nearest even, returned as ty. The interpreter's fp32 -> bf16 cast does
-    # not round to nearest, so there (RNE_BF16) the rounding is done on the bits first
-    if RNE_BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(ty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +273,7 @@ def _swiglu_kernel(
     h = _swiglu(g, u, limit)
     if HAS_WEIGHT:
         h = h * tl.load(w_ptr + row).to(tl.float32)
-    h = _round(h, h_ptr.dtype.element_ty, RNE_BF16)
+    h = cast_rne(h, h_ptr.dtype.element_ty, RNE_BF16)
     tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
 
 
@@ -329,7 +318,7 @@ def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_
         acc += tl.load(out_ptr + (t * K + j) * stride_o + cols, mask=ok).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_s + cols, mask=ok).to(tl.float32)
-    tl.store(y_ptr + t * stride_y + cols, _round(acc, y_ptr.dtype.element_ty, RNE_BF16), mask=ok)
+    tl.store(y_ptr + t * stride_y + cols, cast_rne(acc, y_ptr.dtype.element_ty, RNE_BF16), mask=ok)
 
 
 def sum_slots(
@@ -362,9 +351,10 @@ def sum_slots(
 
 
 @triton.jit
-def _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
-    # the row-block's pair ids: its run of `align_rows`'s rows, or (DIRECT) the block's own index
-    if DIRECT:
+def _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M: tl.constexpr, GEMV: tl.constexpr):
+    # the row-block's pair ids: its run of `align_rows`'s rows, or (GEMV: one pair per row-block,
+    # in pair order, no align_rows) the block's own index
+    if GEMV:
         rows = pid_m * BLOCK_M + offs_m
     else:
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + offs_m).to(tl.int32)
@@ -376,7 +366,7 @@ def _moe_gate_up_kernel(
     x_ptr,  # [T, D] bf16/fp16/fp32 (D contiguous)
     rw_ptr,  # [T*k] fp32 routing weights, pair p = t*k + j
     rows_ptr,  # [NB*BLOCK_M] int32 pair ids per row-block, -1 = padding
-    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count (DIRECT: int64 ids)
+    blk_ptr,  # [NB] int32 expert of each row-block, -1 = past the real count (GEMV: the router's int64 ids)
     tbl_ptr,  # [6, E] int64 offsets in UNIT bytes: w1, w3 (from wbase), s1, s3 (from sbase), ...
     wbase_ptr,  # int8: expert 0's w1 ; packed weights int8 [out, in/2] lie at wbase + UNIT * off
     sbase_ptr,  # uint8: expert 0's w1 scale ; e8m0 scales [out, in/32] lie at sbase + UNIT * off
@@ -400,7 +390,6 @@ def _moe_gate_up_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
-    DIRECT: tl.constexpr,  # GEMV: row-block m is pair m, blk_ptr the router's ids (no align_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -417,7 +406,7 @@ def _moe_gate_up_kernel(
 
     # ---- the block's pairs and its expert's weights
     offs_m = tl.arange(0, BLOCK_M)
-    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, DIRECT)
+    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, GEMV)
     r_ok = rows >= 0
     pair = tl.where(r_ok, rows, 0).to(tl.int64)
     tok = pair // TOPK
@@ -483,12 +472,12 @@ def _moe_gate_up_kernel(
 
     # ---- epilogue: the linears' x.dtype outputs, clamp, silu * u, routing weight -> x.dtype
     out_ty = h_ptr.dtype.element_ty
-    g = _round(acc_g, out_ty, RNE_BF16).to(tl.float32)
-    u = _round(acc_u, out_ty, RNE_BF16).to(tl.float32)
+    g = cast_rne(acc_g, out_ty, RNE_BF16).to(tl.float32)
+    u = cast_rne(acc_u, out_ty, RNE_BF16).to(tl.float32)
     rw = tl.load(rw_ptr + pair, mask=r_ok, other=0.0).to(tl.float32)
     h = _swiglu(g, u, limit) * rw[:, None]
     h_ptrs = h_ptr + pair[:, None] * stride_ht + offs_n[None, :]
-    tl.store(h_ptrs, _round(h, out_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptrs, cast_rne(h, out_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +489,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     h_ptr,  # [T*k, I] x.dtype
     rows_ptr,  # [NB*BLOCK_M] int32 pair ids, -1 = padding
-    blk_ptr,  # [NB] int32 expert per row-block, -1 = none (DIRECT: the router's int64 ids)
+    blk_ptr,  # [NB] int32 expert per row-block, -1 = none (GEMV: the router's int64 ids)
     tbl_ptr,  # [6, E] int64 offsets in UNIT bytes (see _moe_gate_up_kernel)
     wbase_ptr,
     sbase_ptr,
@@ -522,7 +511,6 @@ def _moe_down_kernel(
     GEMV: tl.constexpr,  # BLOCK_M = 1: products and sums on the CUDA cores, no dot
     ASM: tl.constexpr,  # GEMV: decode the codes by inline PTX (a GPU; the interpreter has none)
     PREFETCH: tl.constexpr,  # GEMV: load the next step's codes and x before this step's math
-    DIRECT: tl.constexpr,  # GEMV: row-block m is pair m, blk_ptr the router's ids (no align_rows)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -539,7 +527,7 @@ def _moe_down_kernel(
 
     # ---- the block's pairs and its expert's W2
     offs_m = tl.arange(0, BLOCK_M)
-    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, DIRECT)
+    rows = _block_rows(rows_ptr, pid_m, offs_m, BLOCK_M, GEMV)
     r_ok = rows >= 0
     pair = tl.where(r_ok, rows, 0).to(tl.int64)
     w2_ptr = wbase_ptr + tl.load(tbl_ptr + W2 * E + e) * UNIT
@@ -585,7 +573,9 @@ def _moe_down_kernel(
         acc = tl.reshape(tl.sum(part, 1), (BLOCK_M, BLOCK_N))
     o_ptrs = out_ptr + pair[:, None] * stride_ot + offs_n[None, :]
     tl.store(
-        o_ptrs, _round(acc, out_ptr.dtype.element_ty, RNE_BF16), mask=r_ok[:, None] & n_ok[None, :]
+        o_ptrs,
+        cast_rne(acc, out_ptr.dtype.element_ty, RNE_BF16),
+        mask=r_ok[:, None] & n_ok[None, :],
     )
 
 
@@ -889,7 +879,7 @@ def moe_experts(
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
     consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
-                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False, DIRECT=gemv) | chain(x.device)  # fmt: skip
+                  GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False) | chain(x.device)  # fmt: skip
     tune_key = NB.bit_length()
     limit = float(e0.limit)
 
