@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -66,6 +66,14 @@ for part in $PARTS; do
     chain_ab)  # decode step: only the ops' second kernels launched early (PDL) vs every kernel
       # chained behind its predecessor (device.CHAIN)
       step_ab dsv4.ops.device CHAIN "False True" ${AB_BATCH:-1,16,64} 4096 chain ;;
+    switch_ab)  # decode step: the per-step lists in one launch (decode_lists.FUSED), then also the
+      # attention's hc_post with the FFN's hc_pre (mhc.POST_PRE_MAX_T); AB_BATCH, AB_CONTEXT
+      for c in ${AB_CONTEXT:-4096}; do
+        step_run "pass" ${AB_BATCH:-1,16,64} $c "sw0_$c"
+        step_run "import dsv4.ops.decode_lists as d; d.FUSED = True" ${AB_BATCH:-1,16,64} $c "sw1_$c"
+        step_run "import dsv4.ops.decode_lists as d, dsv4.ops.mhc as m; d.FUSED = True; m.POST_PRE_MAX_T = 16" \
+          ${AB_BATCH:-1,16,64} $c "sw2_$c"
+      done ;;
     base_ab)  # decode step: each package in AB_BASES (default ab_base; a dir made by `git archive
       # <commit> dsv4 | tar -x -C DIR`, ab_* is ignored, so pass the dirs in carry) against this tree
       for b in ${AB_BASES:-ab_base}; do

@@ -96,14 +96,26 @@ def test_cuda_graphs_need_cuda_and_triton(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_engine_with_cuda_graphs_matches_eager(tmp_path, kv_cache_dtype: str) -> None:  # noqa: ANN001
+def test_engine_with_cuda_graphs_matches_eager(
+    tmp_path,
+    kv_cache_dtype: str,
+    fused: bool,
+    monkeypatch,  # noqa: ANN001
+) -> None:
     # greedy decoding of several prompts of different lengths: replayed graphs give the eager
-    # engine's tokens; every decode step ran from a graph
+    # engine's tokens; every decode step ran from a graph. fused: the step's lists in one launch
+    # (decode_lists.FUSED) and the attention's hc_post with the FFN's hc_pre (mhc.POST_PRE_MAX_T)
     from dsv4.llm import LLM
+    from dsv4.ops import decode_lists, mhc
     from dsv4.sampling import SamplingParams
     from dsv4.tiny import make_tiny, tiny_args
 
+    monkeypatch.setattr(decode_lists, "FUSED", fused)
+    monkeypatch.setattr(mhc, "POST_PRE_MAX_T", 16 if fused else 0)
+    monkeypatch.setattr(decode_lists, "FUSED", fused)
+    monkeypatch.setattr(mhc, "POST_PRE_MAX_T", 16 if fused else 0)
     tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))
     prompts = [list(range(2, 2 + n)) for n in (5, 40, 77)]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -1,9 +1,10 @@
 """Device time of a decode step without host launch cost (`dsv4 bench step --graph`).
 
 The step's Python launches dominate on hosts that pay tens of microseconds per Triton launch, which
-hides what the kernels cost. Here one prepared decode step (`Batch` index lists memoized first, so
-nothing inside the forward syncs with the host) is captured as CUDA graphs: the whole step
-(embedding .. logits) and each Block alone, fed the inputs it saw in an eager pass. Replaying them
+hides what the kernels cost. Here one decode step is captured as CUDA graphs the way the engine's
+`DecodeGraphs` captures it: the whole step (embedding .. logits) builds its static `Batch` inside
+the capture, so every replay pays the per-step index lists (`Batch.prepare`) as the engine does;
+and each Block alone, fed the inputs (the prepared batch among them) it saw in an eager pass. Replaying them
 back to back times the device work only (L2 warm between replays, as in a real decode loop). The
 result has `timing.measure`'s shape, so it projects to the full model the same way: rest = step
 minus its layers.
@@ -27,13 +28,14 @@ from dsv4.state import Batch, DecodeState
 def graph_measure(
     model: Transformer,
     state: DecodeState,
-    batch: Batch,
+    make_batch: Callable[[], Batch],
     ids: torch.Tensor,
     keys: list[str],
     repeat: int,
     replays: int = 20,
 ) -> dict:
-    """`measure`-shaped timing of the prepared decode `batch` from CUDA graph replays."""
+    """`measure`-shaped timing of a decode step from CUDA graph replays; `make_batch` builds the
+    step's static `Batch` (`Batch.build_static`), inside the step's capture."""
     layers = model.layers
     inputs: dict[int, tuple] = {}
     hooks = [
@@ -41,7 +43,7 @@ def graph_measure(
         for i, layer in enumerate(layers)
     ]
     try:
-        model.logits(model(ids, batch, state))  # the inputs each layer sees; autotuning done
+        model.logits(model(ids, make_batch(), state))  # the inputs each layer sees; autotuning done
     finally:
         for h in hooks:
             h.remove()
@@ -55,7 +57,7 @@ def graph_measure(
             fn()
         return g
 
-    step_g = capture(lambda: model.logits(model(ids, batch, state)))
+    step_g = capture(lambda: model.logits(model(ids, make_batch(), state)))
     layer_g = [capture(lambda i=i: layers[i](*inputs[i])) for i in range(len(layers))]
 
     uniq = list(dict.fromkeys(keys))

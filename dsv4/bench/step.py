@@ -400,14 +400,24 @@ class Bench:
     ) -> dict:
         """The step at position `context` as CUDA graphs: device time without launch cost."""
         from dsv4.bench.graph import graph_measure
+        from dsv4.cuda_graphs import graph_key
 
         if self.device.type != "cuda":
             return {"skipped": "CUDA graphs need a GPU"}
-        b = Batch.build(list(range(batch)), [context] * batch, [1] * batch, state)
-        b.prepare(self.args)
+        # the engine's static batch (cuda_graphs.DecodeGraphs), its lists built in the graph
+        slots = torch.arange(batch, device=self.device)
+        starts = torch.full((batch,), context, device=self.device)
+        bound = graph_key(batch, context, state.max_seq_len)[1]
         self.clock.paused = True
         try:
-            t = graph_measure(self.model, state, b, ids, self.keys, self.a.repeat)
+            t = graph_measure(
+                self.model,
+                state,
+                lambda: Batch.build_static(slots, starts, state, bound),
+                ids,
+                self.keys,
+                self.a.repeat,
+            )
         except Exception as e:  # noqa: BLE001  (a host sync left in the forward: not capturable)
             torch.cuda.synchronize()
             return {"error": f"{type(e).__name__}: {e}"[:300]}

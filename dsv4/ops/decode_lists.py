@@ -23,6 +23,7 @@ from dsv4.ops.device import chain, chain_start
 
 FUSED = False  # Batch.prepare runs this kernel on a GPU (off until timed on one: docs/PERF.md)
 BLOCK = 128  # list entries per step of a program's loops
+CHUNK = 1024  # entries of a kind's lists per program (a 128K-context token: 32 programs)
 
 
 @triton.jit
@@ -37,45 +38,47 @@ def _entry_rows(bt_row, w, epb, max_blocks):
 def _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, close_ptr, rows_ptr,
           ring_ptr, vis_ptr, cring_ptr, keys_ptr, keys_stride, keys_off,
           M: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, KEYS_LAST: tl.constexpr,
-          BLOCK: tl.constexpr):  # fmt: skip
+          BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     # one compression ratio M, token t at position p:
     #   close_ptr [3, T]: w, dest, count ; rows_ptr [T, S]: the closing window's source rows
     #   (ring | chunk) ; ring_ptr [T]: the compressor ring row of p ; vis_ptr [T, C]: visible
     #   entries ; cring_ptr [T, S]: the closing window's rows in the compressor ring (as [rows*c, d]
     #   with overlap) ; keys_ptr: the attention's key rows of the entries (+ base, -1 = none),
-    #   from column keys_off, with a last column of -1 when KEYS_LAST
+    #   from column keys_off, with a last column of -1 when KEYS_LAST. Program (t, c) writes entries
+    #   [c * CHUNK, (c + 1) * CHUNK) of the two entry lists; program (t, 0) also the rest
     T = tl.num_programs(0)
+    c = tl.program_id(1)
     S: tl.constexpr = 2 * M if OVERLAP else M  # slots of a window = the ring
     epb = block_size // M
     w = p // M
     dest = _entry_rows(bt_row, w, epb, max_blocks)
     dest = tl.where((p + 1) % M == 0, dest, -1)
     count = (p + 1) // M
-    tl.store(close_ptr + t, w)
-    tl.store(close_ptr + T + t, dest)
-    tl.store(close_ptr + 2 * T + t, count)
-    tl.store(ring_ptr + t, slot * S + p % S)
+    if c == 0:
+        tl.store(close_ptr + t, w)
+        tl.store(close_ptr + T + t, dest)
+        tl.store(close_ptr + 2 * T + t, count)
+        tl.store(ring_ptr + t, slot * S + p % S)
+        j = tl.arange(0, S)
+        first = M * w - M if OVERLAP else M * w
+        pos = first + j
+        # history rows: this step's token (pos >= p) in the chunk rows after the ring, else the ring
+        hist = tl.where(pos >= p, max_seqs * S + t + (pos - p), slot * S + tl.maximum(pos, 0) % S)
+        tl.store(rows_ptr + t * S + j, tl.where(pos >= 0, hist, -1))
+        ring = slot * S + tl.maximum(pos, 0) % S
+        if OVERLAP:
+            ring = 2 * ring + j // M
+        tl.store(cring_ptr + t * S + j, tl.where(pos >= 0, ring, -1))
+        if KEYS_LAST:
+            tl.store(keys_ptr + t * keys_stride + keys_off + C, -1)
 
-    j = tl.arange(0, S)
-    first = M * w - M if OVERLAP else M * w
-    pos = first + j
-    # history rows: this step's token (pos >= p) in the chunk rows after the ring, else the ring
-    hist = tl.where(pos >= p, max_seqs * S + t + (pos - p), slot * S + tl.maximum(pos, 0) % S)
-    tl.store(rows_ptr + t * S + j, tl.where(pos >= 0, hist, -1))
-    ring = slot * S + tl.maximum(pos, 0) % S
-    if OVERLAP:
-        ring = 2 * ring + j // M
-    tl.store(cring_ptr + t * S + j, tl.where(pos >= 0, ring, -1))
-
-    for c0 in range(0, C, BLOCK):
+    for c0 in range(c * CHUNK, tl.minimum(C, c * CHUNK + CHUNK), BLOCK):
         cw = c0 + tl.arange(0, BLOCK)
         ok = cw < C
         rows = _entry_rows(bt_row, tl.where(cw < count, cw, -1), epb, max_blocks)
         tl.store(vis_ptr + t * C + cw, rows, mask=ok)
         keys = tl.where(rows >= 0, rows + base, -1)
         tl.store(keys_ptr + t * keys_stride + keys_off + cw, keys, mask=ok)
-    if KEYS_LAST:
-        tl.store(keys_ptr + t * keys_stride + keys_off + C, -1)
 
 
 @triton.jit
@@ -101,26 +104,32 @@ def _decode_lists_kernel(
     MB: tl.constexpr,
     CB: tl.constexpr,
     BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # grid (T, chunks of CHUNK entries): program (t, 0) writes token t's window lists and each
+    # kind's per-token lists, every program one chunk of each kind's entry lists
     chain_start(PDL)
     t = tl.program_id(0)
+    head = tl.program_id(1) == 0
     slot = tl.load(slots_ptr + t)
     p = tl.load(pos_ptr + t)
     bt_row = bt_ptr + t * stride_bt
-    tl.store(tok_ptr + t, t.to(tl.int64))
-    tl.store(wring_ptr + t, slot * W + p % W)
     j = tl.arange(0, W)
     pos = p - W + 1 + j
     win = tl.where(pos >= 0, slot * W + tl.maximum(pos, 0) % W, -1)
-    tl.store(win_ptr + t * W + j, win)
+    if head:
+        tl.store(tok_ptr + t, t.to(tl.int64))
+        tl.store(wring_ptr + t, slot * W + p % W)
+        tl.store(win_ptr + t * W + j, win)
     if HAS_A:  # CSA: the entry_idxs list, [T, CA + 1], its last column -1
         _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, a_close, a_rows, a_ring,
-              a_vis, a_cring, a_keys, CA + 1, 0, MA, True, CA, True, BLOCK)  # fmt: skip
+              a_vis, a_cring, a_keys, CA + 1, 0, MA, True, CA, True, BLOCK, CHUNK)  # fmt: skip
     if HAS_B:  # HCA: the attention_idxs list, [T, W + CB]: the window rows, then the entries
-        tl.store(b_keys + t * (W + CB) + j, win)
+        if head:
+            tl.store(b_keys + t * (W + CB) + j, win)
         _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, b_close, b_rows, b_ring,
-              b_vis, b_cring, b_keys, W + CB, W, MB, False, CB, False, BLOCK)  # fmt: skip
+              b_vis, b_cring, b_keys, W + CB, W, MB, False, CB, False, BLOCK, CHUNK)  # fmt: skip
 
 
 def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base: int) -> None:  # noqa: ANN001
@@ -151,13 +160,14 @@ def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base:
         assert bt.dtype == torch.long and bt.stride(1) == 1, "block table: int64 rows"
         a, b = kinds
         dummy = (wring,) * 6
-        _decode_lists_kernel[(T,)](
+        chunks = triton.cdiv(max(k[3] if k else 1 for k in kinds), CHUNK)
+        _decode_lists_kernel[(T, chunks)](
             batch.slots, batch.positions, bt, win, wring, tok,
             *(a[4:] if a else dummy), *(b[4:] if b else dummy),
             bt.shape[1], bt.stride(0), batch.max_seqs, batch.block_size, base,
             W=window, HAS_A=a is not None, MA=a[0] if a else 1, CA=a[3] if a else 1,
             HAS_B=b is not None, MB=b[0] if b else 1, CB=b[3] if b else 1, BLOCK=BLOCK,
-            num_warps=4, **chain(dev),
+            CHUNK=CHUNK, num_warps=4, **chain(dev),
         )  # fmt: skip
     cache = batch._cache
     cache[("win", window, True)] = win

@@ -360,10 +360,11 @@ def _hc_post_kernel(
     post = tl.load(post_ptr + t * N + offs_n, mask=mask_n, other=0.0)
     out = post[:, None] * y[None, :]  # [N_PAD, BLOCK_D] fp32
     for j in tl.static_range(N):
-        # comb[j, :] scales stream j into every output stream k
+        # comb[j, :] scales stream j into every output stream k; the fma spelled out, so every
+        # BLOCK_D rounds alike (left to the compiler, one tile contracted post * y instead)
         comb_j = tl.load(comb_ptr + t * N * N + j * N + offs_n, mask=mask_n, other=0.0)
         res_j = tl.load(res_ptr + t * stride_rt + j * stride_rn + offs_d, mask=mask_d, other=0.0)
-        out += comb_j[:, None] * res_j.to(tl.float32)[None, :]
+        out = tl.fma(comb_j[:, None], res_j.to(tl.float32)[None, :], out)
     out_ptrs = out_ptr + t * stride_ot + offs_n[:, None] * stride_on + offs_d[None, :]
     mask_nd = mask_n[:, None] & mask_d[None, :]
     x = cast_rne(out, out_ptr.dtype.element_ty, RNE_BF16)
