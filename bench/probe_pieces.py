@@ -382,6 +382,7 @@ def probe_prep() -> None:
     from dsv4.state import Batch, DecodeState
 
     args, _ = bench_args("flash", _layer_list("sliding,csa,hca"))
+    default = decode_lists.FUSED
     for L in (4096, 131072):
         for B in (1, 16, 64):
             state = DecodeState(args, B, L, torch.bfloat16, "cuda")
@@ -396,7 +397,7 @@ def probe_prep() -> None:
                     decode_lists.FUSED = fused
                     us(f"prep B={B} L={L} {'one launch' if fused else 'torch builders'}", step)
             del state
-    decode_lists.FUSED = False
+    decode_lists.FUSED = default
 
 
 def probe_mhc_splits() -> None:

@@ -6,9 +6,11 @@ GPU waits on Python. `DecodeGraphs` captures the whole step (embedding .. logits
 written into static buffers:
   - batch buckets 1, 2, 4, .. up to max_seqs; a step of n sequences pads to the next bucket with
     copies of its first sequence (same inputs, so the same state writes);
-  - the position bound L is the next power of two above the step's last position (at least 256,
-    at most max_seq_len): the index lists of a static `Batch` (`Batch.build_static`) are shaped by
-    B and L only, entries past a sequence's own count are -1.
+  - the position bound L is the next of four steps per octave (2^k, 1.25, 1.5, 1.75 x 2^k) above
+    the step's last position (at least 256, at most max_seq_len): the index lists of a static
+    `Batch` (`Batch.build_static`) are shaped by B and L only, entries past a sequence's own count
+    are -1, and the indexer and HCA attention walk all of them, so a bound at most 25% past the
+    position (power-of-two bounds: up to 100%) keeps that waste small for a few more graphs.
 Capture needs a forward without host syncs: the Triton ops (the torch references sync in the
 experts and the compressor's store). Before a capture the step runs once eagerly (autotuning,
 lazy tables); running it twice is harmless, every state write of a decode step is idempotent
@@ -29,15 +31,24 @@ from dsv4.state import Batch, DecodeState
 log = logging.getLogger("dsv4.cuda_graphs")
 
 MIN_LEN = 256  # smallest position bound: fewer graphs for short contexts
+STEPS = 4  # position bounds per octave
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _bound_at_least(n: int) -> int:
+    # the smallest 2^k * (1 + i / STEPS) >= n, i in 0..STEPS-1 (n >= MIN_LEN)
+    half = _pow2_at_least(n) // 2
+    return next(
+        half + half * i // STEPS for i in range(1, STEPS + 1) if half + half * i // STEPS >= n
+    )
+
+
 def graph_key(n: int, last_pos: int, max_seq_len: int) -> tuple[int, int]:
     """(batch bucket, position bound) of a decode step of n sequences, largest position last_pos."""
-    return _pow2_at_least(n), min(max(_pow2_at_least(last_pos + 1), MIN_LEN), max_seq_len)
+    return _pow2_at_least(n), min(_bound_at_least(max(last_pos + 1, MIN_LEN)), max_seq_len)
 
 
 class DecodeGraphs:

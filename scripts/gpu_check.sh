@@ -69,10 +69,11 @@ for part in $PARTS; do
     switch_ab)  # decode step: the per-step lists in one launch (decode_lists.FUSED), then also the
       # attention's hc_post with the FFN's hc_pre (mhc.POST_PRE_MAX_T); AB_BATCH, AB_CONTEXT
       for c in ${AB_CONTEXT:-4096}; do
-        step_run "pass" ${AB_BATCH:-1,16,64} $c "sw0_$c"
-        step_run "import dsv4.ops.decode_lists as d; d.FUSED = True" ${AB_BATCH:-1,16,64} $c "sw1_$c"
-        step_run "import dsv4.ops.decode_lists as d, dsv4.ops.mhc as m; d.FUSED = True; m.POST_PRE_MAX_T = 16" \
-          ${AB_BATCH:-1,16,64} $c "sw2_$c"
+        step_run "import dsv4.ops.decode_lists as d, dsv4.ops.mhc as m; d.FUSED = False; m.POST_PRE_MAX_T = 0" \
+          ${AB_BATCH:-1,16,64} $c "sw0_$c"
+        step_run "import dsv4.ops.decode_lists as d, dsv4.ops.mhc as m; d.FUSED = True; m.POST_PRE_MAX_T = 0" \
+          ${AB_BATCH:-1,16,64} $c "sw1_$c"
+        step_run "pass" ${AB_BATCH:-1,16,64} $c "sw2_$c"  # both (the defaults)
       done ;;
     base_ab)  # decode step: each package in AB_BASES (default ab_base; a dir made by `git archive
       # <commit> dsv4 | tar -x -C DIR`, ab_* is ignored, so pass the dirs in carry) against this tree

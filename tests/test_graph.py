@@ -78,9 +78,17 @@ def test_graph_keys() -> None:
 
     assert graph_key(1, 0, 4096) == (1, 256)  # the smallest bound
     assert graph_key(3, 255, 4096) == (4, 256)
-    assert graph_key(3, 256, 4096) == (4, 512)  # position 256 needs a bound > 256
-    assert graph_key(5, 3000, 4096) == (8, 4096)
-    assert graph_key(64, 5000, 6000) == (64, 6000)  # never past max_seq_len
+    assert graph_key(3, 256, 4096) == (4, 320)  # position 256 needs a bound > 256: 1.25 x 256
+    assert graph_key(5, 3000, 4096) == (8, 3072)  # 1.5 x 2048
+    assert graph_key(2, 3583, 8192) == (2, 3584)  # 1.75 x 2048
+    assert graph_key(2, 3584, 8192) == (2, 4096)
+    assert graph_key(64, 5000, 5100) == (64, 5100)  # never past max_seq_len
+    # four bounds an octave, each step at most 25% past the last: every position gets the least
+    bounds = sorted({graph_key(1, p, 1 << 20)[1] for p in range(255, 1 << 14)})
+    assert bounds[:6] == [256, 320, 384, 448, 512, 640] and len(bounds) == 1 + 4 * 6
+    for p in range(0, 1 << 14, 7):
+        b = graph_key(1, p, 1 << 20)[1]
+        assert b == min(x for x in bounds if x > p)
 
 
 def test_cuda_graphs_need_cuda_and_triton(tmp_path) -> None:  # noqa: ANN001
@@ -112,8 +120,6 @@ def test_engine_with_cuda_graphs_matches_eager(
     from dsv4.sampling import SamplingParams
     from dsv4.tiny import make_tiny, tiny_args
 
-    monkeypatch.setattr(decode_lists, "FUSED", fused)
-    monkeypatch.setattr(mhc, "POST_PRE_MAX_T", 16 if fused else 0)
     monkeypatch.setattr(decode_lists, "FUSED", fused)
     monkeypatch.setattr(mhc, "POST_PRE_MAX_T", 16 if fused else 0)
     tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))

@@ -36,9 +36,13 @@ FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench sw
 # 8 x 2048 8.28 / 8.90 / 12.88; 1 warp x 512 13.6 / 14.5 / 21.9; 4 x 512 20.1 / 27.3 / 23.8
 NORM_BLOCK_D = 2048
 NORM_WARPS = 4
-# tokens up to which hc_post_pre's hc_post launch also computes the next hc_pre's partials (0: off
-# until timed on a GPU: docs/PERF.md)
-POST_PRE_MAX_T = 0
+# tokens up to which hc_post_pre's hc_post launch also computes the next hc_pre's partials (H200,
+# graph us, fused vs hc_post + hc_pre: T=1 7.76 vs 10.39, T=16 10.47 vs 14.18; decode step batch 1
+# 7.11 -> 7.05 ms: docs/PERF.md, twentieth session)
+POST_PRE_MAX_T = 16
+# its programs: columns of 16..64 for about this many (H200, T=1..16: 16, 16, 16, 32, 64 columns
+# were each the best of 16 / 32 / 64)
+_POST_PRE_PROGRAMS = 1024
 _TARGET_PROGRAMS = 128  # about one program per SM on an H200 (132 SMs): best of 64..1024 measured
 
 
@@ -629,8 +633,8 @@ def hc_post_pre(
     _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
     assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
     M = hc_fn.shape[0]
-    # ~_TARGET_PROGRAMS programs stream fn, at most 64 columns each (the fn tile in registers)
-    block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _TARGET_PROGRAMS)))
+    # ~_POST_PRE_PROGRAMS programs stream fn, at most 64 columns each (the fn tile in registers)
+    block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _POST_PRE_PROGRAMS)))
     splits = triton.cdiv(D, block_d)
     ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
     _post_launch(y, residual, post, comb, x, block_d, hc_fn, ws)

@@ -200,7 +200,7 @@ def test_hc_post_pre(T: int, n: int, D: int, block_d: int, dtype: torch.dtype, n
     # and the whole op against the fp32 reference
     want = ref.hc_post_pre(y.float(), residual.float(), post, comb, *args)
     assert _rel(y2, want[1]) < TOL[dtype], f"{_rel(y2, want[1]):.2e}"
-    # the unfused pair (the default while POST_PRE_MAX_T is 0)
+    # the unfused pair (the default above POST_PRE_MAX_T tokens)
     got = mhc.hc_post_pre(y, residual, post, comb, *args, fused=False)
     assert torch.equal(got[0], x0) and _rel(got[1], y2) < tol
 
