@@ -400,6 +400,30 @@ def probe_prep() -> None:
     decode_lists.FUSED = default
 
 
+def probe_bound() -> None:
+    # what a CUDA graph's position bound costs past the visible entries: the static lists hold
+    # bound // ratio entry slots, -1 past a sequence's count, and the indexer and HCA attention walk
+    # them all. 32768 visible CSA entries (128K context) at slots x 1 / 1.25 / 2 (the bounds of four
+    # steps an octave against powers of two); HCA: 128 window + 1024 visible entries likewise
+    for T in (1, 16):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        for f in (1, 1.25, 2):
+            pad = torch.full((T, int(32768 * (f - 1))), -1, dtype=torch.long, device="cuda")
+            c = torch.cat([cand, pad], 1)
+            us(f"bound x{f}: index_topk T={T} visible 32768 slots {c.shape[1]}",
+               lambda c=c: indexer.index_topk(q, w, keys, c, 512))  # noqa: B023  # fmt: skip
+    for T in (1, 16, 64):
+        dec = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+        q, kv, sink, idx = dec.tokens(T)
+        win = idx[:, :128]  # the ring rows; then pool rows (the pool starts at row 128 + T)
+        ent = 128 + T + torch.randint(0, dec.pool.shape[0], (T, 1024), device="cuda")
+        for f in (1, 1.25, 2):
+            pad = torch.full((T, int(1024 * (f - 1))), -1, dtype=torch.long, device="cuda")
+            i = torch.cat([win, ent, pad], 1)
+            us(f"bound x{f}: HCA sparse_attn T={T} 128 + 1024 visible, slots {i.shape[1]}",
+               lambda i=i: sparse_attn.sparse_attn(q, kv, sink, i, 0.04))  # noqa: B023  # fmt: skip
+
+
 def probe_mhc_splits() -> None:
     # hc_pre at T=1: split programs of the partial kernel x D chunk of the collapse programs
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -1676,7 +1700,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
+             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
