@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from types import SimpleNamespace as Ops
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -401,6 +402,16 @@ class MoE(nn.Module):
         return self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, out_dtype=x.dtype)
 
 
+class Pending(NamedTuple):
+    """A sublayer's output y [T, D] not yet mixed into the streams: hc_post(y, residual, post,
+    comb) gives them. Blocks hand it on, so that the mix and the next hc_pre run as one op."""
+
+    y: torch.Tensor
+    residual: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+
+
 class Block(nn.Module):
     """One layer: hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post on n residual streams."""
 
@@ -418,30 +429,32 @@ class Block(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        h: torch.Tensor | Pending,
         input_ids: torch.Tensor,
         batch: Batch,
         ls: LayerState,
         rope: Rope,
         inv_freq: torch.Tensor,
-    ) -> torch.Tensor:
-        # x: [T, n, D] ; the norms' eps is args.norm_eps, as hc_pre's
+    ) -> Pending:
+        # h: the streams [T, n, D], or the previous block's FFN output with its hc_post still to
+        # apply (that hc_post and this block's hc_pre are one op, which may share launches) ->
+        # this block's FFN output, its hc_post left to the next block or the caller (`Pending`)
         a = self.args
-        residual = x
-        # y = attn_norm(collapse(x))
-        y, post, comb = self.ops.hc_pre(
-            x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, a.norm_eps, a.hc_eps,
-            a.hc_sinkhorn_iters, self.attn_norm.weight,
-        )  # fmt: skip
+        # x = hc_post(previous); y = attn_norm(collapse(x))
+        attn_mix = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, a.norm_eps, a.hc_eps,
+                    a.hc_sinkhorn_iters, self.attn_norm.weight)  # fmt: skip
+        if isinstance(h, Pending):
+            x, y, post, comb = self.ops.hc_post_pre(*h, *attn_mix)
+        else:
+            x = h
+            y, post, comb = self.ops.hc_pre(x, *attn_mix)
         y = self.attn(y, batch, ls, rope, inv_freq)
-        # x = hc_post(y, ...); y = ffn_norm(collapse(x)): one op, which may share launches
+        # x = hc_post(y, ...); y = ffn_norm(collapse(x))
         x, y, post, comb = self.ops.hc_post_pre(
-            y, residual, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
+            y, x, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
             a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, self.ffn_norm.weight,
         )  # fmt: skip
-        residual = x
-        y = self.ffn(y, input_ids)
-        return self.ops.hc_post(y, residual, post, comb)
+        return Pending(self.ffn(y, input_ids), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -467,7 +480,7 @@ class MTPBlock(Block):
     ) -> torch.Tensor:
         # h: [T, n, D] main streams before hc_head ; e: [T, D] embedding of the next token
         x = self.e_proj(self.enorm(e)).unsqueeze(1) + self.h_proj(self.hnorm(h))
-        return super().forward(x, input_ids, batch, ls, rope, inv_freq)
+        return self.ops.hc_post(*super().forward(x, input_ids, batch, ls, rope, inv_freq))
 
 
 class Transformer(nn.Module):
@@ -526,7 +539,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
         """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""
         batch.prepare(self.args)  # the index lists every layer shares (memoized: once per step)
-        x = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
+        h = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
         ropes = {
             kind: rope_at(inv, batch.positions)
             for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))
@@ -534,8 +547,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             kind = "main" if self.args.layer_types[i] == SLIDING else "compress"
             inv = self.freqs_main if kind == "main" else self.freqs_compress
-            x = layer(x, input_ids, batch, state.layers[i], ropes[kind], inv)
-        return x
+            h = layer(h, input_ids, batch, state.layers[i], ropes[kind], inv)
+        return self.ops.hc_post(*h)  # the last block's FFN into the streams
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, n, D] streams -> fp32 logits [N, vocab]."""
