@@ -39,7 +39,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _bound_at_least(n: int) -> int:
-    # the smallest 2^k * (1 + i / STEPS) >= n, i in 0..STEPS-1 (n >= MIN_LEN)
+    # the smallest half * (1 + i / STEPS) >= n, i in 1..STEPS, half = 2^k < n (n >= MIN_LEN)
     half = _pow2_at_least(n) // 2
     return next(
         half + half * i // STEPS for i in range(1, STEPS + 1) if half + half * i // STEPS >= n

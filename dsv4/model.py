@@ -413,7 +413,8 @@ class Pending(NamedTuple):
 
 
 class Block(nn.Module):
-    """One layer: hc_pre -> attention -> hc_post, hc_pre -> MoE -> hc_post on n residual streams."""
+    """One layer on n residual streams: [hc_post of the previous FFN +] hc_pre -> attention ->
+    hc_post + hc_pre -> MoE, whose hc_post is left to the next block (`Pending`)."""
 
     def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()

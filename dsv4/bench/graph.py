@@ -4,8 +4,8 @@ The step's Python launches dominate on hosts that pay tens of microseconds per T
 hides what the kernels cost. Here one decode step is captured as CUDA graphs the way the engine's
 `DecodeGraphs` captures it: the whole step (embedding .. logits) builds its static `Batch` inside
 the capture, so every replay pays the per-step index lists (`Batch.prepare`) as the engine does;
-and each Block alone, fed the inputs (the prepared batch among them) it saw in an eager pass. Replaying them
-back to back times the device work only (L2 warm between replays, as in a real decode loop). The
+and each Block alone, fed the inputs (the prepared batch among them) it saw in an eager pass.
+Replaying them back to back times the device work only (L2 warm between replays, as in a real decode loop). The
 result has `timing.measure`'s shape, so it projects to the full model the same way: rest = step
 minus its layers.
 

@@ -4,7 +4,7 @@ A CUDA-graph decode step (`Batch.build_static`) replays the index arithmetic of 
 step: the window rows, the ring writes, the windows a token closes, the visible compressed entries
 and the attention's key rows, each as a chain of small torch ops (~150 of them at batch 1 for a
 sliding + CSA + HCA model, counted on the CPU). This kernel writes the same lists, one program per
-token, and `fill` stores them under the keys `Batch`'s builders memoize them by. The builders are
+(token, chunk of 1024 entries), and `fill` stores them under the keys `Batch`'s builders memoize them by. The builders are
 the reference: `tests/ops/test_decode_lists.py` checks every list against them, entry for entry.
 
 Only the static decode form (one token per sequence, graph_len > 0) is covered: there every list

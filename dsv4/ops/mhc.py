@@ -365,7 +365,8 @@ def _hc_post_kernel(
     out = post[:, None] * y[None, :]  # [N_PAD, BLOCK_D] fp32
     for j in tl.static_range(N):
         # comb[j, :] scales stream j into every output stream k; the fma spelled out, so every
-        # BLOCK_D rounds alike (left to the compiler, one tile contracted post * y instead)
+        # launch rounds alike (left to the compiler, hc_post and hc_post_pre's fused form gave
+        # streams a bit apart at T=64 on an H200)
         comb_j = tl.load(comb_ptr + t * N * N + j * N + offs_n, mask=mask_n, other=0.0)
         res_j = tl.load(res_ptr + t * stride_rt + j * stride_rn + offs_d, mask=mask_d, other=0.0)
         out = tl.fma(comb_j[:, None], res_j.to(tl.float32)[None, :], out)
