@@ -5,7 +5,7 @@ Compressor and Block forward marks the timeline when it begins and ends (a CUDA 
 stream on a GPU, the host clock on the CPU). Each interval between two marks belongs to the
 innermost category and layer open at its start ("rest" outside layers):
   - sparse_attn -> attention, index_topk -> indexer+top-k, compress_store -> compressor,
-    hc_pre / hc_post / hc_head -> mHC (whatever scope they run in);
+    hc_pre / hc_post / hc_post_pre / hc_head -> mHC (whatever scope they run in);
   - anything else inside a MoE / Indexer / Compressor forward -> MoE / indexer+top-k / compressor
     (their GEMMs, gate, norms, RoPE, index arithmetic, host syncs);
   - linear / grouped_linear outside those scopes -> dense GEMMs (wq_a, wq_b, wkv, wo_a, wo_b), and
@@ -38,6 +38,7 @@ OP_CATEGORY = {
     "compress_keep": "compressor",
     "hc_pre": "mHC",
     "hc_post": "mHC",
+    "hc_post_pre": "mHC",
     "hc_head": "mHC",
 }
 SCOPE_CATEGORY = ((MoE, "MoE"), (Indexer, "indexer+top-k"), (Compressor, "compressor"))
