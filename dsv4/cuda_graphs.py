@@ -41,9 +41,10 @@ def _pow2_at_least(n: int) -> int:
 def _bound_at_least(n: int) -> int:
     # the smallest half * (1 + i / STEPS) >= n, i in 1..STEPS, half = 2^k < n (n >= MIN_LEN)
     half = _pow2_at_least(n) // 2
-    return next(
-        half + half * i // STEPS for i in range(1, STEPS + 1) if half + half * i // STEPS >= n
-    )
+    bound = half
+    while bound < n:
+        bound += half // STEPS
+    return bound
 
 
 def graph_key(n: int, last_pos: int, max_seq_len: int) -> tuple[int, int]:

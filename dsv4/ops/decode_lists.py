@@ -53,10 +53,9 @@ def _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, close_ptr,
     S: tl.constexpr = 2 * M if OVERLAP else M  # slots of a window = the ring
     epb = block_size // M
     w = p // M
-    dest = _entry_rows(bt_row, w, epb, max_blocks)
-    dest = tl.where((p + 1) % M == 0, dest, -1)
     count = (p + 1) // M
     if c == 0:
+        dest = tl.where((p + 1) % M == 0, _entry_rows(bt_row, w, epb, max_blocks), -1)
         tl.store(close_ptr + t, w)
         tl.store(close_ptr + T + t, dest)
         tl.store(close_ptr + 2 * T + t, count)

@@ -62,6 +62,12 @@ def round_bf16(y):
     return (_bf16_bits(y).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
+def rne_bf16(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """`cast_rne`'s RNE_BF16 for a kernel on t's device writing `dtype` (default t.dtype): the
+    interpreter (CPU) casting to bf16."""
+    return not t.is_cuda and (dtype or t.dtype) == torch.bfloat16
+
+
 @triton.jit
 def cast_rne(v, ty: tl.constexpr, RNE_BF16: tl.constexpr):
     # fp32 -> ty rounded to nearest even. The interpreter's fp32 -> bf16 cast does not round to

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import chain, chain_start, pdl
-from dsv4.ops.kv_fp8 import cast_rne
+from dsv4.ops.kv_fp8 import cast_rne, rne_bf16
 from dsv4.ops.rope import _check_norm_weight
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
@@ -503,11 +503,23 @@ def _finish(
         float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
         ws.stride(0), ws.stride(1), y.stride(0), M=M, N=n, N_PAD=triton.next_power_of_2(n),
         S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_COMB=has_comb, NORM=norm,
-        D_CHUNKS=triton.cdiv(D, block_d), RNE_BF16=not x.is_cuda and x.dtype == torch.bfloat16,
+        D_CHUNKS=triton.cdiv(D, block_d), RNE_BF16=rne_bf16(x),
         PDL=griddep, launch_pdl=early,
         FAST_DIV=FAST_SINKHORN and x.is_cuda, num_warps=finish_warps,
     )  # fmt: skip
     return y, post, comb
+
+
+def _check_pre_args(
+    x: torch.Tensor,
+    hc_fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    sinkhorn_iters: int,
+) -> None:
+    n = x.shape[1] if x.dim() == 3 else 0
+    _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
+    assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
 
 
 def hc_pre(
@@ -522,9 +534,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # x: [T, n, D] -> y: [T, D] x.dtype (collapse, then RMSNorm with norm_weight if given), post:
     # [T, n] fp32, comb: [T, n, n] fp32
-    n = x.shape[1] if x.dim() == 3 else 0
-    _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
-    assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
+    _check_pre_args(x, hc_fn, hc_scale, hc_base, sinkhorn_iters)
     return _hc_collapse(
         x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True, norm_weight
     )
@@ -599,7 +609,7 @@ def _post_launch(
         hc_fn.stride(0) if mix else 0, ws.stride(0) if mix else 0, ws.stride(1) if mix else 0,
         N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, MIX=mix, M=M,
         M_PAD=max(16, triton.next_power_of_2(M + 1)),
-        RNE_BF16=not y.is_cuda and y.dtype == torch.bfloat16, num_warps=4, **chain(y.device),
+        RNE_BF16=rne_bf16(y), num_warps=4, **chain(y.device),
     )  # fmt: skip
 
 
@@ -631,8 +641,7 @@ def hc_post_pre(
         return (x,) + hc_pre(x, hc_fn, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters,
                              norm_weight)  # fmt: skip
     x = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
-    _check_mix_args(x, hc_fn, hc_scale, hc_base, (2 + n) * n, 3)
-    assert sinkhorn_iters >= 1, f"sinkhorn_iters must be >= 1 (got {sinkhorn_iters})"
+    _check_pre_args(x, hc_fn, hc_scale, hc_base, sinkhorn_iters)
     M = hc_fn.shape[0]
     # ~_POST_PRE_PROGRAMS programs stream fn, at most 64 columns each (the fn tile in registers)
     block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _POST_PRE_PROGRAMS)))

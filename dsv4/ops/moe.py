@@ -48,7 +48,7 @@ import triton.language as tl
 
 from dsv4.ops import ref
 from dsv4.ops.device import chain, chain_start
-from dsv4.ops.kv_fp8 import cast_rne, exp2i
+from dsv4.ops.kv_fp8 import cast_rne, exp2i, rne_bf16
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
 # tl.dot_scaled on the packed codes for bf16/fp16 x from this many (token, slot) pairs: on an
@@ -293,7 +293,7 @@ def swiglu(
     w = weights.contiguous() if weights is not None else g
     _swiglu_kernel[(T, triton.cdiv(n, block))](
         g, u, w, h, n, float(limit), g.stride(0), u.stride(0), h.stride(0),
-        HAS_WEIGHT=weights is not None, RNE_BF16=not g.is_cuda and g.dtype == torch.bfloat16,
+        HAS_WEIGHT=weights is not None, RNE_BF16=rne_bf16(g),
         BLOCK=block, num_warps=4, **chain(g.device),
     )  # fmt: skip
     return h
@@ -339,7 +339,7 @@ def sum_slots(
     _sum_slots_kernel[(T, triton.cdiv(D, block))](
         out, s, y, D, out.stride(0), s.stride(0), y.stride(0),
         K=k, HAS_SHARED=shared is not None,
-        RNE_BF16=not out.is_cuda and out_dtype == torch.bfloat16, BLOCK=block, num_warps=4,
+        RNE_BF16=rne_bf16(out, out_dtype), BLOCK=block, num_warps=4,
         **chain(out.device),
     )  # fmt: skip
     return y
@@ -873,11 +873,10 @@ def moe_experts(
 
     # ---- launch: gate/up, then down; the k slots are summed in fp32
     upcast = x.device.type != "cuda" or x.dtype == torch.float32
-    rne = x.device.type != "cuda" and x.dtype == torch.bfloat16
     if dot_scaled is None:
         dot_scaled = x.is_cuda and P >= DOT_SCALED_MIN_PAIRS
     scaled = dot_scaled and x.dtype != torch.float32 and not gemv
-    consts = dict(UPCAST=upcast, RNE_BF16=rne, PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
+    consts = dict(UPCAST=upcast, RNE_BF16=rne_bf16(x), PRECISION="ieee", BLOCK_M=block_m, UNIT=table.unit,
                   DOT_SCALED=scaled, X_FMT="bf16" if x.dtype == torch.bfloat16 else "fp16",
                   GEMV=gemv, ASM=gemv and x.is_cuda, PREFETCH=False) | chain(x.device)  # fmt: skip
     tune_key = NB.bit_length()
