@@ -15,8 +15,10 @@ Capture needs a forward without host syncs: the Triton ops (the torch references
 experts and the compressor's store). Before a capture the step runs once eagerly (autotuning,
 lazy tables); running it twice is harmless, every state write of a decode step is idempotent
 (a slot's ring row is overwritten with the same value, the closed window's entry too).
-Graphs share one memory pool and replay one at a time; the logits are copied out after each
-replay, so a later graph reusing the pool cannot clobber them.
+Graphs share one memory pool and replay one at a time. Each graph ends by copying its logits into
+one buffer outside the pool (`out`, [max_batch, vocab] fp32), so the pool keeps no output per
+graph: with four bounds an octave a long generation captures dozens of graphs per bucket, and a
+logits tensor kept by each (B x vocab x 4 bytes) came to ~3 GB over all buckets up to 1M positions.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ class DecodeGraphs:
         self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
         self.starts = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
         self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.out = torch.empty(
+            self.max_batch, model.head.weight.shape[0], dtype=torch.float32, device=dev
+        )
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
 
@@ -72,9 +77,9 @@ class DecodeGraphs:
         return graph_key(n, last_pos, self.state.max_seq_len)
 
     def run(self, slots: list[int], starts: list[int], ids: list[int]) -> torch.Tensor | None:
-        """fp32 logits [n, vocab] of one decode token per sequence, or None where no graph serves
-        this step (more sequences than the largest bucket, or a capture that failed): the caller
-        runs it eagerly."""
+        """fp32 logits [n, vocab] of one decode token per sequence (a view of `out`: valid until the
+        next run), or None where no graph serves this step (more sequences than the largest
+        bucket, or a capture that failed): the caller runs it eagerly."""
         n = len(slots)
         key = self.key(n, max(starts))
         if not 0 < n <= self.max_batch or key in self.failed:
@@ -89,21 +94,18 @@ class DecodeGraphs:
         self.slots[:B].copy_(host[0], non_blocking=True)
         self.starts[:B].copy_(host[1], non_blocking=True)
         self.ids[:B].copy_(host[2], non_blocking=True)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(key)
-            if entry is None:
-                return None
-        graph, logits = entry
+        graph = self.graphs.get(key) or self._capture(key)
+        if graph is None:
+            return None
         graph.replay()
-        return logits[:n].clone()
+        return self.out[:n]
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         B, bound = key
         batch = Batch.build_static(self.slots[:B], self.starts[:B], self.state, bound)
         return self.model.logits(self.model(self.ids[:B], batch, self.state))
 
-    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -112,13 +114,13 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self._forward(key)
+                self.out[: key[0]].copy_(self._forward(key))
         except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
             torch.cuda.synchronize()
             self.failed.add(key)
             log.warning("decode step %s not captured, running eagerly: %s", key, e, exc_info=True)
             return None
         self.pool = graph.pool()
-        self.graphs[key] = (graph, logits)
+        self.graphs[key] = graph
         log.info("captured decode step: batch %d, positions < %d", *key)
-        return graph, logits
+        return graph

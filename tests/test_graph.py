@@ -136,3 +136,33 @@ def test_engine_with_cuda_graphs_matches_eager(
     assert graphs.graphs and not graphs.failed
     for a, b in zip(graphed, eager):
         assert a.token_ids == b.token_ids
+
+
+@pytest.mark.gpu
+def test_graphs_keep_no_logits_each(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # a generation that crosses a position bound captures a second graph of its batch bucket; that
+    # capture leaves no allocation of its logits' size behind (they go to DecodeGraphs.out): with
+    # four bounds an octave, a logits tensor kept per graph came to gigabytes at Flash's vocab
+    from dsv4.cuda_graphs import DecodeGraphs
+    from dsv4.llm import LLM
+    from dsv4.sampling import SamplingParams
+    from dsv4.tiny import make_tiny, tiny_args
+
+    vocab = 65536  # 256 KB of fp32 logits a row
+    tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=vocab))
+    grown = []
+    capture = DecodeGraphs._capture
+
+    def measured(self, key):  # noqa: ANN001, ANN202
+        before = torch.cuda.memory_allocated()
+        graph = capture(self, key)
+        grown.append((key, torch.cuda.memory_allocated() - before))
+        return graph
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", measured)
+    kw = dict(device="cuda", ops="triton", dtype="bfloat16", quantized=True, max_seqs=1)
+    llm = LLM(tiny, cuda_graphs=True, max_seq_len=512, progress=False, **kw)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate([list(range(2, 250))], sp)  # decode steps cross position 256: bounds 256, 320
+    assert [k for k, _ in grown] == [(1, 256), (1, 320)] and not llm.engine.graphs.failed
+    assert grown[1][1] < vocab * 4 // 2, grown
