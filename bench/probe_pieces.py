@@ -1324,9 +1324,7 @@ def probe_moe_sm90() -> None:
         {**default, "maxnreg": (None, None)},
         {**default, "maxnreg": (128, 96)},
         {**default, "maxnreg": (96, 96)},
-        {**default, "NUM_BUF": (3, 3)},
-        {**default, "NUM_BUF": (2, 3)},
-        {**default, "NUM_BUF": (2, 4)},
+        {**default, "NUM_BUF": 3},
         {**default, "BLOCK_M": 16},
     ]
     kernel = moe_sm90._experts_kernel

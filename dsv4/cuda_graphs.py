@@ -19,6 +19,8 @@ Graphs share one memory pool and replay one at a time. Each graph ends by copyin
 one buffer outside the pool (`out`, [max_batch, vocab] fp32), so the pool keeps no output per
 graph: with four bounds an octave a long generation captures dozens of graphs per bucket, and a
 logits tensor kept by each (B x vocab x 4 bytes) came to ~3 GB over all buckets up to 1M positions.
+The eager run before each capture uses one side stream for all of them (cuBLAS keeps a 32 MiB
+workspace for every stream it has run on).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class DecodeGraphs:
         self.out = torch.empty(
             self.max_batch, model.head.weight.shape[0], dtype=torch.float32, device=dev
         )
+        # the eager run before each capture: one stream for all (cuBLAS keeps a 32 MiB workspace
+        # per stream it has run on, so a new stream per capture kept 32 MiB per graph)
+        self.side = torch.cuda.Stream(dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int]] = set()
         self.pool = None
@@ -107,11 +112,10 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
                 self._forward(key)  # eager once: autotuning and lazy tables outside the capture
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.out[: key[0]].copy_(self._forward(key))

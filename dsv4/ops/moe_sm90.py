@@ -58,7 +58,7 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 
 # tiles: BLOCK_N weight rows per program (one warpgroup's wgmma M), BLOCK_K columns per step,
 # BLOCK_M pairs per row-block (wgmma N), NUM_BUF steps of x and weight words in shared memory
-# (NUM_BUF - 1 in flight) and maxnreg, a register cap, for (gate-up, down). H200
+# (NUM_BUF - 1 in flight); maxnreg: a register cap for (gate-up, down). H200
 # (bench/probe_pieces.py moe_sm90, nineteenth session: one MMA a step), routed experts at
 # T = 8 / 16 / 64: 222.4 / 373.2 / 901.0 us, against 443.6 / 741.2 / 1761.7 (tl.dot_scaled).
 # Fourteenth session, per code plane MMAs: 246.7 / 411.5 / 964.2 us. Uncapped, the gate-up kernel takes
@@ -66,7 +66,7 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 # spills (ptxas -v, sm_90a). Slower: a cap of 96 (5 programs, 60-156 B of spills: +20-33%),
 # NUM_BUF 3 (+11-21%), BLOCK_M 16 (+5-27%), BLOCK_K 128, BLOCK_N 128 on 8 warps, and each
 # half-matrix's MMAs left in flight while the next half decodes (+7-20%: more registers)
-CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": (2, 2), "num_warps": 4,
+CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
           "maxnreg": (128, 128)}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
 # 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
@@ -400,11 +400,11 @@ def _launch(
     assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
     # the kernel's x and weight offsets are 32-bit
     assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
-    cap, num_buf = (CONFIG[c][0 if gate_up else 1] for c in ("maxnreg", "NUM_BUF"))
+    cap = CONFIG["maxnreg"][0 if gate_up else 1]
     _experts_kernel[(blk.numel(), N // bn)](
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=num_buf,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
         num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
     )  # fmt: skip
 
