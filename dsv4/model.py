@@ -259,7 +259,8 @@ class Indexer(nn.Module):
         cand, _ = batch.visible_entries(self.compressor.ratio)
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
         scale = self.softmax_scale * self.n_heads**-0.5
-        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale, scale)
+        # attention takes the entries as a set: no sort by score
+        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale, scale, sort=False)
 
 
 class Attention(nn.Module):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -48,6 +48,9 @@ for part in $PARTS; do
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    sort_ab)  # decode step at 4K and 128K: the model's unsorted top-k against SORT_ALWAYS
+      step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 4096 sort4k_
+      step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 131072 sort128k_ ;;
     select_ab)  # decode step at 128K context: the indexer's levels select (hist off) vs the default
       step_ab dsv4.ops.indexer HIST_MAX_TOKENS "0 16" 1,16 131072 hist ;;
     gemv_ab)  # decode step at batch 1-8: the experts' dot form (GEMV off) vs the default

@@ -1,6 +1,6 @@
 """Lightning indexer + top-k cases: decode over a paged key pool (T = 1, 16, 64 at 128K context,
 T = 16 at 4K; T = 1, 16 at 128K over FP8 indexer keys) and a causal prefill of one sequence
-(T = 4096).
+(T = 4096). The decode cases run sorted and unsorted (the model's form, compared as sets).
 
 Decode candidates are laid out as the engine's state lays them out: pages of PAGE_ENTRIES
 contiguous key rows (a 256-token block at ratio 4) in a random page order; one case also reads
@@ -54,8 +54,12 @@ def cases(device: str, quick: bool) -> list[Case]:
               (16, 1024, False, True, False), (4096, 1024, True, False, False),
               (1, 32768, False, True, True), (16, 32768, False, True, True)]
     )  # fmt: skip
+    # the model's form (sort=False: the entries as a set) of the decode cases but the scattered rows
+    shapes = [(*s, True) for s in shapes] + [
+        (*s, False) for s in shapes if not s[2] and (s[3] or quick)
+    ]
     out: list[Case] = []
-    for T, C, causal, paged, fp8 in shapes:
+    for T, C, causal, paged, fp8, sort in shapes:
         q, weights, keys, cand = _inputs(T, Hi, d, C, causal, device, paged)
         key_scale = None
         if fp8:
@@ -73,14 +77,17 @@ def cases(device: str, quick: bool) -> list[Case]:
         )
         args = (q, weights, keys, cand, topk, key_scale)
         ctx = f"{C * RATIO // 1024}K" if C * RATIO >= 1024 else str(C * RATIO)
+        target = (T, C, paged, fp8) == (16, 32768, True, False) and not quick
         out.append(Case(
             "index_topk",
             f"{'prefill' if causal else 'decode'} T={T} C={C} ({ctx})"
             + ("" if causal or paged else " rows")
-            + (" fp8 keys" if fp8 else ""),
-            run=lambda a=args: indexer.index_topk(*a),
+            + (" fp8 keys" if fp8 else "")
+            + ("" if sort else " unsorted"),
+            run=lambda a=args, s=sort: indexer.index_topk(*a, sort=s),
             ref=lambda a=args: ref.index_topk(*a),
             bytes=nbytes,
-            target_bw=0.6 if (T, C, paged, fp8) == (16, 32768, True, False) and not quick else None,
+            target_bw=0.6 if target else None,
+            canon=None if sort else (lambda r: r.sort(-1).values),
         ))  # fmt: skip
     return out

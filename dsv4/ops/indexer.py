@@ -55,6 +55,8 @@ COARSE_BINS = tl.constexpr(256)  # and coarse bins, the top 8 bits
 HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace holds this many;
 # at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
+HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
+SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -379,6 +381,41 @@ def _keep_largest(row, n, need, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
+               BLOCK_K: tl.constexpr, NSEG: tl.constexpr, CAND: tl.constexpr):  # fmt: skip
+    # the unsorted output of a row: the winners (segment s's at buf_row[s*K ..], wcnt_row[s] of
+    # them) in position order at 0 .. n_win, then the K - n_win best threshold-bin candidates
+    # (cand_row[0 .. n_cand], distinct packed values) by descending value, then -1
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_s = tl.arange(0, NSEG)
+    cnt = tl.load(wcnt_row + offs_s, mask=offs_s < n_seg, other=0, cache_modifier=".cg")
+    incl = tl.cumsum(cnt, 0)
+    # output slot j < n_win holds winner j - excl[s] of the segment s with excl[s] <= j < incl[s]
+    in_seg = (incl - cnt)[None, :] <= offs_k[:, None]
+    in_seg &= offs_k[:, None] < incl[None, :]
+    src = tl.sum(tl.where(in_seg, (offs_s * K - (incl - cnt))[None, :], 0), 1) + offs_k
+    w = tl.load(buf_row + src, mask=offs_k < n_win, other=INT64_MIN, cache_modifier=".cg")
+    tl.store(out_row + offs_k, _unpack_positions(w, C), mask=offs_k < n_win)
+    need = K - n_win
+    if n_cand <= CAND:  # rank the candidates against each other: no sort
+        offs_c = tl.arange(0, CAND)
+        ok = offs_c < n_cand
+        v = tl.load(cand_row + offs_c, mask=ok, other=INT64_MIN, cache_modifier=".cg")
+        rank = tl.sum(((v[None, :] > v[:, None]) & ok[None, :]).to(tl.int32), 1)
+        pick = ok & (rank < need)
+        tl.store(out_row + n_win + rank, _unpack_positions(v, C), mask=pick)
+        n_pick = tl.minimum(need, n_cand)
+    else:  # a threshold bin too full to rank at once: keep its best, then sort those
+        _keep_largest(cand_row, n_cand, need, CAND)
+        kept = tl.load(cand_row + offs_k, mask=offs_k < need, other=INT64_MIN, cache_modifier=".cg")
+        kept = tl.sort(kept, descending=True)
+        tl.store(out_row + n_win + offs_k, _unpack_positions(kept, C), mask=offs_k < need)
+        n_pick = need
+    tl.store(out_row + offs_k, tl.full([BLOCK_K], -1, tl.int64),
+             mask=(offs_k >= n_win + n_pick) & (offs_k < K))  # fmt: skip
+
+
+@triton.jit
 def _index_hist_select_kernel(
     key_ptr,  # [T, C] int32 score keys (INT32_MIN = not visible)
     hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the kernel returns
@@ -391,10 +428,14 @@ def _index_hist_select_kernel(
     stride_kt,
     stride_bt,
     stride_ot,
+    wcnt_ptr,  # not SORT: [T, n_seg] int32 winners of each segment
     BLOCK_L: tl.constexpr,  # keys filed per program
     BLOCK_K: tl.constexpr,
     FAST: tl.constexpr,  # winners + candidates up to this many are sorted at once (>= 2 * BLOCK_K)
     PDL: tl.constexpr,
+    SORT: tl.constexpr = True,  # else: winners in position order, then the threshold bin's picks
+    NSEG: tl.constexpr = 1,  # not SORT: segments of a row, rounded up to a power of 2
+    CAND: tl.constexpr = 128,  # not SORT: threshold-bin candidates ranked in registers up to this
 ):
     # read 2 * COARSE_BINS counts + BLOCK_L keys ; write the winners and candidates among them
     # (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the used bins
@@ -429,31 +470,43 @@ def _index_hist_select_kernel(
     n_both = tl.sum(both)
     count = count_ptr + t
     filed = (n_both & 0xFFFF).to(tl.int64) | ((n_both >> 16).to(tl.int64) << 24)
-    before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
-    base_w = (before_w & 0xFFFFFF).to(tl.int32)
-    base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
     packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
     buf_row = buf_ptr + t64 * stride_bt
+    if SORT:
+        before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
+        base_w = (before_w & 0xFFFFFF).to(tl.int32)
+        base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
+        cand_row = buf_row + K
+    else:  # the winners in the segment's own K slots, in position order; candidates after them
+        base_w = seg * K
+        before_c = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
+        base_c = ((before_c >> 24) & 0xFFFFFF).to(tl.int32)
+        cand_row = buf_row + tl.num_programs(0) * K
+        tl.store(wcnt_ptr + t64 * tl.num_programs(0) + seg, n_both & 0xFFFF)
     tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=win != 0)
-    tl.store(buf_row + K + base_c + (before >> 16), packed, mask=cand != 0)
+    tl.store(cand_row + base_c + (before >> 16), packed, mask=cand != 0)
 
     # ---- the row's last program: sort winners + the best candidates, keep K, zero the counts
     tl.debug_barrier()  # every store of this program before its arrival is released
     arrived = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
     if (arrived >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
         n_cand = ((arrived >> 24) & 0xFFFFFF).to(tl.int32)
-        if n_win + n_cand > FAST:
-            _keep_largest(buf_row + K, n_cand, K - n_win, FAST)
-            n_cand = K - n_win
-        offs_f = tl.arange(0, FAST)
-        src = tl.where(offs_f < n_win, offs_f, K + offs_f - n_win)
-        vals = tl.load(
-            buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
-        )
-        top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
-        res = _unpack_positions(top, C)
         offs_k = tl.arange(0, BLOCK_K)
-        tl.store(out_ptr + t64 * stride_ot + offs_k, res, mask=offs_k < K)
+        out_row = out_ptr + t64 * stride_ot
+        if SORT:
+            if n_win + n_cand > FAST:
+                _keep_largest(cand_row, n_cand, K - n_win, FAST)
+                n_cand = K - n_win
+            offs_f = tl.arange(0, FAST)
+            src = tl.where(offs_f < n_win, offs_f, K + offs_f - n_win)
+            vals = tl.load(
+                buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
+            )
+            top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
+            tl.store(out_row + offs_k, _unpack_positions(top, C), mask=offs_k < K)
+        else:
+            _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * tl.num_programs(0), out_row, n_win,
+                       n_cand, C, K, tl.num_programs(0), BLOCK_K, NSEG, CAND)  # fmt: skip
         # the fine bins of every coarse bin in use (16 fine bins of each a store), the coarse bins
         # and the counts
         offs_16 = tl.arange(0, 16)
@@ -484,23 +537,33 @@ def _hist_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _hist_select(
-    skey: torch.Tensor, out: torch.Tensor, segment: int, warps: int, early: bool | None = None
+    skey: torch.Tensor,
+    out: torch.Tensor,
+    segment: int,
+    warps: int,
+    early: bool | None = None,
+    sort: bool = True,
 ) -> None:
     """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
-    (early: launch it while the score kernel runs; default for small grids)."""
+    (early: launch it while the score kernel runs; default for small grids. sort=False: the
+    winners in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
-    buf = torch.empty(T, K + C, dtype=torch.int64, device=skey.device)
     block_k = max(16, triton.next_power_of_2(K))
     block_l = min(triton.next_power_of_2(C), segment)
     n_seg = triton.cdiv(C, block_l)
+    buf = torch.empty(T, (K if sort else n_seg * K) + C, dtype=torch.int64, device=skey.device)
+    wcnt = buf if sort else torch.empty(T, n_seg, dtype=torch.int32, device=skey.device)
     griddep = pdl(skey.device)
     _index_hist_select_kernel[(n_seg, T)](
         skey, fine, coarse, counts, buf, out, C, K,
-        skey.stride(0), buf.stride(0), out.stride(0),
+        skey.stride(0), buf.stride(0), out.stride(0), wcnt,
         BLOCK_L=block_l,
         BLOCK_K=block_k,
         FAST=max(2 * block_k, min(HIST_FAST, triton.next_power_of_2(C))),
+        SORT=sort,
+        NSEG=triton.next_power_of_2(n_seg),
+        CAND=HIST_CAND,
         PDL=griddep,
         launch_pdl=griddep and (n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
         num_warps=warps,
@@ -588,12 +651,15 @@ def index_topk(
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
     # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`;
     # weight_scale: the head weights are weights.float() * weight_scale, in the score kernel)
-    # (segment: keys per select program ; sort=False leaves the winners in position order (levels
-    # only) ; select: "hist" or "levels", default hist for rows longer than one segment ;
+    # (sort=False: any order that depends only on the inputs -- levels: position order ; hist: the
+    # winners above the threshold bin in position order, then the bin's picks by score -- unless
+    # SORT_ALWAYS ; segment: keys per select program ; select: "hist" or "levels", default hist for
+    # rows longer than one segment ;
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
     # for bench/probe_pieces.py and the tests)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
+    sort = sort or SORT_ALWAYS
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
     if key_scale is None:
         assert keys.dtype in (torch.bfloat16, torch.float16, torch.float32), (
@@ -630,10 +696,10 @@ def index_topk(
     max_l = max(segment, 4 * block_k)
     griddep = pdl(q.device)
     if select is None:
-        select = "hist" if sort and C > max_l and T <= HIST_MAX_TOKENS else "levels"
+        select = "hist" if C > max_l and T <= HIST_MAX_TOKENS else "levels"
     assert select in ("hist", "levels"), f"select must be 'hist' or 'levels', got {select!r}"
     if select == "hist":
-        assert sort and T <= HIST_MAX_TOKENS, f"hist select: sorted, T <= {HIST_MAX_TOKENS} (T={T})"
+        assert T <= HIST_MAX_TOKENS, f"hist select: T <= {HIST_MAX_TOKENS} (T={T})"
         # the packed filing counts (24 bits each) and the one scan of both (16 bits each)
         assert C < 2**24 and segment < 2**16, (
             f"hist select: C < 2^24, segment < 2^16 ({C}, {segment})"
@@ -643,7 +709,7 @@ def index_topk(
             q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale,
             weight_scale,
         )  # fmt: skip
-        _hist_select(skey, out, segment, select_warps or 16)
+        _hist_select(skey, out, segment, select_warps or 16, sort=sort)
         return out
 
     skey = _scores(

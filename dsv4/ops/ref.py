@@ -289,11 +289,14 @@ def index_topk(
     topk: int,
     key_scale: torch.Tensor | None = None,
     weight_scale: float = 1.0,
+    *,
+    sort: bool = True,
 ) -> torch.Tensor:
     # q: [T, H, d] ; weights: [T, H] ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 = not visible.
     # score(t, c) = sum_h w_th * relu(q_th . k_c) with w = weights.float() * weight_scale; returns
     # [T, min(topk, C)] positions in 0..C-1 (the compressed entry ids), -1 where fewer than topk
-    # entries are visible.
+    # entries are visible: in descending score order (ties: lower position first), or with
+    # sort=False in any order that depends only on the inputs (this reference sorts anyway).
     # key_scale [N] fp32: keys are FP8 indexer keys (uint8 e4m3 codes, `dsv4.quant.quant_index_keys`)
     valid = cand_idxs >= 0
     rows = cand_idxs.clamp(min=0)

@@ -1,4 +1,5 @@
-"""index_topk (Triton) against dsv4.ops.ref.index_topk: positions must match exactly, ties included."""
+"""index_topk (Triton) against dsv4.ops.ref.index_topk: positions must match exactly, ties included
+(sort=False: the same positions, as a set)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,15 @@ def _inputs(
 
 
 def _check(q, weights, keys, cand, topk, **knobs) -> None:  # noqa: ANN001, ANN003
+    # knobs of index_topk; select "hist-unsorted" / "levels-unsorted": that select with sort=False
+    select = knobs.pop("select", None)
+    if select is not None:
+        knobs |= dict(select=select.split("-")[0], sort="-" not in select)
     out = indexer.index_topk(q, weights, keys, cand, topk, **knobs)
     want = ref.index_topk(q, weights, keys, cand, topk)
     assert out.dtype == torch.int64 and out.shape == want.shape, (out.dtype, out.shape, want.shape)
+    if not knobs.get("sort", True):
+        out, want = out.sort(-1).values, want.sort(-1).values
     bad = (out != want).any(-1).nonzero().flatten().tolist()
     assert not bad, f"rows {bad} differ:\n{out[bad[:2]]}\nwant\n{want[bad[:2]]}"
 
@@ -64,7 +71,8 @@ SHAPES = [
 ]
 
 
-SELECTS = ["levels", "hist"]  # the two top-k paths (index_topk picks hist for long decode rows)
+# the two top-k paths (index_topk picks hist for long decode rows), sorted and not (the model's)
+SELECTS = ["levels", "hist", "levels-unsorted", "hist-unsorted"]
 
 
 @pytest.mark.parametrize("select", SELECTS)
@@ -73,7 +81,7 @@ SELECTS = ["levels", "hist"]  # the two top-k paths (index_topk picks hist for l
 def test_index_topk_random(
     T: int, Hi: int, d: int, C: int, topk: int, dtype: torch.dtype, select: str
 ) -> None:
-    if select == "hist" and dtype != torch.float32:
+    if select != "levels" and dtype != torch.float32:
         pytest.skip("the select does not see the input dtype: fp32 covers it")
     _check(*_inputs(T, Hi, d, C, dtype), topk, select=select)
 
@@ -105,7 +113,7 @@ def test_index_topk_strided_bf16_weights() -> None:
     _check(wide[..., :32], weights.bfloat16(), keys, cand, 64)
 
 
-@pytest.mark.parametrize("select", SELECTS)
+@pytest.mark.parametrize("select", ["levels", "hist"])
 def test_index_topk_weight_scale(select: str) -> None:
     # bf16 head weights scaled inside the op (the model's softmax_scale / sqrt(heads)): the same
     # positions as weights.float() * scale passed in, in the kernel and in the reference
@@ -179,7 +187,7 @@ def test_index_topk_segment_levels(integer: bool, select: str) -> None:
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("topk", [1, 16, 64])
 def test_index_topk_search_paths(topk: int, integer: bool, select: str) -> None:
-    if select == "hist" and topk != 16:
+    if select.startswith("hist") and topk != 16:
         pytest.skip("test_index_topk_hist_full_bin takes these rows through hist at every k")
     # rows that take each path of the k-th largest search, scores of both signs. Segments of
     # max(64, 4 * padded k) keys: two select levels, three for topk=16; some segment holds exactly
@@ -199,13 +207,16 @@ def test_index_topk_search_paths(topk: int, integer: bool, select: str) -> None:
     _check(q, weights, keys, cand, topk, segment=64, select=select)
 
 
+@pytest.mark.parametrize("select", ["hist", "hist-unsorted"])
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("topk", [1, 16, 64])
-def test_index_topk_hist_full_bin(topk: int, integer: bool, monkeypatch) -> None:  # noqa: ANN001
+def test_index_topk_hist_full_bin(topk: int, integer: bool, select: str, monkeypatch) -> None:  # noqa: ANN001
     # the hist select's slow path: winners + threshold-bin candidates past the sort's width (forced
-    # here by a width of 2 * padded k) take the bitwise search over the candidates; rows as in
-    # test_index_topk_search_paths (all equal, one visible, none visible, ...)
+    # here by a width of 2 * padded k), or unsorted, candidates past the ranking's (16), take the
+    # bitwise search over the candidates; rows as in test_index_topk_search_paths (all equal, one
+    # visible, none visible, ...)
     monkeypatch.setattr(indexer, "HIST_FAST", 32)
+    monkeypatch.setattr(indexer, "HIST_CAND", 16)
     q, weights, keys, cand = _inputs(
         8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
     )
@@ -215,7 +226,7 @@ def test_index_topk_hist_full_bin(topk: int, integer: bool, monkeypatch) -> None
     cand[4, :-1] = -1
     cand[5] = -1
     cand[6, :200] = -1
-    _check(q, weights, keys, cand, topk, segment=64, select="hist")
+    _check(q, weights, keys, cand, topk, segment=64, select=select)
 
 
 def test_index_topk_hist_workspace() -> None:
@@ -277,15 +288,16 @@ def _ref_scores(q, weights, keys, cand) -> torch.Tensor:  # noqa: ANN001
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("T,C", [(1, 4096), (16, 4096), (1, 32768), (16, 32768)])
-def test_index_topk_gpu_exact(T: int, C: int) -> None:
+def test_index_topk_gpu_exact(T: int, C: int, sort: bool) -> None:
     # integer-valued bf16 inputs: fp32 scores are exact whatever the summation order, so the kernel
-    # must reproduce the reference bit for bit, tie rule included
+    # must reproduce the reference bit for bit, tie rule included (sort=False: as a set)
     q, weights, keys, cand = _inputs(
         T, 64, 128, C, torch.bfloat16, p_hidden=0.0, integer=True, device="cuda"
     )
     cand[:, C - C // 8 :] = -1  # the decode layout: visible entries first, then -1
-    _check(q, weights, keys, cand, 512)
+    _check(q, weights, keys, cand, 512, sort=sort)
 
 
 @pytest.mark.gpu
@@ -327,24 +339,29 @@ def test_index_topk_gpu_prefill() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sort", [True, False])
 @pytest.mark.parametrize("T", [1, 16])
 @pytest.mark.parametrize("integer", [False, True])
-def test_index_topk_gpu_hist_graph(T: int, integer: bool) -> None:
+def test_index_topk_gpu_hist_graph(T: int, integer: bool, sort: bool) -> None:
     # the hist select replayed in a CUDA graph gives the levels select's positions on every replay
-    # (the same score keys), and its workspace is zero after each. Integer scores: the slow path
+    # (the same score keys; sort=False: the same set, and the same order on every replay), and its
+    # workspace is zero after each. Integer scores: the slow path
     q, weights, keys, cand = _inputs(
         T, 64, 128, 32768, torch.bfloat16, p_hidden=0.1, integer=integer, device="cuda"
     )
     want = indexer.index_topk(q, weights, keys, cand, 512, select="levels")
-    indexer.index_topk(q, weights, keys, cand, 512, select="hist")  # compile outside the capture
+    kw = dict(select="hist", sort=sort)
+    first = indexer.index_topk(q, weights, keys, cand, 512, **kw)  # compiled outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = indexer.index_topk(q, weights, keys, cand, 512, select="hist")
+        out = indexer.index_topk(q, weights, keys, cand, 512, **kw)
     for _ in range(3):
         out.fill_(-7)
         g.replay()
         torch.cuda.synchronize()
-        bad = int((out != want).sum())
+        assert torch.equal(out, first)
+        got = out if sort else out.sort(-1).values
+        bad = int((got != (want if sort else want.sort(-1).values)).sum())
         assert bad == 0, f"{bad} positions differ"
         for ws in indexer._hist_workspace(q.device):
             assert not ws.any(), ws.nonzero()[:4]
