@@ -1,13 +1,17 @@
 """Lightning indexer: scores over the visible compressed entries, then an exact top-k.
 
 One launcher with the signature of `dsv4.ops.ref.index_topk`:
-  index_topk(q, weights, keys, cand_idxs, topk, key_scale=None) -> [T, min(topk, C)] int64 positions
+  index_topk(q, weights, keys, cand_idxs, topk, key_scale=None, weight_scale=1.0, *, sort=True)
+  -> [T, min(topk, C)] int64 positions
 
 score(t, c) = sum_h w_th * relu(q_th . keys[cand[t, c]]) in fp32 (keys: values, or with key_scale
 FP8 indexer keys, `dsv4.quant.quant_index_keys`: codes decoded exactly, times the key's scale after
 the head sum), then the positions of the largest
 scores in descending order; equal scores resolve to the lower position (a stable descending sort),
-positions that are not visible (cand = -1) come out as -1.
+positions that are not visible (cand = -1) come out as -1. sort=False (the model: attention takes
+the entries as a set) returns the same positions in an order that depends only on the inputs, with
+no sort: position order (levels), or the winners above the threshold bin in position order and then
+the bin's picks by descending score (hist).
 
 Kernels:
   _index_score_kernel   per (token, chunk of candidates): gather the key rows through cand_idxs,
@@ -21,6 +25,9 @@ Kernels:
                         scratch; the row's last program sorts winners + candidates (packed as below),
                         keeps k, and zeroes the counts it used. A threshold bin too full for the sort
                         first keeps its best candidates by a bitwise search (_keep_largest).
+                        Unsorted: each segment files its winners into K slots of its own, and the
+                        last program copies them out in segment order and ranks the candidates
+                        against each other in registers (_hist_emit; no sort up to HIST_CAND).
   _index_select_kernel  (the other rows: "levels")
                         per (row, segment of <= BLOCK_L keys), all in registers: a bitwise search
                         finds the k-th largest key (counting reductions from the highest bit where
@@ -648,7 +655,7 @@ def index_topk(
     score_config: ScoreConfig | None = None,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
-    # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order, -1 = none
+    # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order (sort), -1 = none
     # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`;
     # weight_scale: the head weights are weights.float() * weight_scale, in the score kernel)
     # (sort=False: any order that depends only on the inputs -- levels: position order ; hist: the
