@@ -324,12 +324,14 @@ class Attention(nn.Module):
             else:  # all visible entries: one list for every HCA layer of the step
                 idxs = batch.attention_idxs(self.window, st.ratio, base)
             sources.append(st.kv_cache)
-        o = self.ops.sparse_attn(q, tuple(sources), self.attn_sink, idxs, hd**-0.5, self.rope_dim)
+        # ---- the output with RoPE undone (V = K carries it)
+        o = self.ops.sparse_attn(
+            q, tuple(sources), self.attn_sink, idxs, hd**-0.5, self.rope_dim, inv_rope=rope
+        )
         if not batch.decode:  # a chunk's ring slots still hold its earlier tokens' windows
             tok, rows = batch.ring_writes(self.window)
             ls.window[rows] = kv[tok].to(ls.window.dtype)
-        # ---- undo RoPE on the output (V = K carries it), grouped low-rank projection
-        o = self.ops.rotary(o, *rope, inverse=True)
+        # ---- grouped low-rank projection
         o = self.ops.grouped_linear(
             o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt, *self.wo_a.scales()
         )

@@ -107,11 +107,14 @@ def sparse_attn(
     topk_idxs: torch.Tensor,
     scale: float,
     rope_dim: int = 0,
+    *,
+    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     # q: [T, H, D] ; kv: row tensors [N_i, D] addressed as one concatenation (K = V), or uint8
     # FP8 entries [N_i, bytes] of D channels whose last rope_dim are the rope part ;
     # attn_sink: [H] fp32 ; topk_idxs: [T, K] rows of the concatenation, -1 = none
-    # o_h = sum_j softmax_j([l_hj ; sink_h]) * kv_j, with the sink's probability mass dropped
+    # o_h = sum_j softmax_j([l_hj ; sink_h]) * kv_j, with the sink's probability mass dropped ;
+    # inv_rope = (cos, sin): then rotary(o, cos, sin, inverse=True) (V = K carries RoPE)
     valid = topk_idxs >= 0
     keys = torch.cat(kv)[topk_idxs.clamp(min=0)]  # [T, K, D]
     if keys.dtype == torch.uint8:
@@ -120,7 +123,8 @@ def sparse_attn(
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = attn_sink.float()[None, :, None].expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+    o = torch.einsum("thk,tkd->thd", probs, keys.float()).to(q.dtype)
+    return o if inv_rope is None else rotary(o, *inv_rope, inverse=True)
 
 
 def _hc_mixes(x: torch.Tensor, hc_fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

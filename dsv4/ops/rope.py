@@ -200,7 +200,7 @@ def _check_norm_weight(weight: torch.Tensor | None, d: int) -> None:
         )
 
 
-def _check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+def check_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Shape/dtype checks shared by rotary and norm_rope; returns rd."""
     assert x.dim() >= 2, f"x must be [T, ..., d], got shape {tuple(x.shape)}"
     assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x dtype {x.dtype}"
@@ -228,7 +228,7 @@ def _launch_rows(
     inverse: bool,
     store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    rd = _check_rope(x, cos, sin)
+    rd = check_rope(x, cos, sin)
     T, d = x.shape[0], x.shape[-1]
     if store is not None:
         dst, dst_rows = store

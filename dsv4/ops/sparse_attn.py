@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.ops import rope
 from dsv4.ops.device import chain, chain_start, num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
+from dsv4.ops.rope import _rotate_tile
 from dsv4.quant import kv_entry_layout
 
 LOG2E = 1.4426950408889634
@@ -396,9 +398,14 @@ def _sparse_attn_combine_kernel(
     stride_ms,
     stride_ot,
     stride_oh,
+    cos_ptr,  # RD: [T, RD/2] fp32 cos / sin of the tokens' positions
+    sin_ptr,
+    stride_ct,
+    stride_st,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,  # griddepcontrol (sm_90+): launched early, wait for the partials here
+    RD: tl.constexpr = 0,  # > 0: the inverse RoPE on the last RD channels of o, as rope.rotary
 ):
     # read num_splits * (BLOCK_D + 2) fp32 ; write BLOCK_D elements
     # One pass, the splits merged online like the keys of a split: the (max, sum) and the partial
@@ -431,11 +438,18 @@ def _sparse_attn_combine_kernel(
         denom = denom * rescale + tl.sum(w * l_s, 0)
         acc = acc * rescale + tl.sum(a * w[:, None], 0)
         m_run = m_new
-    tl.store(
-        o_ptr + t * stride_ot + h * stride_oh + offs_d,
-        (acc / denom).to(o_ptr.dtype.element_ty),
-        mask=mask_d,
-    )
+    o = acc / denom
+    if RD > 0:  # o cast to its dtype, then rotated back in fp32 and cast again (the unfused pair)
+        o = tl.reshape(o.to(o_ptr.dtype.element_ty).to(tl.float32), (1, BLOCK_D))
+        pairs = tl.program_id(2) * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
+        c_idx = pairs - (D - RD) // 2
+        rope = (c_idx >= 0) & (2 * pairs < D)
+        cos = tl.load(cos_ptr + t * stride_ct + c_idx, mask=rope, other=1.0)
+        sin = -tl.load(sin_ptr + t * stride_st + c_idx, mask=rope, other=0.0)
+        rot = _rotate_tile(o, cos[None, :], sin[None, :], 1, BLOCK_D)
+        o = tl.reshape(tl.where((offs_d >= D - RD)[None, :], rot, o), (BLOCK_D,))
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty),
+             mask=mask_d)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,9 +527,11 @@ def _combine(
     o: torch.Tensor,
     num_splits: int,
     early: bool,
+    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """o from the split partials (part [T, S, H, D], ml [T, S, 2, H]) and the sink; early: launched
-    with PDL, waiting for the partials in the kernel (the attention kernel lets it launch)."""
+    with PDL, waiting for the partials in the kernel (the attention kernel lets it launch).
+    inv_rope: (cos, sin) [T, rd/2]: then rotary(o, cos, sin, inverse=True) in the same launch."""
     T, H, D = o.shape
     BLOCK_D = max(16, triton.next_power_of_2(D))
     # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
@@ -525,11 +541,13 @@ def _combine(
     block_d = min(BLOCK_D, 32) if few else BLOCK_D
     # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
     block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
+    cos, sin = inv_rope if inv_rope is not None else (ml, ml)
+    rd = 0 if inv_rope is None else rope.check_rope(o, cos, sin)
     _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
         part, ml, attn_sink, o, H, D, num_splits,
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
-        o.stride(0), o.stride(1),
-        BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(o.device), launch_pdl=early,
+        o.stride(0), o.stride(1), cos, sin, cos.stride(0), sin.stride(0),
+        BLOCK_S=block_s, BLOCK_D=block_d, PDL=pdl(o.device), RD=rd, launch_pdl=early,
         num_warps=1 if few else 4,
     )  # fmt: skip
 
@@ -542,11 +560,15 @@ def sparse_attn(
     scale: float,
     rope_dim: int = 0,
     *,
+    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """o[t, h] = sum_j softmax_j([scale q_h.kv_j ; sink_h]) kv_j over the rows j = topk_idxs[t] >= 0
     of the concatenation of `kv` (never materialised), the sink's probability mass dropped.
+
+    inv_rope: (cos, sin) [T, rd/2] fp32: o comes out as `rope.rotary(o, cos, sin, inverse=True)`,
+    in the combine's launch when the keys are split (otherwise a rotary launch of its own).
 
     kv rows are q's dtype, or all uint8 FP8 entries (`dsv4.quant.kv_entry_layout(D, rope_dim)`),
     decoded inside the gather.
@@ -601,12 +623,14 @@ def sparse_attn(
         from dsv4.ops import sparse_attn_sm90  # Gluon (no interpreter): Hopper GPUs only
 
         if sparse_attn_sm90.supported(q, kv, rope_dim):
-            return sparse_attn_sm90.sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale, rope_dim)
+            return sparse_attn_sm90.sparse_attn_sm90(
+                q, kv, attn_sink, topk_idxs, scale, rope_dim, inv_rope=inv_rope
+            )
 
     # ---- allocate
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0 or K == 0:
-        return o.zero_()  # only the sink remains: its mass is dropped
+        return o.zero_()  # only the sink remains: its mass is dropped (and rotates to 0)
     H_PAD = max(16, triton.next_power_of_2(H))
     head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
     if config is None and q.is_cuda:  # measured fixed tiles where the autotuner picks badly
@@ -673,6 +697,8 @@ def sparse_attn(
         assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
 
-    if split:
-        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"])  # early: PDL on this device
+    if split:  # early: PDL on this device
+        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"], inv_rope)
+    elif inv_rope is not None:
+        o = rope.rotary(o, *inv_rope, inverse=True)
     return o

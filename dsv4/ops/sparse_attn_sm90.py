@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4.ops import sparse_attn as _triton
 from dsv4.ops.device import chain, chain_start, is_sm90, num_sms
+from dsv4.ops.rope import rotary
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -312,13 +313,15 @@ def sparse_attn_sm90(
     scale: float,
     rope_dim: int = 0,
     *,
+    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
-    `sparse_attn` merges adjacent sources before it hands over). num_splits:
+    `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
+    (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
@@ -353,5 +356,7 @@ def sparse_attn_sm90(
         NOPE=DIM - ROPE, num_warps=8, **launch,
     )  # fmt: skip
     if split:  # the Triton kernel's combine, launched early in the chain
-        _triton._combine(part, ml, attn_sink, o, num_splits, early=launch["launch_pdl"])
+        _triton._combine(part, ml, attn_sink, o, num_splits, launch["launch_pdl"], inv_rope)
+    elif inv_rope is not None:
+        o = rotary(o, *inv_rope, inverse=True)
     return o

@@ -7,6 +7,7 @@ import torch
 
 from dsv4.ops import ref
 from dsv4.ops import sparse_attn as sa_mod
+from dsv4.ops.rope import rotary
 from dsv4.ops.sparse_attn import _configs, sparse_attn
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative-norm error against an fp32 reference
@@ -120,6 +121,29 @@ def test_combine_in_several_blocks() -> None:
     )
 
 
+def _cos_sin(T: int, rd: int, device: str = "cpu", seed: int = 3) -> tuple:
+    ang = torch.rand(T, rd // 2, generator=torch.Generator().manual_seed(seed)) * 6.0
+    return ang.cos().to(device), ang.sin().to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3, 70])
+def test_inverse_rope_fused(splits: int, dtype: torch.dtype) -> None:
+    # inv_rope: split, the combine rotates the rope channels back in its own launch; unsplit, a
+    # rotary launch. Either way the outputs equal rotary(sparse_attn(..), inverse) bit for bit
+    # (the combine casts o before it rotates, as the unfused pair does), and the reference's too
+    q, kv, sink, idx = _inputs(5, 4, 64, 40, (30, 3, 70), dtype)
+    cs = _cos_sin(5, 16)
+    plain = sparse_attn(q, kv, sink, idx, 0.3, num_splits=splits)
+    got = sparse_attn(q, kv, sink, idx, 0.3, num_splits=splits, inv_rope=cs)
+    assert torch.equal(got, rotary(plain, *cs, inverse=True))
+    assert not torch.equal(got[..., -16:], plain[..., -16:])  # the rope channels did turn
+    assert torch.equal(got[..., :-16], plain[..., :-16])
+    want = ref.sparse_attn(q, kv, sink, idx, 0.3, inv_rope=cs)
+    assert torch.equal(want, ref.rotary(ref.sparse_attn(q, kv, sink, idx, 0.3), *cs, inverse=True))
+    assert _rel(got, want) < TOL[dtype]
+
+
 def test_int32_indices_and_strided_unaligned_rows() -> None:
     # int32 indices give the same bits as int64; sources may be column slices of wider tensors
     # (row stride 2D) or start off 16 bytes (the kernel then drops its alignment hint)
@@ -209,6 +233,11 @@ def test_gpu_flash_one_source(T: int) -> None:
     idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, 0, idx))
     o = sparse_attn(q, kv, sink, idx, 512**-0.5)
     assert _rel(o, _want(q, (ring, pool), sink, idx, 512**-0.5)) < TOL[torch.bfloat16]
+    cs = _cos_sin(T, 64, "cuda")  # the model's call: the inverse RoPE fused, bit for bit
+    turned = sparse_attn(q, kv, sink, idx, 512**-0.5, 64, inv_rope=cs)
+    assert torch.equal(
+        turned, rotary(sparse_attn(q, kv, sink, idx, 512**-0.5, 64), *cs, inverse=True)
+    )
 
 
 @pytest.mark.parametrize("D", [8, 40])
@@ -261,11 +290,14 @@ def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
     idx = idx[:, : idx.shape[1] - 5].contiguous()  # 635 keys
     idx[:, 7::13] = -1
     want = _want(q, (both,), sink, idx, 512**-0.5)
+    cs = _cos_sin(T, 64, "cuda")
     for splits in (None, 1, 2):
-        o = sm90.sparse_attn_sm90(
-            q, (both,), sink, idx, 512**-0.5, num_splits=splits, block_n=block_n, num_buf=num_buf
-        )
+        kw = dict(num_splits=splits, block_n=block_n, num_buf=num_buf)
+        o = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw)
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
+        # the inverse RoPE in the combine's launch (split) or a rotary launch: bit for bit
+        turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, inv_rope=cs, **kw)
+        assert torch.equal(turned, rotary(o, *cs, inverse=True)), splits
 
 
 @pytest.mark.gpu
