@@ -81,9 +81,9 @@ for part in $PARTS; do
     base_ab)  # decode step: each package in AB_BASES (default ab_base; a dir made by `git archive
       # <commit> dsv4 | tar -x -C DIR`, ab_* is ignored, so pass the dirs in carry) against this tree
       for b in ${AB_BASES:-ab_base}; do
-        PYTHONPATH=$PWD/$b step_run "pass" ${AB_BATCH:-1,16,64} 4096 "$b"
+        PYTHONPATH=$PWD/$b step_run "pass" ${AB_BATCH:-1,16,64} ${AB_CONTEXT:-4096} "$b"
       done
-      step_run "pass" ${AB_BATCH:-1,16,64} 4096 cur ;;
+      step_run "pass" ${AB_BATCH:-1,16,64} ${AB_CONTEXT:-4096} cur ;;
     moe_tiles_ab)  # decode step at batch 1-8: the experts' GEMV form on the twelfth session's
       # 256-wide tiles (0) vs the default (1)
       step_run "import dsv4.ops.moe as m; m.GEMV_CONFIG_ONE = dict(m.GEMV_CONFIG_ONE, BLOCK_K=256, PREFETCH=False); m.GEMV_CONFIG = dict(m.GEMV_CONFIG, BLOCK_N=32, BLOCK_K=256)" 1,2,4,8 4096 moe_tiles0
