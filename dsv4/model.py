@@ -291,14 +291,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
         qa, kva = pair(x, self.wq_a, self.wkv)  # one GEMM once joined (both read x)
-        # ---- queries: low-rank, per-head unweighted RMS, RoPE on the trailing dims
+        # ---- queries: low-rank, then per-head unweighted RMS and RoPE on the trailing dims ; the
+        # window K=V of the new tokens: RMS, RoPE (both in one op), at decode also stored into
+        # the ring (the slot it takes held position p - window, outside every window of this
+        # step). With FP8 state (uint8 rows) a prefill chunk is quantized the same way into rows
+        # of its own, which attention then reads like the ring (the reference rounds them alike,
+        # spec 3.3)
         qr = self.q_norm(qa)  # [T, q_lora_rank]
-        q = self.wq_b(qr).view(T, H, hd)
-        q = self.ops.norm_rope(q, None, self.eps, *rope)
-        # ---- window K=V of the new tokens; at decode also stored into the ring in the same op
-        # (the slot it takes held position p - window, outside every window of this step). With
-        # FP8 state (uint8 rows) a prefill chunk is quantized the same way into rows of its own,
-        # which attention then reads like the ring (the reference rounds them alike, spec 3.3)
         chunk = None
         if batch.decode:
             store = (ls.window, batch.ring_writes(self.window)[1])
@@ -307,7 +306,9 @@ class Attention(nn.Module):
             store = (chunk, batch.memo(("arange", T), lambda: torch.arange(T, device=x.device)))
         else:
             store = None
-        kv = self.ops.norm_rope(kva, self.kv_norm.weight, self.eps, *rope, store=store)
+        q, kv = self.ops.norm_rope_qkv(
+            self.wq_b(qr).view(T, H, hd), kva, self.kv_norm.weight, self.eps, *rope, store=store
+        )
         if chunk is not None:
             kv = chunk
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already

@@ -1,7 +1,7 @@
 """The op interface: `select(EngineConfig.ops)` returns the namespace whose functions the model calls.
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
-rms_norm, rotary, norm_rope, sparse_attn, hc_pre, hc_post, hc_post_pre, hc_head, compress_store, compress_keep,
+rms_norm, rotary, norm_rope, norm_rope_qkv, sparse_attn, hc_pre, hc_post, hc_post_pre, hc_head, compress_store, compress_keep,
 index_topk, stable_topk, moe_gate, moe_experts, swiglu. "triton" binds the Triton kernels (one module
 per op, each beside its reference) and keeps the reference for ops without a kernel. This is the
 only backend dispatch in the package.
@@ -19,6 +19,7 @@ OPS = (
     "rms_norm",
     "rotary",
     "norm_rope",
+    "norm_rope_qkv",
     "sparse_attn",
     "hc_pre",
     "hc_post",
@@ -50,6 +51,7 @@ def _triton() -> SimpleNamespace:
         rms_norm=rope.rms_norm,
         rotary=rope.rotary,
         norm_rope=rope.norm_rope,
+        norm_rope_qkv=rope.norm_rope_qkv,
         compress_store=rope.compress_store,
         compress_keep=rope.compress_keep,
         moe_gate=gate.moe_gate,

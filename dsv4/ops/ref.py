@@ -100,6 +100,20 @@ def _to_rows(x: torch.Tensor, dst: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return x.to(dst.dtype)
 
 
+def norm_rope_qkv(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # the attention's queries q [T, H, d] (per-head norm, no weight) and window K=V kv [T, d]
+    # (weight, the optional store): two norm_ropes at the same positions
+    return norm_rope(q, None, eps, cos, sin), norm_rope(kv, weight, eps, cos, sin, store)
+
+
 def sparse_attn(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, ...],

@@ -1,11 +1,14 @@
 """Interleaved partial RoPE, fused RMSNorm + RoPE, and the compressor close (pool + norm + RoPE + store).
 
-Four launchers with the signatures of `dsv4.ops.ref`:
+Five launchers with the signatures of `dsv4.ops.ref`:
   rotary(x, cos, sin, inverse)              x: [T, ..., d] -> rotate pairs (2i, 2i+1) of the trailing rd
   norm_rope(x, weight, eps, cos, sin, store)
                                             RMSNorm over d (fp32 stats), cast, then rotary ;
                                             store = (dst, rows) also writes dst[rows[t]] (decode's
                                             window ring, in the same launch)
+  norm_rope_qkv(q, kv, weight, eps, cos, sin, store)
+                                            norm_rope of the attention's queries (no weight) and
+                                            of its window K=V (weight, store) in one launch
   compress_store(kv, score, weight, eps, cos, sin, out, dest, rows=None, out_scale=None)
                                             out[dest] = norm_rope(softmax_slots(score) . kv),
                                             dest -1 = no store
@@ -61,7 +64,8 @@ def _rotate_tile(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_kernel(
+def _norm_rope_rows(
+    pid,  # the program's block of BLOCK_R rows
     x_ptr,  # [T, R, d] bf16/fp32 (last dim contiguous)
     w_ptr,  # [d] norm weight (any float dtype) or a dummy when not HAS_WEIGHT
     cos_ptr,  # [T, rd/2] fp32
@@ -86,11 +90,8 @@ def _norm_rope_kernel(
     ENTRIES: tl.constexpr,  # dst holds FP8 entries (`dsv4.ops.kv_fp8`)
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,  # chained launch (device.chain)
 ):
-    chain_start(PDL)
     # read BLOCK_R * d elements (+ their cos/sin) ; write BLOCK_R * d elements (twice if HAS_STORE)
-    pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     t = rows // R
     h = rows % R
@@ -131,6 +132,40 @@ def _norm_rope_kernel(
         else:
             d_offs = d_rows[:, None] * stride_dst + cols[None, :]
             tl.store(dst_ptr + d_offs, y_act.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, dst_ptr, dst_rows_ptr, stride_dst,
+                      n_rows, R, d, nope, eps, stride_xt, stride_xh, stride_ct, stride_st,
+                      NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
+                      HAS_STORE: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    # rotary / norm_rope: the rows of _norm_rope_rows, BLOCK_R per program
+    chain_start(PDL)
+    _norm_rope_rows(tl.program_id(0), x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, dst_ptr,
+                    dst_rows_ptr, stride_dst, n_rows, R, d, nope, eps, stride_xt, stride_xh,
+                    stride_ct, stride_st, NORM, HAS_WEIGHT, INVERSE, HAS_STORE, ENTRIES, BLOCK_R,
+                    BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _norm_rope_qkv_kernel(q_ptr, q_out_ptr, H, stride_qt, stride_qh, kv_ptr, w_ptr, kv_out_ptr,
+                          dst_ptr, dst_rows_ptr, stride_dst, stride_kvt, cos_ptr, sin_ptr, T, d,
+                          nope, eps, stride_ct, stride_st, q_programs, HAS_STORE: tl.constexpr,
+                          ENTRIES: tl.constexpr, BLOCK_RQ: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):  # fmt: skip
+    # norm_rope_qkv: programs 0 .. q_programs - 1 take the query heads (BLOCK_RQ rows each, no
+    # weight), the rest one kv row each (weight, the ring store)
+    chain_start(PDL)
+    pid = tl.program_id(0)
+    if pid < q_programs:
+        _norm_rope_rows(pid, q_ptr, q_ptr, cos_ptr, sin_ptr, q_out_ptr, q_out_ptr, q_ptr, 0,
+                        T * H, H, d, nope, eps, stride_qt, stride_qh, stride_ct, stride_st, True,
+                        False, False, False, False, BLOCK_RQ, BLOCK_D)  # fmt: skip
+    else:
+        _norm_rope_rows(pid - q_programs, kv_ptr, w_ptr, cos_ptr, sin_ptr, kv_out_ptr, dst_ptr,
+                        dst_rows_ptr, stride_dst, T, 1, d, nope, eps, stride_kvt, 0, stride_ct,
+                        stride_st, True, True, False, HAS_STORE, ENTRIES, 1, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -231,19 +266,8 @@ def _launch_rows(
     rd = check_rope(x, cos, sin)
     T, d = x.shape[0], x.shape[-1]
     if store is not None:
+        _check_store(x, rd, *store)
         dst, dst_rows = store
-        assert x.dim() == 2, f"store takes x as [T, d] (got shape {tuple(x.shape)})"
-        width = kv_entry_layout(d, rd)[2] if dst.dtype == torch.uint8 else d  # FP8 entries
-        assert dst.dim() == 2 and dst.shape[1] == width and dst.stride(1) == 1, (
-            f"store dst must be [N, {width}] with contiguous rows (got {tuple(dst.shape)}, "
-            f"strides {dst.stride()})"
-        )
-        assert dst_rows.shape == (T,) and dst_rows.dtype in (torch.int32, torch.int64), (
-            f"store rows must be int [{T}] (got {dst_rows.dtype} {tuple(dst_rows.shape)})"
-        )
-        assert dst_rows.is_contiguous() and dst.device == x.device == dst_rows.device, (
-            "store rows must be contiguous and on x's device"
-        )
     _check_norm_weight(weight, d)
     R = math.prod(x.shape[1:-1])  # rows per token: heads (1 for [T, d])
     x3 = x.view(T, R, d)  # fails loudly on a layout that cannot be flattened
@@ -285,6 +309,62 @@ def _launch_rows(
         **chain(x.device),
     )
     return out
+
+
+def _check_store(x: torch.Tensor, rd: int, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    T, d = x.shape[0], x.shape[-1]
+    assert x.dim() == 2, f"store takes x as [T, d] (got shape {tuple(x.shape)})"
+    width = kv_entry_layout(d, rd)[2] if dst.dtype == torch.uint8 else d  # FP8 entries
+    assert dst.dim() == 2 and dst.shape[1] == width and dst.stride(1) == 1, (
+        f"store dst must be [N, {width}] with contiguous rows (got {tuple(dst.shape)}, "
+        f"strides {dst.stride()})"
+    )
+    assert dst_rows.shape == (T,) and dst_rows.dtype in (torch.int32, torch.int64), (
+        f"store rows must be int [{T}] (got {dst_rows.dtype} {tuple(dst_rows.shape)})"
+    )
+    assert dst_rows.is_contiguous() and dst.device == x.device == dst_rows.device, (
+        "store rows must be contiguous and on x's device"
+    )
+
+
+def norm_rope_qkv(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # (norm_rope(q, None, ..), norm_rope(kv, weight, .., store)) in one launch: q [T, H, d], kv
+    # [T, d] (the attention's queries and its window K=V, the same positions)
+    rd = check_rope(q, cos, sin)
+    assert check_rope(kv, cos, sin) == rd and q.dim() == 3, (
+        f"q [T, H, d] and kv [T, d] alike (got {tuple(q.shape)}, {tuple(kv.shape)})"
+    )
+    T, H, d = q.shape
+    assert kv.shape == (T, d) and kv.dtype == q.dtype, (
+        f"kv must be [{T}, {d}] {q.dtype} (got {tuple(kv.shape)} {kv.dtype})"
+    )
+    _check_norm_weight(weight, d)
+    assert weight is not None, "norm_rope_qkv: kv's norm weight"
+    if store is not None:
+        _check_store(kv, rd, *store)
+    dst, dst_rows = store if store is not None else (kv, cos)  # dummies: HAS_STORE is off
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    if T == 0:
+        return q_out, kv_out
+    block_d = triton.next_power_of_2(d)
+    block_r, num_warps = _rows_config(T * H, block_d, 528 if q.is_cuda else 1)
+    q_programs = triton.cdiv(T * H, block_r)
+    _norm_rope_qkv_kernel[(q_programs + T,)](
+        q, q_out, H, q.stride(0), q.stride(1), kv, weight, kv_out, dst, dst_rows, dst.stride(0),
+        kv.stride(0), cos, sin, T, d, d - rd, eps, cos.stride(0), sin.stride(0), q_programs,
+        HAS_STORE=store is not None, ENTRIES=dst.dtype == torch.uint8, BLOCK_RQ=block_r,
+        BLOCK_D=block_d, num_warps=num_warps, **chain(q.device),
+    )  # fmt: skip
+    return q_out, kv_out
 
 
 def rotary(

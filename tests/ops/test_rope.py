@@ -86,6 +86,44 @@ def test_norm_rope_store(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bl
         rope.norm_rope(x[:, None], w, 1e-6, cos, sin, store=(dst, rows))
 
 
+@pytest.mark.parametrize("entries", [False, True])
+@pytest.mark.parametrize("block_r", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_qkv(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, block_r: int, entries: bool
+) -> None:
+    # the queries and the window K=V in one launch: the same bits as the two norm_ropes (q per
+    # head, no weight; kv weighted, a strided slice, with the ring store or FP8 entries), and
+    # close to the reference
+    monkeypatch.setattr(rope, "_rows_config", lambda n_rows, block_d, programs=528: (block_r, 2))
+    if entries and dtype != torch.bfloat16:
+        pytest.skip("FP8 entries hold bf16 activations")
+    torch.manual_seed(4)
+    T, H, d, rd = 5, 3, 64, 16
+    q = _x(T, H, d, dtype)
+    kv = (torch.randn(T, 2 * d) * 3.0).to(dtype)[:, d:]  # a slice of a joined projection
+    w = torch.rand(d) + 0.5
+    cos, sin = _angles(T, rd)
+    rows = torch.tensor([7, 0, 12, 3, 9])
+    if entries:
+        from dsv4.quant import kv_entry_layout
+
+        dst = torch.zeros(16, kv_entry_layout(d, rd)[2], dtype=torch.uint8)
+    else:
+        dst = torch.randn(16, d).to(dtype)
+    dst2 = dst.clone()
+    gq, gkv = rope.norm_rope_qkv(q, kv, w, 1e-6, cos, sin, store=(dst, rows))
+    assert torch.equal(gq, rope.norm_rope(q, None, 1e-6, cos, sin))
+    assert torch.equal(gkv, rope.norm_rope(kv, w, 1e-6, cos, sin, store=(dst2, rows)))
+    assert torch.equal(dst, dst2)
+    wq, wkv = ref.norm_rope_qkv(q, kv, w, 1e-6, cos, sin)
+    assert _rel(gq, wq) < TOL[dtype] and _rel(gkv, wkv) < TOL[dtype]
+    nq, nkv = rope.norm_rope_qkv(q, kv, w, 1e-6, cos, sin)  # no store
+    assert torch.equal(nq, gq) and torch.equal(nkv, gkv)
+    with pytest.raises(AssertionError, match="kv must be"):
+        rope.norm_rope_qkv(q, kv[:, :32], w, 1e-6, cos, sin)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_multi_row_tiles(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     # large inputs take BLOCK_R > 1 rows per program; force it at a tiny shape with a ragged last tile
@@ -315,6 +353,13 @@ def test_gpu_flash_rows(T: int) -> None:
         _rel(rope.norm_rope(q, None, 1e-6, cos, sin), ref.norm_rope(q, None, 1e-6, cos, sin)) < 5e-3
     )
     assert _rel(rope.norm_rope(kv, w, 1e-6, cos, sin), ref.norm_rope(kv, w, 1e-6, cos, sin)) < 5e-3
+    ring = torch.zeros(T + 3, 512, device=dev, dtype=bf)
+    rows = torch.randperm(T + 3, device=dev)[:T]
+    got_q, got_kv = rope.norm_rope_qkv(q, kv, w, 1e-6, cos, sin, store=(ring, rows))
+    assert torch.equal(got_q, rope.norm_rope(q, None, 1e-6, cos, sin))  # one launch, same bits
+    assert torch.equal(got_kv, rope.norm_rope(kv, w, 1e-6, cos, sin)) and torch.equal(
+        ring[rows], got_kv
+    )
     assert _rel(rope.rotary(iq, cos, sin), ref.rotary(iq, cos, sin)) < 5e-3
     o = rope.rotary(q, cos, sin, inverse=True)
     assert _rel(o, ref.rotary(q, cos, sin, inverse=True)) < 5e-3
