@@ -210,6 +210,9 @@ def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
             store[0][store[1]] = out.to(store[0].dtype)
         return out
 
+    def norm_rope_qkv(q, kv, w, eps, cos, sin, store=None):  # noqa: ANN001, ANN202
+        return ops.norm_rope(q, None, eps, cos, sin), norm_rope(kv, w, eps, cos, sin, store)
+
     def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None, out_scale=None):  # noqa: ANN001, ANN202, E501
         assert out_scale is None  # value state
         tmp = torch.zeros(out.shape, dtype=torch.bfloat16)  # both FP8 forms round through bf16
@@ -222,7 +225,10 @@ def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
         )
 
     return types.SimpleNamespace(
-        **(vars(ops) | dict(norm_rope=norm_rope, compress_store=compress_store))
+        **(
+            vars(ops)
+            | dict(norm_rope=norm_rope, norm_rope_qkv=norm_rope_qkv, compress_store=compress_store)
+        )
     )
 
 

@@ -1,5 +1,5 @@
-"""Benchmark cases: fused q/kv RMSNorm + RoPE, inverse RoPE on the output, the compressor close,
-the decode step's compressor ring write."""
+"""Benchmark cases: fused q/kv RMSNorm + RoPE (apart, and both in one launch), inverse RoPE on the
+output, the compressor close, the decode step's compressor ring write."""
 
 from __future__ import annotations
 
@@ -63,6 +63,35 @@ def _kv_cases(
                 run=lambda x=kv, c=cos, s=sin: rope.norm_rope(x, w, EPS, c, s),
                 ref=lambda x=kv, c=cos, s=sin: ref.norm_rope(x, w, EPS, c, s),
                 bytes=2 * kv.numel() * kv.element_size() + d * 4 + 2 * cos.numel() * 4,
+            )
+        )
+    return out
+
+
+def _qkv_cases(
+    device: str, dtype: torch.dtype, tokens: tuple[int, ...], H: int, d: int, rd: int
+) -> list[Case]:
+    # ---- the attention's queries and window K=V in one launch, K=V stored into a ring
+    out = []
+    w = torch.rand(d, device=device) + 0.5
+    for T in tokens:
+        q = torch.randn(T, H, d, device=device).to(dtype)
+        kv = torch.randn(T, d, device=device).to(dtype)
+        cos, sin = _angles(T, rd, device)
+        rows = torch.arange(T, device=device) * 2
+        args = (q, kv, w, EPS, cos, sin)
+        # each side its own ring
+        st = tuple((torch.zeros(2 * T, d, device=device, dtype=dtype), rows) for _ in range(2))
+        out.append(
+            Case(
+                "norm_rope_qkv",
+                f"T={T} q [{H},{d}] + kv [{d}] stored",
+                run=lambda a=args, st=st[0]: rope.norm_rope_qkv(*a, store=st),
+                ref=lambda a=args, st=st[1]: ref.norm_rope_qkv(*a, store=st),
+                # q in, out ; kv in, out, stored ; the weight ; cos, sin
+                bytes=(2 * q.numel() + 3 * kv.numel()) * q.element_size()
+                + d * 4
+                + 2 * cos.numel() * 4,
             )
         )
     return out
@@ -141,6 +170,7 @@ def cases(device: str, quick: bool) -> list[Case]:
         return (
             _rows_cases(device, torch.bfloat16, (3,), H=2, d=64, rd=16)
             + _kv_cases(device, torch.bfloat16, (3,), d=64, rd=16)
+            + _qkv_cases(device, torch.bfloat16, (3,), H=2, d=64, rd=16)
             + _compress_cases(device, (2,), (("CSA", 8, 64), ("HCA", 128, 32)), 16, 50)
             + _keep_cases(device, torch.bfloat16, (3,), (("CSA", 48, 4),))
         )
@@ -148,6 +178,7 @@ def cases(device: str, quick: bool) -> list[Case]:
     return (
         _rows_cases(device, bf, (1, 64, 4096), H=64, d=512, rd=64)
         + _kv_cases(device, bf, (1, 64), d=512, rd=64)
+        + _qkv_cases(device, bf, (1, 64), H=64, d=512, rd=64)
         + _compress_cases(
             device, (1, 16, 64), (("CSA", 8, 512), ("idx", 8, 128), ("HCA", 128, 512)), 64, 100_000
         )
