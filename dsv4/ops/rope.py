@@ -50,7 +50,7 @@ def _rms_norm_tile(x, w_ptr, d, eps, HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
-def _rotate_tile(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def rotate_tile(y, cos, sin, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # y: [BR, BD] fp32 ; cos/sin: [BR, BD/2] fp32, one per pair (2i, 2i+1) of the whole row
     # -> [BR, BD] fp32 with every pair rotated: (re*c - im*s, re*s + im*c)
     re, im = tl.split(tl.reshape(y, (BLOCK_R, BLOCK_D // 2, 2)))
@@ -117,7 +117,7 @@ def _norm_rope_rows(
     sin = tl.load(sin_ptr + t.to(tl.int64)[:, None] * stride_st + c_idx, mask=pair_ok, other=0.0)
     if INVERSE:
         sin = -sin
-    rot = _rotate_tile(x, cos, sin, BLOCK_R, BLOCK_D)
+    rot = rotate_tile(x, cos, sin, BLOCK_R, BLOCK_D)
     y = tl.where((cols >= nope)[None, :], rot, x)  # the NoPE channels pass through exactly
 
     out_offs = rows.to(tl.int64)[:, None] * d + cols[None, :]
@@ -478,7 +478,7 @@ def _compress_store_kernel(
     c_idx = pairs[None, :] - nope // 2
     cos = tl.load(cos_ptr + i * stride_ct + c_idx, mask=pair_ok, other=1.0)
     sin = tl.load(sin_ptr + i * stride_st + c_idx, mask=pair_ok, other=0.0)
-    rot = _rotate_tile(x, cos, sin, 1, BLOCK_D)
+    rot = rotate_tile(x, cos, sin, 1, BLOCK_D)
     y = tl.where((cols >= nope)[None, :], rot, x)
 
     # ---- store the entry at its pool row

@@ -23,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops import rope
 from dsv4.ops.device import chain, chain_start, num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
-from dsv4.ops.rope import _rotate_tile
+from dsv4.ops.rope import check_rope, rotary, rotate_tile
 from dsv4.quant import kv_entry_layout
 
 LOG2E = 1.4426950408889634
@@ -443,10 +442,10 @@ def _sparse_attn_combine_kernel(
         o = tl.reshape(o.to(o_ptr.dtype.element_ty).to(tl.float32), (1, BLOCK_D))
         pairs = tl.program_id(2) * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)
         c_idx = pairs - (D - RD) // 2
-        rope = (c_idx >= 0) & (2 * pairs < D)
-        cos = tl.load(cos_ptr + t * stride_ct + c_idx, mask=rope, other=1.0)
-        sin = -tl.load(sin_ptr + t * stride_st + c_idx, mask=rope, other=0.0)
-        rot = _rotate_tile(o, cos[None, :], sin[None, :], 1, BLOCK_D)
+        turned = (c_idx >= 0) & (2 * pairs < D)
+        cos = tl.load(cos_ptr + t * stride_ct + c_idx, mask=turned, other=1.0)
+        sin = -tl.load(sin_ptr + t * stride_st + c_idx, mask=turned, other=0.0)
+        rot = rotate_tile(o, cos[None, :], sin[None, :], 1, BLOCK_D)
         o = tl.reshape(tl.where((offs_d >= D - RD)[None, :], rot, o), (BLOCK_D,))
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty),
              mask=mask_d)  # fmt: skip
@@ -542,7 +541,7 @@ def _combine(
     # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
     block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
     cos, sin = inv_rope if inv_rope is not None else (ml, ml)
-    rd = 0 if inv_rope is None else rope.check_rope(o, cos, sin)
+    rd = 0 if inv_rope is None else check_rope(o, cos, sin)
     _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
         part, ml, attn_sink, o, H, D, num_splits,
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
@@ -700,5 +699,5 @@ def sparse_attn(
     if split:  # early: PDL on this device
         _combine(part, ml, attn_sink, o, num_splits, consts["PDL"], inv_rope)
     elif inv_rope is not None:
-        o = rope.rotary(o, *inv_rope, inverse=True)
+        o = rotary(o, *inv_rope, inverse=True)
     return o
