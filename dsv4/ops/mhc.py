@@ -25,7 +25,7 @@ from triton.language.extra.cuda.libdevice import fast_dividef
 
 from dsv4.ops.device import chain, chain_start, pdl
 from dsv4.ops.kv_fp8 import cast_rne, rne_bf16
-from dsv4.ops.rope import _check_norm_weight
+from dsv4.ops.rope import check_norm_weight
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
 FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench switch)
@@ -492,7 +492,7 @@ def _finish(
     if finish_warps is None:
         finish_warps = NORM_WARPS if norm else 1
     if norm:
-        _check_norm_weight(norm_weight, D)
+        check_norm_weight(norm_weight, D)
         block_d = min(norm_block or NORM_BLOCK_D, triton.next_power_of_2(D))
         grid2 = (T, 1 + int(has_comb))
     else:

@@ -201,7 +201,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         f"x must be contiguous in its last dim (shape {tuple(x.shape)}, strides {x.stride()})"
     )
     d = x.shape[-1]
-    _check_norm_weight(weight, d)
+    check_norm_weight(weight, d)
     x2 = x.reshape(-1, d)  # a view for the activations here; copies only odd layouts
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x2.shape[0]
@@ -228,7 +228,7 @@ def _rows_config(n_rows: int, block_d: int, programs: int = 528) -> tuple[int, i
     return block_r, num_warps
 
 
-def _check_norm_weight(weight: torch.Tensor | None, d: int) -> None:
+def check_norm_weight(weight: torch.Tensor | None, d: int) -> None:
     if weight is not None:
         assert weight.shape == (d,) and weight.is_contiguous(), (
             f"weight must be a contiguous [{d}] (got {tuple(weight.shape)})"
@@ -268,7 +268,7 @@ def _launch_rows(
     if store is not None:
         _check_store(x, rd, *store)
         dst, dst_rows = store
-    _check_norm_weight(weight, d)
+    check_norm_weight(weight, d)
     R = math.prod(x.shape[1:-1])  # rows per token: heads (1 for [T, d])
     x3 = x.view(T, R, d)  # fails loudly on a layout that cannot be flattened
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -346,8 +346,8 @@ def norm_rope_qkv(
     assert kv.shape == (T, d) and kv.dtype == q.dtype, (
         f"kv must be [{T}, {d}] {q.dtype} (got {tuple(kv.shape)} {kv.dtype})"
     )
-    _check_norm_weight(weight, d)
     assert weight is not None, "norm_rope_qkv: kv's norm weight"
+    check_norm_weight(weight, d)
     if store is not None:
         _check_store(kv, rd, *store)
     dst, dst_rows = store if store is not None else (kv, cos)  # dummies: HAS_STORE is off
@@ -563,7 +563,7 @@ def compress_store(
     assert dest.shape == (n,) and dest.dtype in (torch.int64, torch.int32), (
         f"dest must be [{n}] int (got {tuple(dest.shape)} {dest.dtype})"
     )
-    _check_norm_weight(weight, d)
+    check_norm_weight(weight, d)
     assert cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos/sin must be fp32"
     assert cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == n, (
         f"cos/sin must be [{n}, rd/2] (got {tuple(cos.shape)}, {tuple(sin.shape)})"
