@@ -1689,6 +1689,80 @@ def probe_read_floor() -> None:
         us(f"index_topk T=16 128K paged, {mode}", lambda a=args: indexer.index_topk(*a, 512), **kw)
 
 
+def _indexer_variant(name: str, drop: tuple[str, ...], subs: tuple[tuple[str, str], ...] = ()):  # noqa: ANN202
+    # dsv4/ops/indexer.py with the given source lines replaced by `pass` (or by subs), imported as
+    # a module of its own (Triton compiles kernels from their file's source)
+    import importlib.util
+    import pathlib
+
+    src = pathlib.Path(indexer.__file__).read_text()
+    for line, by in [(d, "pass") for d in drop] + list(subs):
+        assert line in src, f"not in indexer.py: {line}"
+        src = src.replace(line, by)
+    path = pathlib.Path(__file__).parent / f"_indexer_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"_indexer_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def probe_count_cost() -> None:
+    # what the hist select's counting costs the score kernel at 128K: scores alone, with both
+    # histograms, without the fine bins' global atomics, without the coarse tl.histogram
+    fine_line = 'tl.atomic_add(fine, 1, mask=vis, sem="relaxed")'
+    coarse_line = "coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)"
+    variants = {
+        "both": indexer,
+        "coarse only": _indexer_variant("nofine", (fine_line,)),
+        "fine only": _indexer_variant("nocoarse", (coarse_line,)),
+    }
+    fine, coarse, counts = indexer._hist_workspace(torch.device("cuda"))
+    for T in (1, 16):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        nbytes = T * 32768 * 128 * 2
+        us(f"count T={T}: scores alone", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
+        for label, mod in variants.items():
+            us(
+                f"count T={T}: scores + counts, {label}",
+                lambda m=mod: m._scores(q, w, keys, cand, hist=(fine, coarse)),  # noqa: B023
+                nbytes=nbytes,
+            )
+            for ws in (fine, coarse, counts):
+                ws.zero_()
+        us(f"count T={T}: index_topk unsorted", lambda: indexer.index_topk(q, w, keys, cand, 512, sort=False))  # noqa: B023
+    # when does each row's last score program end? (globaltimer at each program's start and end,
+    # written where the coarse counts would be flushed; no counting)
+    flush = "tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem=\"relaxed\")"
+    timed = _indexer_variant("timed", (), (
+        ("    chain_start(PDL)\n    pid_c", "    chain_start(PDL)\n    t_start = globaltimer()\n    pid_c"),
+        (flush, "tp = coarse_ptr.to(tl.pointer_type(tl.int64)) + (t * tl.num_programs(0) + pid_c) * 2\n"
+                "        tl.store(tp, t_start)\n        tl.store(tp + 1, globaltimer())"),
+        ("from dsv4.ops.kv_fp8 import", "from triton.language.extra.cuda import globaltimer\nfrom dsv4.ops.kv_fp8 import"),
+        ("            tl.atomic_add(fine, 1, mask=vis, sem=\"relaxed\")\n", ""),
+        ("            coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)\n", ""),
+    ))
+    T = 16
+    q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+    stamps = torch.zeros(T * 4096, 2, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").zero_()
+        timed._scores(q, w, keys, cand, hist=(fine, stamps.view(torch.int32)))
+    torch.cuda.synchronize()
+    skey = indexer._scores(q, w, keys, cand)
+    n_prog = T * 32768 // 64 // 16  # TILES = 16 at T=16 (checked below)
+    st = stamps[:n_prog].view(T, -1, 2).cpu()
+    assert (st[..., 1] > 0).all(), "not every program stamped (TILES != 16?)"
+    t0 = int(st[..., 0].min())
+    print(f"score kernel T=16: {st.shape[1]} programs a row, span {(int(st[..., 1].max()) - t0) / 1e3:.2f} us")
+    for r in range(T):
+        s_, e_ = st[r, :, 0] - t0, st[r, :, 1] - t0
+        print(f"  row {r:2d}: programs start {int(s_.min()) / 1e3:6.2f}..{int(s_.max()) / 1e3:6.2f} us, "
+              f"end {int(e_.min()) / 1e3:6.2f}..{int(e_.max()) / 1e3:6.2f} us")
+    del skey
+
+
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
@@ -1701,7 +1775,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
