@@ -1709,58 +1709,38 @@ def _indexer_variant(name: str, drop: tuple[str, ...], subs: tuple[tuple[str, st
 
 def probe_count_cost() -> None:
     # what the hist select's counting costs the score kernel at 128K: scores alone, with both
-    # histograms, without the fine bins' global atomics, without the coarse tl.histogram
+    # histograms, without the fine bins' global atomics, without the coarse tl.histogram; and the
+    # coarse width (16 / 64 / 256 bins: the score kernel's tl.histogram against the select's scan)
     fine_line = 'tl.atomic_add(fine, 1, mask=vis, sem="relaxed")'
-    coarse_line = "coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)"
+    coarse_line = "coarse += tl.histogram((u >> COARSE_SHIFT).to(tl.int32), COARSE_BINS, mask=vis)"
+    width = "COARSE_BINS = tl.constexpr(64)"
     variants = {
         "both": indexer,
         "coarse only": _indexer_variant("nofine", (fine_line,)),
         "fine only": _indexer_variant("nocoarse", (coarse_line,)),
+        "both, 16 coarse bins": _indexer_variant("c16", (), ((width, "COARSE_BINS = tl.constexpr(16)"),)),
+        "both, 256 coarse bins": _indexer_variant("c256", (), ((width, "COARSE_BINS = tl.constexpr(256)"),)),
     }
-    fine, coarse, counts = indexer._hist_workspace(torch.device("cuda"))
     for T in (1, 16):
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
         nbytes = T * 32768 * 128 * 2
         us(f"count T={T}: scores alone", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
+        want = indexer.index_topk(q, w, keys, cand, 512, select="levels").sort(-1).values
         for label, mod in variants.items():
+            fine, coarse, counts = mod._hist_workspace(torch.device("cuda"))
             us(
                 f"count T={T}: scores + counts, {label}",
-                lambda m=mod: m._scores(q, w, keys, cand, hist=(fine, coarse)),  # noqa: B023
+                lambda m=mod, f=fine, c=coarse: m._scores(q, w, keys, cand, hist=(f, c)),  # noqa: B023
                 nbytes=nbytes,
             )
             for ws in (fine, coarse, counts):
                 ws.zero_()
-        us(f"count T={T}: index_topk unsorted", lambda: indexer.index_topk(q, w, keys, cand, 512, sort=False))  # noqa: B023
-    # when does each row's last score program end? (globaltimer at each program's start and end,
-    # written where the coarse counts would be flushed; no counting)
-    flush = "tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem=\"relaxed\")"
-    timed = _indexer_variant("timed", (), (
-        ("    chain_start(PDL)\n    pid_c", "    chain_start(PDL)\n    t_start = globaltimer()\n    pid_c"),
-        (flush, "tp = coarse_ptr.to(tl.pointer_type(tl.int64)) + (t * tl.num_programs(0) + pid_c) * 2\n"
-                "        tl.store(tp, t_start)\n        tl.store(tp + 1, globaltimer())"),
-        ("from dsv4.ops.kv_fp8 import", "from triton.language.extra.cuda import globaltimer\nfrom dsv4.ops.kv_fp8 import"),
-        ("            tl.atomic_add(fine, 1, mask=vis, sem=\"relaxed\")\n", ""),
-        ("            coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)\n", ""),
-    ))
-    T = 16
-    q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-    stamps = torch.zeros(T * 4096, 2, dtype=torch.int64, device="cuda")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").zero_()
-        timed._scores(q, w, keys, cand, hist=(fine, stamps.view(torch.int32)))
-    torch.cuda.synchronize()
-    skey = indexer._scores(q, w, keys, cand)
-    n_prog = T * 32768 // 64 // 16  # TILES = 16 at T=16 (checked below)
-    st = stamps[:n_prog].view(T, -1, 2).cpu()
-    assert (st[..., 1] > 0).all(), "not every program stamped (TILES != 16?)"
-    t0 = int(st[..., 0].min())
-    print(f"score kernel T=16: {st.shape[1]} programs a row, span {(int(st[..., 1].max()) - t0) / 1e3:.2f} us")
-    for r in range(T):
-        s_, e_ = st[r, :, 0] - t0, st[r, :, 1] - t0
-        print(f"  row {r:2d}: programs start {int(s_.min()) / 1e3:6.2f}..{int(s_.max()) / 1e3:6.2f} us, "
-              f"end {int(e_.min()) / 1e3:6.2f}..{int(e_.max()) / 1e3:6.2f} us")
-    del skey
+            if label in ("coarse only", "fine only"):
+                continue
+            got = mod.index_topk(q, w, keys, cand, 512, sort=False)
+            print(f"  {label}: the same set as levels: {bool((got.sort(-1).values == want).all())}")
+            us(f"count T={T}: index_topk unsorted, {label}",
+               lambda m=mod: m.index_topk(q, w, keys, cand, 512, sort=False), nbytes=nbytes)  # noqa: B023
 
 
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))

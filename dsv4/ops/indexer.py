@@ -18,7 +18,7 @@ Kernels:
                         S^T = K . Q[Hi, d]^T on tensor cores, relu, weighted sum over heads, and write
                         each score as an order-preserving int32 key (-inf / not visible -> INT32_MIN);
                         for the hist select also count each key into its token's histograms of the
-                        key's top 16 bits (global atomics) and top 8 bits (one flush per program).
+                        key's top 16 bits (global atomics) and top 6 bits (one flush per program).
   _index_hist_select_kernel  (decode rows of <= HIST_MAX_TOKENS tokens longer than one segment)
                         per (segment, token): the bin of the k-th largest key from the counts, then
                         the segment's keys above that bin (winners) and in it (candidates) filed to
@@ -58,7 +58,11 @@ INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-
 PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
 HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a key (unsigned order)
-COARSE_BINS = tl.constexpr(256)  # and coarse bins, the top 8 bits
+COARSE_BINS = tl.constexpr(64)  # and coarse bins, the top 6 bits (a tl.histogram per tile: 256
+# bins cost the T=16 score kernel 3.7 us more than none)
+FINE_PER_COARSE = tl.constexpr(HIST_BINS.value // COARSE_BINS.value)
+COARSE_SHIFT = tl.constexpr(32 - (COARSE_BINS.value.bit_length() - 1))  # key bits below a coarse bin
+ZERO_W = tl.constexpr(4096 // COARSE_BINS.value)  # fine bins of each coarse bin zeroed per store
 HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace holds this many;
 # at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
@@ -79,7 +83,7 @@ def _index_score_kernel(
     idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
     out_ptr,  # [T, C] int32 order-preserving score keys
     hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
-    coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top 8 bits
+    coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top bits
     C,
     Hi,
     d,
@@ -168,7 +172,7 @@ def _index_score_kernel(
             u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order
             fine = hist_ptr + row_t * HIST_BINS + (u >> 16).to(tl.int32)
             tl.atomic_add(fine, 1, mask=vis, sem="relaxed")
-            coarse += tl.histogram((u >> 24).to(tl.int32), COARSE_BINS, mask=vis)
+            coarse += tl.histogram((u >> COARSE_SHIFT).to(tl.int32), COARSE_BINS, mask=vis)
 
     for i in range(n_live, TILES):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -444,7 +448,7 @@ def _index_hist_select_kernel(
     NSEG: tl.constexpr = 1,  # not SORT: segments of a row, rounded up to a power of 2
     CAND: tl.constexpr = 128,  # not SORT: threshold-bin candidates ranked in registers up to this
 ):
-    # read 2 * COARSE_BINS counts + BLOCK_L keys ; write the winners and candidates among them
+    # read COARSE_BINS + FINE_PER_COARSE counts + BLOCK_L keys ; write the winners and candidates among them
     # (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the used bins
     seg = tl.program_id(0)
     t = tl.program_id(1)
@@ -458,13 +462,14 @@ def _index_hist_select_kernel(
     offs_b = tl.arange(0, COARSE_BINS)
     coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
     cb, above_c = _threshold_bin(coarse, K, COARSE_BINS)
+    offs_f = tl.arange(0, FINE_PER_COARSE)
     fine = tl.load(
-        hist_ptr + t64 * HIST_BINS + cb * COARSE_BINS + offs_b,
-        mask=offs_b < tl.where(cb >= 0, COARSE_BINS, 0),  # (no bool & scalar: interpreter)
+        hist_ptr + t64 * HIST_BINS + cb * FINE_PER_COARSE + offs_f,
+        mask=offs_f < tl.where(cb >= 0, FINE_PER_COARSE, 0),  # (no bool & scalar: interpreter)
         other=0,
     )
-    fb, above_f = _threshold_bin(fine, K - above_c, COARSE_BINS)
-    thr_bin = tl.where(cb >= 0, cb * COARSE_BINS + fb, -1)  # -1: fewer than K visible, all win
+    fb, above_f = _threshold_bin(fine, K - above_c, FINE_PER_COARSE)
+    thr_bin = tl.where(cb >= 0, cb * FINE_PER_COARSE + fb, -1)  # -1: fewer than K visible, all win
     n_win = above_c + above_f
 
     # ---- file this segment's winners (bin above) and candidates (the bin), position order kept
@@ -514,12 +519,12 @@ def _index_hist_select_kernel(
         else:
             _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * tl.num_programs(0), out_row, n_win,
                        n_cand, C, K, tl.num_programs(0), BLOCK_K, NSEG, CAND)  # fmt: skip
-        # the fine bins of every coarse bin in use (16 fine bins of each a store), the coarse bins
-        # and the counts
-        offs_16 = tl.arange(0, 16)
-        fine_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * COARSE_BINS + offs_16[None, :]
-        for f0 in range(0, COARSE_BINS, 16):
-            zero = tl.zeros([COARSE_BINS, 16], tl.int32)
+        # the fine bins of every coarse bin in use (ZERO_W of each a store), the coarse bins and
+        # the counts
+        offs_z = tl.arange(0, ZERO_W)
+        fine_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * FINE_PER_COARSE + offs_z[None, :]
+        for f0 in range(0, FINE_PER_COARSE, ZERO_W):
+            zero = tl.zeros([COARSE_BINS, ZERO_W], tl.int32)
             tl.store(fine_at + f0, zero, mask=(coarse != 0)[:, None])
         tl.store(coarse_ptr + t64 * COARSE_BINS + offs_b, tl.zeros([COARSE_BINS], tl.int32))
         tl.store(count, tl.zeros([], tl.int64))
