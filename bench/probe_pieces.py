@@ -1718,8 +1718,12 @@ def probe_count_cost() -> None:
         "both": indexer,
         "coarse only": _indexer_variant("nofine", (fine_line,)),
         "fine only": _indexer_variant("nocoarse", (coarse_line,)),
-        "both, 16 coarse bins": _indexer_variant("c16", (), ((width, "COARSE_BINS = tl.constexpr(16)"),)),
-        "both, 256 coarse bins": _indexer_variant("c256", (), ((width, "COARSE_BINS = tl.constexpr(256)"),)),
+        "both, 16 coarse bins": _indexer_variant(
+            "c16", (), ((width, "COARSE_BINS = tl.constexpr(16)"),)
+        ),
+        "both, 256 coarse bins": _indexer_variant(
+            "c256", (), ((width, "COARSE_BINS = tl.constexpr(256)"),)
+        ),
     }
     for T in (1, 16):
         q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
@@ -1739,8 +1743,11 @@ def probe_count_cost() -> None:
                 continue
             got = mod.index_topk(q, w, keys, cand, 512, sort=False)
             print(f"  {label}: the same set as levels: {bool((got.sort(-1).values == want).all())}")
-            us(f"count T={T}: index_topk unsorted, {label}",
-               lambda m=mod: m.index_topk(q, w, keys, cand, 512, sort=False), nbytes=nbytes)  # noqa: B023
+            us(
+                f"count T={T}: index_topk unsorted, {label}",
+                lambda m=mod: m.index_topk(q, w, keys, cand, 512, sort=False),
+                nbytes=nbytes,
+            )  # noqa: B023
 
 
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))

@@ -61,7 +61,9 @@ HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a 
 COARSE_BINS = tl.constexpr(64)  # and coarse bins, the top 6 bits (a tl.histogram per tile: 256
 # bins cost the T=16 score kernel 3.7 us more than none)
 FINE_PER_COARSE = tl.constexpr(HIST_BINS.value // COARSE_BINS.value)
-COARSE_SHIFT = tl.constexpr(32 - (COARSE_BINS.value.bit_length() - 1))  # key bits below a coarse bin
+COARSE_SHIFT = tl.constexpr(
+    32 - (COARSE_BINS.value.bit_length() - 1)
+)  # key bits below a coarse bin
 ZERO_W = tl.constexpr(4096 // COARSE_BINS.value)  # fine bins of each coarse bin zeroed per store
 HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace holds this many;
 # at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
