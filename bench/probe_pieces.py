@@ -1750,6 +1750,31 @@ def probe_count_cost() -> None:
             )  # noqa: B023
 
 
+def probe_tail_sweep() -> None:
+    # the hist select after the scores at T=16 / 8, 128K, unsorted (the model's form): keys per
+    # select program, warps, and launching it early (PDL), all against the levels select's set
+    fine, coarse, _ = indexer._hist_workspace(torch.device("cuda"))
+    for T in (16, 8):
+        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+        want = indexer.index_topk(q, w, keys, cand, 512, select="levels").sort(-1).values
+        out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
+        us(
+            f"tail T={T}: index_topk unsorted (default)",
+            lambda: indexer.index_topk(q, w, keys, cand, 512, sort=False),
+        )  # noqa: B023
+        for seg in (2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                for early in (False, True):
+
+                    def run(s=seg, n=warps, e=early) -> None:
+                        sk = indexer._scores(q, w, keys, cand, hist=(fine, coarse))  # noqa: B023
+                        indexer._hist_select(sk, out, s, n, early=e, sort=False)  # noqa: B023
+
+                    run()
+                    same = bool((out.sort(-1).values == want).all())
+                    us(f"tail T={T}: segment {seg}, {warps} warps, early {early}, same {same}", run)
+
+
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
@@ -1762,7 +1787,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
