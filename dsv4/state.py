@@ -314,7 +314,7 @@ class Batch:
         # rows before the entries: the window rings (+ the new tokens' K=V)
         base = self.max_seqs * args.window_size + (0 if self.decode else self.num_tokens)
         if decode_lists.FUSED and self.graph_len and self.positions.is_cuda:
-            decode_lists.fill(self, args.window_size, csa, hca, base)
+            self.file_lists(decode_lists.fill(self, args.window_size, csa, hca, base), base)
             return
         self.window_idxs(args.window_size, ring_only=self.decode)
         self.ring_writes(args.window_size)
@@ -330,6 +330,21 @@ class Batch:
                 self.entry_idxs(m, base)
             else:  # HCA: one key list for every HCA layer
                 self.attention_idxs(args.window_size, m, base)
+
+    def file_lists(self, lists: decode_lists.DecodeLists, base: int) -> None:
+        """Memoize the one-launch lists (`decode_lists.fill`) under the keys the builders below
+        memoize them by, so every layer finds them (tests/ops/test_decode_lists.py checks the keys
+        against the builders')."""
+        window = lists.window.shape[1]
+        c = self._cache
+        c[("win", window, True)] = lists.window
+        c[("ring", window)] = lists.ring_writes
+        for k in lists.kinds:
+            c[("close", k.ratio, k.overlap)] = k.closing
+            c[("close_ring", k.ratio, k.overlap)] = k.closing_ring
+            c[("ring", 2 * k.ratio if k.overlap else k.ratio)] = k.ring_writes
+            c[("vis", k.ratio)] = k.visible
+            c[("entries", k.ratio, base) if k.overlap else ("attn", window, k.ratio, base)] = k.keys
 
     @property
     def num_tokens(self) -> int:

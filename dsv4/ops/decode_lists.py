@@ -4,8 +4,8 @@ A CUDA-graph decode step (`Batch.build_static`) replays the index arithmetic of 
 step: the window rows, the ring writes, the windows a token closes, the visible compressed entries
 and the attention's key rows, each as a chain of small torch ops (~150 of them at batch 1 for a
 sliding + CSA + HCA model, counted on the CPU). This kernel writes the same lists, one program per
-(token, chunk of 1024 entries), and `fill` stores them under the keys `Batch`'s builders memoize them by. The builders are
-the reference: `tests/ops/test_decode_lists.py` checks every list against them, entry for entry.
+(token, chunk of 1024 entries); `Batch.prepare` files them under its builders' keys. The builders
+are the reference: `tests/ops/test_decode_lists.py` checks every list against them, entry for entry.
 
 Only the static decode form (one token per sequence, graph_len > 0) is covered: there every list
 has a shape fixed by the batch size and graph_len. `selected_rows` is the CSA layers' per-layer
@@ -14,6 +14,8 @@ one launch where the builder takes three (remainder, gather, cat); any batch.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -133,11 +135,35 @@ def _decode_lists_kernel(
               b_vis, b_cring, b_keys, W + CB, W, MB, False, CB, False, BLOCK, CHUNK)  # fmt: skip
 
 
-def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base: int) -> None:  # noqa: ANN001
-    """Compute the static decode `batch`'s shared lists in one launch and memoize them on it under
-    the keys of `Batch.window_idxs(window, True)`, `ring_writes`, `closing_windows`,
-    `closing_ring_rows`, `visible_entries`, `entry_idxs(csa_ratio, base)` and
-    `attention_idxs(window, hca_ratio, base)` (a ratio of None: no layer of that kind)."""
+class KindLists(NamedTuple):
+    """One compressed kind's lists, as `Batch`'s builders give them."""
+
+    ratio: int
+    overlap: bool  # CSA (else HCA)
+    closing: tuple  # `closing_windows(ratio, overlap)`: (token, entry w, pool row of w, rows)
+    closing_ring: torch.Tensor  # `closing_ring_rows(ratio, overlap)`
+    ring_writes: tuple  # `ring_writes(2 * ratio if overlap else ratio)`: (token, rows)
+    visible: tuple  # `visible_entries(ratio)`: (rows, counts)
+    keys: (
+        torch.Tensor
+    )  # CSA: `entry_idxs(ratio, base)` ; HCA: `attention_idxs(window, ratio, base)`
+
+
+class DecodeLists(NamedTuple):
+    """A static decode step's shared lists (`Batch.prepare` files them under its builders' keys)."""
+
+    window: torch.Tensor  # `window_idxs(window, ring_only=True)`
+    ring_writes: tuple  # `ring_writes(window)`: (token, rows)
+    kinds: list  # KindLists of the kinds present (CSA, then HCA)
+
+
+def fill(
+    batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base: int
+) -> DecodeLists:  # noqa: ANN001
+    """The static decode `batch`'s shared lists in one launch: what `Batch.window_idxs(window,
+    True)`, `ring_writes`, `closing_windows`, `closing_ring_rows`, `visible_entries`,
+    `entry_idxs(csa_ratio, base)` and `attention_idxs(window, hca_ratio, base)` build (a ratio of
+    None: no layer of that kind)."""
     assert batch.graph_len > 0 and batch.decode, "decode_lists: a static decode batch only"
     assert window & (window - 1) == 0, f"window {window} must be a power of 2"
     T, dev = batch.num_tokens, batch.positions.device
@@ -170,22 +196,16 @@ def fill(batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base:
             HAS_B=b is not None, MB=b[0] if b else 1, CB=b[3] if b else 1, BLOCK=BLOCK,
             CHUNK=CHUNK, num_warps=4, **chain(dev),
         )  # fmt: skip
-    cache = batch._cache
-    cache[("win", window, True)] = win
-    cache[("ring", window)] = (tok, wring)
-    for kind, ratio in zip(kinds, (csa_ratio, hca_ratio)):
+    out = []
+    for kind in kinds:
         if kind is None:
             continue
         m, overlap, S, C, close, rows, ring, vis, cring, keys = kind
         w, dest, count = close[0], close[1], close[2]
-        cache[("close", m, overlap)] = (tok, w, dest, rows)
-        cache[("close_ring", m, overlap)] = cring
-        cache[("ring", S)] = (tok, ring)
-        cache[("vis", m)] = (vis, count)
-        if overlap:
-            cache[("entries", ratio, base)] = keys
-        else:
-            cache[("attn", window, ratio, base)] = keys
+        out.append(
+            KindLists(m, overlap, (tok, w, dest, rows), cring, (tok, ring), (vis, count), keys)
+        )
+    return DecodeLists(win, (tok, wring), out)
 
 
 @triton.jit

@@ -73,7 +73,7 @@ def test_fill_equals_the_builders(
     ratios = {True: a.csa_ratio if CSA in layer_types else None,
               False: a.hca_ratio if HCA in layer_types else None}  # fmt: skip
     base = st.max_seqs * a.window_size
-    decode_lists.fill(b, a.window_size, ratios[True], ratios[False], base)
+    b.file_lists(decode_lists.fill(b, a.window_size, ratios[True], ratios[False], base), base)
     got = {k: v for k, v in b._cache.items() if k[0] != "tok"}
     # every list the builders memoize, but the HCA entry list that attention_idxs builds on the way
     want = {k: v for k, v in want.items() if k[0] != "tok" and k != ("entries", a.hca_ratio, base)}
@@ -125,7 +125,7 @@ def test_gpu_fill_equals_the_builders(graph_len: int):
     b = Batch.build_static(s, p, st, graph_len)
     a = st.args
     base = st.max_seqs * a.window_size
-    decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, base)
+    b.file_lists(decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, base), base)
     # (not the HCA entry list that attention_idxs builds on the way)
     for key in (k for k in want if k[0] != "tok" and k != ("entries", a.hca_ratio, base)):
         assert _equal(b._cache[key], want[key]), key
