@@ -1798,9 +1798,9 @@ def probe_moe_gemv_gluon() -> None:
             ("triton gemv", lambda: moe.moe_experts(x, weights, idx, experts, gemv=True)),  # noqa: B023
             ("default path", lambda: moe.moe_experts(x, weights, idx, experts)),
         ]  # noqa: B023
-        for bn, bk, nw, mr in ((8, 512, 2, None), (8, 512, 2, 128), (16, 512, 4, None),
-                               (8, 1024, 2, None), (16, 1024, 4, None), (8, 256, 1, None),
-                               (4, 512, 2, None), (16, 512, 2, None), (8, 512, 4, None)):  # fmt: skip
+        for bn, bk, nw, mr in ((8, 512, 2, None), (16, 512, 2, None), (16, 512, 2, 128),
+                               (32, 512, 2, None), (32, 512, 4, None), (16, 1024, 2, None),
+                               (32, 1024, 4, None), (16, 256, 1, None), (32, 256, 2, None)):  # fmt: skip
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "maxnreg": mr}
             variants.append(
                 (f"gluon gemv {bn}x{bk} {nw} warps maxnreg={mr}", lambda c=cfg: gluon_run(c))

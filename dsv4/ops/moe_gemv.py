@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from dsv4.ops.device import chain, chain_start
 
 # tiles: BLOCK_N weight rows per program, BLOCK_K columns per step (BLOCK_K / 32 threads of a warp
-# along a row, each 4 words), warps. Not yet measured against the Triton GEMV's tiles
+# along a row, each 4 words), warps
 CONFIG = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
 W1, W3, W2 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # rows of the address table
 S1, S3, S2 = gl.constexpr(3), gl.constexpr(4), gl.constexpr(5)
@@ -49,32 +49,41 @@ WORDS_ASM = gl.constexpr(_words_asm())
 
 
 @gluon.jit
+def _bf16_pair(v):  # noqa: ANN001, ANN202
+    # int32 of two bf16 (low half first) -> their fp32 values
+    return (v << 16).to(gl.float32, bitcast=True), (v & -65536).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _x_step(x_row, k0, offs_w):  # noqa: ANN001, ANN202
-    # the step's x in the words' column layout: 8 fp32 [BK8], the i-th holding x[k0 + 8w + i] (each
-    # thread the x of its own words)
-    xa = x_row + k0 + 8 * offs_w
-    return (gl.load(xa).to(gl.float32), gl.load(xa + 1).to(gl.float32),
-            gl.load(xa + 2).to(gl.float32), gl.load(xa + 3).to(gl.float32),
-            gl.load(xa + 4).to(gl.float32), gl.load(xa + 5).to(gl.float32),
-            gl.load(xa + 6).to(gl.float32), gl.load(xa + 7).to(gl.float32))  # fmt: skip
+    # the step's x in the words' column layout: 8 fp32 [G, 4] (word w = 4g + j), the i-th holding
+    # x[k0 + 8w + i] (each thread the x of its own words, as two 8-byte loads a word)
+    xq = (x_row + k0).to(gl.pointer_type(gl.int64)) + 2 * offs_w
+    lo = gl.load(xq)
+    hi = gl.load(xq + 1)
+    x0, x1 = _bf16_pair(lo.to(gl.int32))
+    x2, x3 = _bf16_pair((lo >> 32).to(gl.int32))
+    x4, x5 = _bf16_pair(hi.to(gl.int32))
+    x6, x7 = _bf16_pair((hi >> 32).to(gl.int32))
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @gluon.jit
 def _word_sums(words, xs):  # noqa: ANN001, ANN202
-    # words [BN, BK8] int32 (8 codes each, column 8w + i in nibble i), xs (`_x_step`) -> per word
+    # words [BN, G, 4] int32 (8 codes each, column 8w + i in nibble i), xs (`_x_step`) -> per word
     # sum_i code_i * x[8w + i], fp32 (times 2^-14)
     c0, c1, c2, c3, c4, c5, c6, c7 = gl.inline_asm_elementwise(
         WORDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(gl.float32,) * 8,
         is_pure=True, pack=1,
     )  # fmt: skip
-    t = c0 * xs[0][None, :]
-    t += c1 * xs[1][None, :]
-    t += c2 * xs[2][None, :]
-    t += c3 * xs[3][None, :]
-    t += c4 * xs[4][None, :]
-    t += c5 * xs[5][None, :]
-    t += c6 * xs[6][None, :]
-    t += c7 * xs[7][None, :]
+    t = c0 * xs[0][None]
+    t += c1 * xs[1][None]
+    t += c2 * xs[2][None]
+    t += c3 * xs[3][None]
+    t += c4 * xs[4][None]
+    t += c5 * xs[5][None]
+    t += c6 * xs[6][None]
+    t += c7 * xs[7][None]
     return t
 
 
@@ -115,15 +124,19 @@ def _gemv_kernel(
     chain_start(PDL)
     # read BLOCK_N rows of W1 and W3 (or W2): K/2 + K/32 bytes each, + one x row ; write BLOCK_N
     NW: gl.constexpr = gl.num_warps()
-    BK8: gl.constexpr = BLOCK_K // 8
-    TPW_K: gl.constexpr = BK8 // 4
-    L: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_K, TPW_K], [NW, 1], [1, 0])
+    G: gl.constexpr = BLOCK_K // 32  # scale groups a step: a thread's 4 words are one group
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [32 // G, G, 1], [NW, 1, 1], [2, 1, 0])
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [BN, G]: a scale, a group's sum
+    LX: gl.constexpr = gl.SliceLayout(0, L3)  # [G, 4]: the step's words of a row (their x)
     p = gl.program_id(0)
     pid_n = gl.program_id(1)
     e = gl.load(idx_ptr + p).to(gl.int64)
 
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L))
-    offs_w = gl.arange(0, BK8, layout=gl.SliceLayout(0, L))
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LS))
+    offs_g = gl.arange(0, G, layout=gl.SliceLayout(0, LS))
+    offs_xg = gl.arange(0, G, layout=gl.SliceLayout(1, LX))
+    offs_xj = gl.arange(0, 4, layout=gl.SliceLayout(0, LX))
+    offs_w = 4 * offs_xg[:, None] + offs_xj[None, :]  # [G, 4] word of the step
     n_ok = (offs_n < N)[:, None]
     if GATE_UP:
         wa = wbase_ptr + gl.load(tbl_ptr + W1 * E + e) * 16
@@ -136,21 +149,21 @@ def _gemv_kernel(
         wb, sb = wa, sa
     wa = wa.to(gl.pointer_type(gl.int32))
     wb = wb.to(gl.pointer_type(gl.int32))
-    w_offs = offs_n[:, None] * stride_w + offs_w[None, :]  # the step's words of each row
-    s_offs = offs_n[:, None] * stride_s + (offs_w // 4)[None, :]  # each word's scale byte
+    w_offs = (offs_n * stride_w)[:, None, None] + offs_w[None, :, :]  # [BN, G, 4] words of a step
+    s_offs = offs_n[:, None] * stride_s + offs_g[None, :]  # [BN, G] scale bytes of a step
     x_row = x_ptr + (p // TOPK).to(gl.int64) * stride_xt
 
-    acc_a = gl.zeros([BLOCK_N, BK8], gl.float32, layout=L)
-    acc_b = gl.zeros([BLOCK_N, BK8], gl.float32, layout=L)
+    acc_a = gl.zeros([BLOCK_N, G], gl.float32, layout=LS)
+    acc_b = gl.zeros([BLOCK_N, G], gl.float32, layout=LS)
     for k0 in range(0, K, BLOCK_K):
         xs = _x_step(x_row, k0, offs_w)
-        words = gl.load((wa + k0 // 8) + w_offs, mask=n_ok, other=0)
+        words = gl.load((wa + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
         sc = gl.load((sa + k0 // 32) + s_offs, mask=n_ok, other=0)
-        acc_a += _word_sums(words, xs) * _scale(sc)
+        acc_a += gl.sum(_word_sums(words, xs), axis=2) * _scale(sc)
         if GATE_UP:
-            words = gl.load((wb + k0 // 8) + w_offs, mask=n_ok, other=0)
+            words = gl.load((wb + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
             sc = gl.load((sb + k0 // 32) + s_offs, mask=n_ok, other=0)
-            acc_b += _word_sums(words, xs) * _scale(sc)
+            acc_b += gl.sum(_word_sums(words, xs), axis=2) * _scale(sc)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
     ok = offs_n < N
