@@ -1798,13 +1798,13 @@ def probe_moe_gemv_gluon() -> None:
             ("triton gemv", lambda: moe.moe_experts(x, weights, idx, experts, gemv=True)),  # noqa: B023
             ("default path", lambda: moe.moe_experts(x, weights, idx, experts)),
         ]  # noqa: B023
-        for bn, bk, nw, mr in ((8, 512, 2, None), (16, 512, 2, None), (16, 512, 2, 128),
-                               (32, 512, 2, None), (32, 512, 4, None), (16, 1024, 2, None),
-                               (32, 1024, 4, None), (16, 256, 1, None), (32, 256, 2, None)):  # fmt: skip
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "maxnreg": mr}
-            variants.append(
-                (f"gluon gemv {bn}x{bk} {nw} warps maxnreg={mr}", lambda c=cfg: gluon_run(c))
-            )
+        for bn, bk, nw, mr, pf in ((8, 512, 2, None, False), (8, 512, 2, None, True),
+                                   (8, 512, 2, 128, True), (16, 512, 2, None, True),
+                                   (32, 512, 4, None, True), (8, 256, 1, None, True),
+                                   (16, 256, 2, None, True), (8, 1024, 4, None, True)):  # fmt: skip
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "maxnreg": mr, "PREFETCH": pf}
+            name = f"gluon gemv {bn}x{bk} {nw} warps maxnreg={mr} prefetch={pf}"
+            variants.append((name, lambda c=cfg: gluon_run(c)))
         for _ in range(2):  # twice: the spread between repeats
             for name, fn in variants:
                 got = fn()

@@ -88,6 +88,20 @@ def _word_sums(words, xs):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
+def _step_loads(x_row, wa, wb, sa, sb, w_offs, s_offs, n_ok, offs_w, k0, GATE_UP: gl.constexpr):  # noqa: ANN001, ANN202
+    # one step's x, the words and scales of W1 (W2), and of W3 (gate-up; else W1's again)
+    xs = _x_step(x_row, k0, offs_w)
+    words_a = gl.load((wa + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
+    sc_a = gl.load((sa + k0 // 32) + s_offs, mask=n_ok, other=0)
+    if GATE_UP:
+        words_b = gl.load((wb + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
+        sc_b = gl.load((sb + k0 // 32) + s_offs, mask=n_ok, other=0)
+    else:
+        words_b, sc_b = words_a, sc_a
+    return xs, words_a, sc_a, words_b, sc_b
+
+
+@gluon.jit
 def _scale(s):  # noqa: ANN001, ANN202
     # e8m0 scale bytes -> fp32 2^(S-127) times 2^14, which the decode leaves out (S <= 240)
     return ((s.to(gl.int32) + 14) << 23).to(gl.float32, bitcast=True)
@@ -119,6 +133,7 @@ def _gemv_kernel(
     TOPK: gl.constexpr,  # gate-up: pair p reads x row p // TOPK
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
+    PREFETCH: gl.constexpr = False,  # load the next step before this step's math
     PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
     chain_start(PDL)
@@ -155,15 +170,21 @@ def _gemv_kernel(
 
     acc_a = gl.zeros([BLOCK_N, G], gl.float32, layout=LS)
     acc_b = gl.zeros([BLOCK_N, G], gl.float32, layout=LS)
-    for k0 in range(0, K, BLOCK_K):
-        xs = _x_step(x_row, k0, offs_w)
-        words = gl.load((wa + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
-        sc = gl.load((sa + k0 // 32) + s_offs, mask=n_ok, other=0)
-        acc_a += gl.sum(_word_sums(words, xs), axis=2) * _scale(sc)
+    if PREFETCH:  # the next step's words, scales and x load before this step's math
+        nxt = _step_loads(x_row, wa, wb, sa, sb, w_offs, s_offs, n_ok, offs_w, 0, GATE_UP)
+    n_steps = K // BLOCK_K
+    for step in range(n_steps):
+        k0 = step * BLOCK_K  # (a multiple of BLOCK_K the compiler sees: 16-byte word loads)
+        if PREFETCH:  # (past the last step: step 0 again, unused)
+            cur = nxt
+            kn = (step + 1) % n_steps * BLOCK_K
+            nxt = _step_loads(x_row, wa, wb, sa, sb, w_offs, s_offs, n_ok, offs_w, kn, GATE_UP)
+        else:
+            cur = _step_loads(x_row, wa, wb, sa, sb, w_offs, s_offs, n_ok, offs_w, k0, GATE_UP)
+        xs, words_a, sc_a, words_b, sc_b = cur
+        acc_a += gl.sum(_word_sums(words_a, xs), axis=2) * _scale(sc_a)
         if GATE_UP:
-            words = gl.load((wb + k0 // 8) + w_offs, mask=n_ok[:, :, None], other=0)
-            sc = gl.load((sb + k0 // 32) + s_offs, mask=n_ok, other=0)
-            acc_b += gl.sum(_word_sums(words, xs), axis=2) * _scale(sc)
+            acc_b += gl.sum(_word_sums(words_b, xs), axis=2) * _scale(sc_b)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
     ok = offs_n < N
@@ -216,6 +237,7 @@ def experts(
     bn, bk, warps = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
     assert D % bk == 0 and I % bk == 0 and 32 <= bk <= 1024, f"BLOCK_K {bk} vs dim {D}, inter {I}"
     opts = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    opts["PREFETCH"] = cfg.get("PREFETCH", False)
     tbl = (table.offs, table.wbase, table.sbase)
     _gemv_kernel[(P, triton.cdiv(I, bn))](
         x, rw, idx, *tbl, h, I, D, E, limit, x.stride(0), h.stride(0), D // 8, D // 32,
