@@ -1775,44 +1775,6 @@ def probe_tail_sweep() -> None:
                     us(f"tail T={T}: segment {seg}, {warps} warps, early {early}, same {same}", run)
 
 
-def probe_moe_gemv_gluon() -> None:
-    # batch 1 / 2 (6 / 12 pairs): the Gluon GEMV (x loaded in the words' layout, no shared memory)
-    # at several tiles, against the Triton GEMV form and the default path, each checked against
-    # the reference
-    from dsv4.ops import moe, moe_gemv
-
-    experts = _moe_experts()
-    table = moe.expert_table(experts)
-    e0 = experts[0]
-    copy_floor("copy_ 128 MiB", 128 << 20)
-    for T in (1, 2):
-        x, weights, idx, nbytes = _moe_tokens(T, experts)
-        want = ref.moe_experts(x, weights, idx, experts)
-
-        def gluon_run(cfg):  # noqa: ANN001, ANN202
-            rw = weights.reshape(-1).float().contiguous()  # noqa: B023
-            out = moe_gemv.experts(x, rw, idx.reshape(-1), table, 6, 2048, float(e0.limit), cfg)  # noqa: B023
-            return moe.sum_slots(out, 6)
-
-        variants = [
-            ("triton gemv", lambda: moe.moe_experts(x, weights, idx, experts, gemv=True)),  # noqa: B023
-            ("default path", lambda: moe.moe_experts(x, weights, idx, experts)),
-        ]  # noqa: B023
-        for bn, bk, nw, mr, pf in ((8, 512, 2, None, False), (8, 512, 2, None, True),
-                                   (8, 512, 2, 128, True), (16, 512, 2, None, True),
-                                   (32, 512, 4, None, True), (8, 256, 1, None, True),
-                                   (16, 256, 2, None, True), (8, 1024, 4, None, True)):  # fmt: skip
-            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "maxnreg": mr, "PREFETCH": pf}
-            name = f"gluon gemv {bn}x{bk} {nw} warps maxnreg={mr} prefetch={pf}"
-            variants.append((name, lambda c=cfg: gluon_run(c)))
-        for _ in range(2):  # twice: the spread between repeats
-            for name, fn in variants:
-                got = fn()
-                err = float((got - want).norm() / want.norm())
-                us(f"moe T={T} {name}", fn, nbytes=nbytes,
-                   note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
-
-
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
@@ -1825,7 +1787,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "moe_gemv_gluon": probe_moe_gemv_gluon}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
