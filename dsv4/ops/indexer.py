@@ -55,7 +55,7 @@ from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
-PDL_MAX_PROGRAMS = 32  # levels select grids up to this size launch early (see index_topk)
+PDL_MAX_PROGRAMS = 32  # sorted select grids up to this size launch early (see index_topk)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
 HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a key (unsigned order)
 COARSE_BINS = tl.constexpr(64)  # and coarse bins, the top 6 bits (a tl.histogram per tile: 256
@@ -555,12 +555,13 @@ def _hist_select(
     out: torch.Tensor,
     segment: int,
     warps: int,
-    early: bool = True,
+    early: bool | None = None,
     sort: bool = True,
 ) -> None:
     """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
-    (early: launch it while the score kernel runs, its programs waiting there: 0.8 us less at
-    T = 8 and 16, 128K, H200; bench/probe_pieces.py tail_sweep. sort=False: the
+    (early: launch it while the score kernel runs, its programs waiting there; by default when
+    unsorted -- 0.8 us less at T = 8 and 16, 128K, H200, bench/probe_pieces.py tail_sweep -- or a
+    small grid: sorted at T=16 it cost 5.8 us, bench ops. sort=False: the
     winners in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
@@ -580,7 +581,7 @@ def _hist_select(
         NSEG=triton.next_power_of_2(n_seg),
         CAND=HIST_CAND,
         PDL=griddep,
-        launch_pdl=griddep and early,
+        launch_pdl=griddep and (not sort or n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
         num_warps=warps,
     )  # fmt: skip
 
