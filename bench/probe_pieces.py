@@ -1775,6 +1775,73 @@ def probe_tail_sweep() -> None:
                     us(f"tail T={T}: segment {seg}, {warps} warps, early {early}, same {same}", run)
 
 
+def probe_step_indexer() -> None:
+    # the indexer's inputs of a real bench step (Flash width, random weights, batch 16 at 128K,
+    # the state as `bench step` fills it): captured from the model's call, then index_topk on them
+    # (unsorted, as the model) with 64 coarse bins (now) and 256 (before), against the bench ops
+    # case of the same shape; with the scores' spread (fine bins in use, the threshold bin's count)
+    from dsv4.bench import step as bstep
+    from dsv4.bench.weights import fill_state_
+    from dsv4.state import Batch, DecodeState
+
+    a = bstep.parse_args(["--preset", "flash", "--ops", "triton", "--layers", "sliding,csa,hca",
+                          "--batch", "16", "--context", "131072", "--prefill", "0"])  # fmt: skip
+    bench = bstep.Bench(a)
+    batch, context = 16, 131072
+    state = DecodeState(bench.args, batch, context + 1, bench.dtype, bench.device)
+    fill_state_(state, 0)
+    ids = torch.randint(0, bench.args.vocab_size, (batch,), device="cuda")
+    captured = []
+    for layer in bench.model.layers:
+        ops = getattr(getattr(getattr(layer, "attn", None), "indexer", None), "ops", None)
+        if ops is None:
+            continue
+        inner = ops.index_topk
+
+        def grab(*args, inner=inner, **kw):  # noqa: ANN002, ANN003, ANN202
+            captured.append((tuple(t.clone() if torch.is_tensor(t) else t for t in args), kw))
+            return inner(*args, **kw)
+
+        ops.index_topk = grab
+    with torch.no_grad():
+        b = Batch.build(list(range(batch)), [context] * batch, [1] * batch, state)
+        b.prepare(bench.args)
+        bench.model(ids, b, state)
+    for layer in bench.model.layers:
+        ops = getattr(getattr(getattr(layer, "attn", None), "indexer", None), "ops", None)
+        if ops is not None:
+            ops.index_topk = indexer.index_topk
+    assert captured, "no indexer call captured"
+    args, kw = captured[0]
+    q, w, keys, cand = args[:4]
+    print(f"step indexer inputs: q {tuple(q.shape)} {q.dtype}, keys {tuple(keys.shape)}, "
+          f"cand {tuple(cand.shape)} ({int((cand >= 0).sum(1).min())}..{int((cand >= 0).sum(1).max())} "
+          f"visible), topk {args[4]}, key_scale {args[5] is not None}, scale {args[6]}, {kw}")  # fmt: skip
+    skey = indexer._scores(q, w, keys, cand, weight_scale=args[6])
+    u = (skey.to(torch.int64) + 2**31) >> 16
+    vis = cand >= 0
+    for t in (0, 15):
+        ut = u[t][vis[t]]
+        kth = ut.sort(descending=True).values[args[4] - 1]
+        print(f"  token {t}: {int(ut.unique().numel())} fine bins in use, threshold bin holds "
+              f"{int((ut == kth).sum())}, scores {float(skey[t][vis[t]].float().std()):.3g} (keys)")  # fmt: skip
+    c256 = _indexer_variant(
+        "c256", (), (("COARSE_BINS = tl.constexpr(64)", "COARSE_BINS = tl.constexpr(256)"),)
+    )
+    want = indexer.index_topk(*args, **kw).sort(-1).values
+    for label, mod in (("64 coarse bins", indexer), ("256 coarse bins", c256)):
+        got = mod.index_topk(*args, **kw).sort(-1).values
+        print(f"  {label}: the same set: {bool((got == want).all())}")
+        us(
+            f"step inputs T=16: index_topk unsorted, {label}",
+            lambda m=mod: m.index_topk(*args, **kw),
+        )
+    qb, wb, kb, cb = index_inputs(16, 64, 128, cand.shape[1], False, "cuda", True)
+    for label, mod in (("64 coarse bins", indexer), ("256 coarse bins", c256)):
+        us(f"bench inputs T=16 C={cand.shape[1]}: index_topk unsorted, {label}",
+           lambda m=mod: m.index_topk(qb, wb, kb, cb, 512, sort=False))  # fmt: skip
+
+
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
@@ -1787,7 +1854,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
