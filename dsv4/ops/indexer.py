@@ -70,6 +70,7 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
+HIST_EARLY = True  # launch the unsorted hist select early (PDL) at any grid size (an A/B switch)
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -581,7 +582,10 @@ def _hist_select(
         NSEG=triton.next_power_of_2(n_seg),
         CAND=HIST_CAND,
         PDL=griddep,
-        launch_pdl=griddep and (not sort or n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
+        launch_pdl=griddep
+        and (
+            (HIST_EARLY and not sort) or n_seg * T <= PDL_MAX_PROGRAMS if early is None else early
+        ),
         num_warps=warps,
     )  # fmt: skip
 
