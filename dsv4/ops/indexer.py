@@ -70,7 +70,10 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
-HIST_EARLY = True  # launch the unsorted hist select early (PDL) at any grid size (an A/B switch)
+# launch the unsorted hist select early (PDL) at any grid size: an A/B switch, off. In isolation
+# 0.8 us less at T = 8 / 16, 128K (tail_sweep); in the graph-replayed step (128K, batch 16, CSA
+# layer) 596.1 vs 594.5 us with a wider spread (twenty-second session, docs/PERF.md)
+HIST_EARLY = False
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -560,9 +563,8 @@ def _hist_select(
     sort: bool = True,
 ) -> None:
     """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
-    (early: launch it while the score kernel runs, its programs waiting there; by default when
-    unsorted -- 0.8 us less at T = 8 and 16, 128K, H200, bench/probe_pieces.py tail_sweep -- or a
-    small grid: sorted at T=16 it cost 5.8 us, bench ops. sort=False: the
+    (early: launch it while the score kernel runs, its programs waiting there; by default a small
+    grid, or unsorted under HIST_EARLY -- sorted at T=16 it cost 5.8 us in bench ops. sort=False: the
     winners in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
