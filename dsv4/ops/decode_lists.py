@@ -144,9 +144,8 @@ class KindLists(NamedTuple):
     closing_ring: torch.Tensor  # `closing_ring_rows(ratio, overlap)`
     ring_writes: tuple  # `ring_writes(2 * ratio if overlap else ratio)`: (token, rows)
     visible: tuple  # `visible_entries(ratio)`: (rows, counts)
-    keys: (
-        torch.Tensor
-    )  # CSA: `entry_idxs(ratio, base)` ; HCA: `attention_idxs(window, ratio, base)`
+    # CSA: `entry_idxs(ratio, base)` ; HCA: `attention_idxs(window, ratio, base)`
+    keys: torch.Tensor
 
 
 class DecodeLists(NamedTuple):
@@ -158,8 +157,12 @@ class DecodeLists(NamedTuple):
 
 
 def fill(
-    batch, window: int, csa_ratio: int | None, hca_ratio: int | None, base: int
-) -> DecodeLists:  # noqa: ANN001
+    batch,  # noqa: ANN001  (state.Batch: a static decode step)
+    window: int,
+    csa_ratio: int | None,
+    hca_ratio: int | None,
+    base: int,
+) -> DecodeLists:
     """The static decode `batch`'s shared lists in one launch: what `Batch.window_idxs(window,
     True)`, `ring_writes`, `closing_windows`, `closing_ring_rows`, `visible_entries`,
     `entry_idxs(csa_ratio, base)` and `attention_idxs(window, hca_ratio, base)` build (a ratio of

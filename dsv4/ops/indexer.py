@@ -55,15 +55,15 @@ from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
-PDL_MAX_PROGRAMS = 32  # sorted select grids up to this size launch early (see index_topk)
+PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk and HIST_EARLY)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
 HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a key (unsigned order)
-COARSE_BINS = tl.constexpr(64)  # and coarse bins, the top 6 bits (a tl.histogram per tile: 256
-# bins cost the T=16 score kernel 3.7 us more than none)
+# and coarse bins, the top 6 bits, counted by a tl.histogram per tile: with 256 bins (the top 8)
+# that cost the T=16 score kernel 3.7 us over the fine counts alone, with 64 about nothing (H200)
+COARSE_BINS = tl.constexpr(64)
 FINE_PER_COARSE = tl.constexpr(HIST_BINS.value // COARSE_BINS.value)
-COARSE_SHIFT = tl.constexpr(
-    32 - (COARSE_BINS.value.bit_length() - 1)
-)  # key bits below a coarse bin
+# key bits below a coarse bin
+COARSE_SHIFT = tl.constexpr(32 - (COARSE_BINS.value.bit_length() - 1))
 ZERO_W = tl.constexpr(4096 // COARSE_BINS.value)  # fine bins of each coarse bin zeroed per store
 HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace holds this many;
 # at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
@@ -454,8 +454,9 @@ def _index_hist_select_kernel(
     NSEG: tl.constexpr = 1,  # not SORT: segments of a row, rounded up to a power of 2
     CAND: tl.constexpr = 128,  # not SORT: threshold-bin candidates ranked in registers up to this
 ):
-    # read COARSE_BINS + FINE_PER_COARSE counts + BLOCK_L keys ; write the winners and candidates among them
-    # (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the used bins
+    # read COARSE_BINS + FINE_PER_COARSE counts + BLOCK_L keys ; write the winners and candidates
+    # among them (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the
+    # used bins
     seg = tl.program_id(0)
     t = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -564,8 +565,8 @@ def _hist_select(
 ) -> None:
     """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
     (early: launch it while the score kernel runs, its programs waiting there; by default a small
-    grid, or unsorted under HIST_EARLY -- sorted at T=16 it cost 5.8 us in bench ops. sort=False: the
-    winners in position order, then the threshold bin's picks, no sort)."""
+    grid, or unsorted under HIST_EARLY -- sorted at T=16 it cost 5.8 us in bench ops. sort=False:
+    the winners in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
     block_k = max(16, triton.next_power_of_2(K))
