@@ -55,7 +55,7 @@ from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
-PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk and HIST_EARLY)
+PDL_MAX_PROGRAMS = 32  # select grids up to this size launch early (see index_topk, _hist_select)
 SEGMENT = 4096  # keys per select program (at least 4 * the padded k); longer rows take more levels
 HIST_BINS = tl.constexpr(65536)  # hist select: fine bins, the top 16 bits of a key (unsigned order)
 # and coarse bins, the top 6 bits, counted by a tl.histogram per tile: with 256 bins (the top 8)
@@ -70,10 +70,6 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
-# launch the unsorted hist select early (PDL) at any grid size: an A/B switch, off. In isolation
-# 0.8 us less at T = 8 / 16, 128K (tail_sweep); in the graph-replayed step (128K, batch 16, CSA
-# layer) 596.1 vs 594.5 us with a wider spread (twenty-second session, docs/PERF.md)
-HIST_EARLY = False
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -564,9 +560,10 @@ def _hist_select(
     sort: bool = True,
 ) -> None:
     """The hist select's kernel on score keys [T, C] counted into the workspace -> out [T, K]
-    (early: launch it while the score kernel runs, its programs waiting there; by default a small
-    grid, or unsorted under HIST_EARLY -- sorted at T=16 it cost 5.8 us in bench ops. sort=False:
-    the winners in position order, then the threshold bin's picks, no sort)."""
+    (early: launch it while the score kernel runs, its programs waiting there; default for small
+    grids: at T=16 (128 programs) the sorted select took 5.8 us longer in bench ops and the
+    unsorted one gained nothing in the graph-replayed step, docs/PERF.md. sort=False: the winners
+    in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
     block_k = max(16, triton.next_power_of_2(K))
@@ -585,10 +582,7 @@ def _hist_select(
         NSEG=triton.next_power_of_2(n_seg),
         CAND=HIST_CAND,
         PDL=griddep,
-        launch_pdl=griddep
-        and (
-            (HIST_EARLY and not sort) or n_seg * T <= PDL_MAX_PROGRAMS if early is None else early
-        ),
+        launch_pdl=griddep and (n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
         num_warps=warps,
     )  # fmt: skip
 

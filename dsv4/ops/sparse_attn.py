@@ -551,6 +551,23 @@ def _combine(
     )  # fmt: skip
 
 
+def _finish(
+    o: torch.Tensor,
+    part: torch.Tensor,
+    ml: torch.Tensor,
+    attn_sink: torch.Tensor,
+    num_splits: int,
+    early: bool,
+    inv_rope: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The attention kernels' output: split, o from the partials (`_combine`, RoPE undone in its
+    launch); unsplit, o as written, with RoPE undone by a rotary launch when inv_rope is given."""
+    if num_splits > 1:
+        _combine(part, ml, attn_sink, o, num_splits, early, inv_rope)
+        return o
+    return o if inv_rope is None else rotary(o, *inv_rope, inverse=True)
+
+
 def sparse_attn(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, ...],
@@ -696,8 +713,5 @@ def sparse_attn(
         assert cfg["BLOCK_H"] >= 16, f"bad config {cfg}: tl.dot needs BLOCK_H >= 16"
         _sparse_attn_kernel[grid](*args, **consts, **cfg)
 
-    if split:  # early: PDL on this device
-        _combine(part, ml, attn_sink, o, num_splits, consts["PDL"], inv_rope)
-    elif inv_rope is not None:
-        o = rotary(o, *inv_rope, inverse=True)
-    return o
+    # the combine launched early: PDL on this device
+    return _finish(o, part, ml, attn_sink, num_splits, consts["PDL"], inv_rope)

@@ -35,7 +35,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4.ops import sparse_attn as _triton
 from dsv4.ops.device import chain, chain_start, is_sm90, num_sms
-from dsv4.ops.rope import rotary
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -355,8 +354,5 @@ def sparse_attn_sm90(
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
         NOPE=DIM - ROPE, num_warps=8, **launch,
     )  # fmt: skip
-    if split:  # the Triton kernel's combine, launched early in the chain
-        _triton._combine(part, ml, attn_sink, o, num_splits, launch["launch_pdl"], inv_rope)
-    elif inv_rope is not None:
-        o = rotary(o, *inv_rope, inverse=True)
-    return o
+    # the Triton kernel's combine (launched early in the chain) or inverse RoPE
+    return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
