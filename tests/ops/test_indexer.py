@@ -365,3 +365,97 @@ def test_index_topk_gpu_hist_graph(T: int, integer: bool, sort: bool) -> None:
         assert bad == 0, f"{bad} positions differ"
         for ws in indexer._hist_workspace(q.device):
             assert not ws.any(), ws.nonzero()[:4]
+
+
+def _radix_want(skey: torch.Tensor, K: int) -> torch.Tensor:
+    # the radix select's output in torch: the K largest keys (ties: the lower position), as the
+    # winners above the K-th key's 16-bit bin in position order, then the picks of that bin by
+    # descending key (then ascending position), then -1
+    T, C = skey.shape
+    out = torch.full((T, K), -1, dtype=torch.int64)
+    for t in range(T):
+        k = skey[t].long().cpu()
+        vis = k != -(2**31)
+        pos, kv = torch.arange(C)[vis], k[vis]
+        if len(kv) < K:
+            out[t, : len(kv)] = pos
+            continue
+        order = torch.argsort(kv, descending=True, stable=True)[:K]
+        b = int(kv[order[-1]] + 2**31) >> 16
+        bins = (kv + 2**31) >> 16
+        win = pos[bins > b]
+        picks = pos[order][bins[order] == b]
+        out[t] = torch.cat([win, picks])
+    return out
+
+
+def _radix_keys(pattern: str, T: int, C: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if pattern == "random":  # spread over every bin
+        k = torch.randint(-(2**31) + 1, 2**31 - 1, (T, C), generator=g)
+    elif pattern == "scores":  # the order-preserving keys of N(0, 1) fp32 scores (the score kernel's)
+        bits = torch.randn(T, C, generator=g).view(torch.int32).long()
+        k = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    elif pattern == "ties":  # few distinct values: a crowded bin, equal keys resolved by position
+        k = torch.randint(-3, 4, (T, C), generator=g) * 65536 * 7
+    elif pattern == "equal":  # every key the same
+        k = torch.full((T, C), 12345)
+    elif pattern == "low":  # one 16-bit bin, distinct low bits with repeats: the refining pass
+        k = 0x3F800000 + torch.randint(0, 3000, (T, C), generator=g)
+    elif pattern == "sparse":  # few visible keys (fewer than K in some rows)
+        k = torch.randint(-(2**20), 2**20, (T, C), generator=g)
+        k[torch.rand(T, C, generator=g) < 0.995] = -(2**31)
+    else:
+        raise ValueError(pattern)
+    if pattern != "sparse":  # hidden entries, and a hidden tail (the decode layout)
+        k[torch.rand(T, C, generator=g) < 0.2] = -(2**31)
+        k[:, C - C // 8 :] = -(2**31)
+    return k.to(torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", ["random", "scores", "ties", "equal", "low", "sparse"])
+@pytest.mark.parametrize("T,C,K", [(1, 32768, 512), (5, 4097, 512), (64, 32768, 512),
+                                   (3, 65535, 1000), (4, 32768, 1), (2, 20000, 64)])  # fmt: skip
+def test_gpu_radix_select(pattern: str, T: int, C: int, K: int) -> None:
+    # the Gluon radix select (sm_90) on crafted score keys: exactly the torch order above
+    from dsv4.ops import device, topk_sm90
+
+    if not device.is_sm90(torch.device("cuda")):
+        pytest.skip("the radix select is sm_90 Gluon")
+    skey = _radix_keys(pattern, T, C).cuda()
+    out = torch.full((T, K), -7, dtype=torch.int64, device="cuda")
+    topk_sm90.select(skey, out, pdl=True)
+    want = _radix_want(skey, K)
+    bad = (out.cpu() != want).any(-1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:4]} differ:\n{out[bad[:1]]}\nwant\n{want[bad[:1]]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("integer", [False, True])
+def test_gpu_radix_index_topk(T: int, integer: bool) -> None:
+    # index_topk's default unsorted select on sm_90 (radix) against the reference as a set, the
+    # hist select's order exactly (T <= 16), and the same output on every CUDA-graph replay
+    from dsv4.ops import device
+
+    if not device.is_sm90(torch.device("cuda")):
+        pytest.skip("the radix select is sm_90 Gluon")
+    q, weights, keys, cand = _inputs(
+        T, 64, 128, 32768, torch.bfloat16, p_hidden=0.1, integer=integer, device="cuda"
+    )
+    first = indexer.index_topk(q, weights, keys, cand, 512, sort=False, select="radix")
+    assert torch.equal(first, indexer.index_topk(q, weights, keys, cand, 512, sort=False))
+    want = indexer.index_topk(q, weights, keys, cand, 512, select="levels")
+    assert torch.equal(first.sort(-1).values, want.sort(-1).values)
+    if T <= indexer.HIST_MAX_TOKENS:
+        hist = indexer.index_topk(q, weights, keys, cand, 512, sort=False, select="hist")
+        assert torch.equal(first, hist)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = indexer.index_topk(q, weights, keys, cand, 512, sort=False)
+    for _ in range(3):
+        out.fill_(-7)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
