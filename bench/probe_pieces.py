@@ -1796,7 +1796,7 @@ def probe_radix() -> None:
             same = bool((got.sort(-1).values == want).all())
             us(f"radix T={T}: index_topk unsorted, RADIX {radix} (same set {same})",
                lambda: indexer.index_topk(q, w, keys, cand, 512, sort=False), nbytes=nbytes)  # noqa: B023  # fmt: skip
-        indexer.RADIX = True
+        indexer.RADIX = False
 
 
 def _topk_variant(name: str, subs: tuple) -> object:

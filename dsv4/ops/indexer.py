@@ -72,7 +72,7 @@ HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are rank
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
 # sort=False rows longer than one segment on sm_90: the Gluon radix select (`topk_sm90`, counts in
 # shared memory, no counting in the score kernel) instead of hist / levels (the A/B switch)
-RADIX = True
+RADIX = False  # off: slower than hist so far (docs/PERF.md, twenty-third session)
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
