@@ -1817,20 +1817,19 @@ def _topk_variant(name: str, subs: tuple) -> object:
 
 
 def probe_radix_stages() -> None:
-    # where the radix select's time goes at T=16, 128K: the kernel cut after each stage (zero,
-    # count, threshold, filing), without the shared atomics, on 16 warps
+    # where the radix select's time goes at T=16, 128K: the kernel cut after each stage (count,
+    # threshold, filing), and without the threshold (nothing filed)
     thr = "    b, n_win, n_cand = _threshold(counts, K, NT, NW)\n"
     count_end = "    gl.thread_barrier()\n    b, n_win, n_cand"
     filed = "    _trap_unless((base_w == n_win) & (base_c == n_cand))\n"
-    first = "    # ---- count every visible key"
-    asm = "@p red.shared.add.u32 [a], $2;"
+    fake = "    b = C * 0 + 0xFFFF\n    n_win = C * 0\n    n_cand = C * 0\n"
+    keep = "    gl.store(out_row + gl.arange(0, 1, layout=lay), (b + n_win + n_cand).to(gl.int64))\n"
     variants = {
-        "zero only": ((first, "    return\n" + first),),
         "+ count": ((count_end, "    gl.thread_barrier()\n    return\n    b, n_win, n_cand"),),
-        "+ threshold": ((thr, thr + "    return\n"),),
+        "+ threshold (kept)": ((thr, thr + keep + "    return\n"),),
+        "count, no threshold, filing (nothing filed)": ((thr, fake), (filed, "    return\n")),
+        "count, no threshold, the rest": ((thr, fake), (filed, "")),
         "+ filing": ((filed, filed + "    return\n"),),
-        "full, no atomics": ((asm, ""), (filed, "")),
-        "full, 16 warps": (("NUM_WARPS = 32", "NUM_WARPS = 16"),),
         "full": (),
     }
     T = 16
