@@ -1775,75 +1775,6 @@ def probe_tail_sweep() -> None:
                     us(f"tail T={T}: segment {seg}, {warps} warps, early {early}, same {same}", run)
 
 
-def probe_radix() -> None:
-    # the Gluon radix select (topk_sm90) against the Triton selects at 128K, unsorted (the
-    # model's form): scores alone, the select alone on their keys, index_topk with it on and off
-    from dsv4.ops import topk_sm90
-
-    for T in (1, 16, 64):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        nbytes = T * 32768 * 128 * 2
-        want = indexer.index_topk(q, w, keys, cand, 512, select="levels").sort(-1).values
-        skey = indexer._scores(q, w, keys, cand)
-        us(f"radix T={T}: scores alone", lambda: indexer._scores(q, w, keys, cand), nbytes=nbytes)  # noqa: B023
-        out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
-        for early in (False, True):
-            us(f"radix T={T}: select alone, early {early}",
-               lambda e=early: topk_sm90.select(skey, out, True, e))  # noqa: B023  # fmt: skip
-        for radix in (False, True):
-            indexer.RADIX = radix
-            got = indexer.index_topk(q, w, keys, cand, 512, sort=False)
-            same = bool((got.sort(-1).values == want).all())
-            us(f"radix T={T}: index_topk unsorted, RADIX {radix} (same set {same})",
-               lambda: indexer.index_topk(q, w, keys, cand, 512, sort=False), nbytes=nbytes)  # noqa: B023  # fmt: skip
-        indexer.RADIX = False
-
-
-def _topk_variant(name: str, subs: tuple) -> object:
-    # a copy of dsv4/ops/topk_sm90.py with text substitutions (bench/_topk_<name>.py)
-    import importlib.util
-    import pathlib
-
-    src = (pathlib.Path(__file__).parent.parent / "dsv4/ops/topk_sm90.py").read_text()
-    for line, by in subs:
-        assert line in src, f"not in topk_sm90.py: {line}"
-        src = src.replace(line, by)
-    path = pathlib.Path(__file__).parent / f"_topk_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"_topk_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def probe_radix_stages() -> None:
-    # where the radix select's time goes at T=16, 128K: the kernel cut after each stage (count,
-    # threshold, filing), and without the threshold (nothing filed)
-    thr = "    b, n_win, n_cand = _threshold(counts, K, NT, NW)\n"
-    count_end = "    gl.thread_barrier()\n    b, n_win, n_cand"
-    filed = "    _trap_unless((base_w == n_win) & (base_c == n_cand))\n"
-    fake = "    b = C * 0 + 0xFFFF\n    n_win = C * 0\n    n_cand = C * 0\n"
-    keep = "    gl.store(out_row + gl.arange(0, 1, layout=lay), (b + n_win + n_cand).to(gl.int64))\n"
-    variants = {
-        "+ count": ((count_end, "    gl.thread_barrier()\n    return\n    b, n_win, n_cand"),),
-        "+ threshold (kept)": ((thr, thr + keep + "    return\n"),),
-        "count, no threshold, filing (nothing filed)": ((thr, fake), (filed, "    return\n")),
-        "count, no threshold, the rest": ((thr, fake), (filed, "")),
-        "+ filing": ((filed, filed + "    return\n"),),
-        "full": (),
-    }
-    T = 16
-    q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-    skey = indexer._scores(q, w, keys, cand)
-    out = torch.empty(T, 512, dtype=torch.int64, device="cuda")
-    for i, (label, subs) in enumerate(variants.items()):
-        mod = _topk_variant(f"s{i}", subs)
-        try:
-            us(f"radix stages T={T}: {label}", lambda m=mod: m.select(skey, out, True))  # noqa: B023
-        except Exception as e:  # noqa: BLE001
-            print(f"radix stages {label}: {type(e).__name__} {str(e)[:200]}")
-
-
 def probe_step_indexer() -> None:
     # the indexer's inputs of a real bench step (Flash width, random weights, batch 16 at 128K,
     # the state as `bench step` fills it): captured from the model's call, then index_topk on them
@@ -1923,7 +1854,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "radix": probe_radix, "radix_stages": probe_radix_stages}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

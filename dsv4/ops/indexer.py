@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import arrival_counts, chain, chain_start, is_sm90, num_sms, pdl
+from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, pdl
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
@@ -70,9 +70,6 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
-# sort=False rows longer than one segment on sm_90: the Gluon radix select (`topk_sm90`, counts in
-# shared memory, no counting in the score kernel) instead of hist / levels (the A/B switch)
-RADIX = False  # off: slower than hist so far (docs/PERF.md, twenty-third session)
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -652,14 +649,6 @@ def _scores(
     return skey
 
 
-def _radix_supported(q: torch.Tensor, C: int, K: int) -> bool:
-    if not (q.is_cuda and is_sm90(q.device)):
-        return False
-    from dsv4.ops import topk_sm90
-
-    return topk_sm90.supported(C, K)
-
-
 def index_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -679,11 +668,10 @@ def index_topk(
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order (sort), -1 = none
     # (key_scale [N] fp32: keys are FP8 indexer keys, uint8 e4m3 codes, `quant.quant_index_keys`;
     # weight_scale: the head weights are weights.float() * weight_scale, in the score kernel)
-    # (sort=False: any order that depends only on the inputs -- levels: position order ; hist and
-    # radix: the winners above the threshold bin in position order, then the bin's picks by score
-    # -- unless SORT_ALWAYS ; segment: keys per select program ; select: "hist", "levels" or
-    # "radix" (sort=False, sm_90), default radix (where supported and RADIX) or hist for rows
-    # longer than one segment ;
+    # (sort=False: any order that depends only on the inputs -- levels: position order ; hist: the
+    # winners above the threshold bin in position order, then the bin's picks by score -- unless
+    # SORT_ALWAYS ; segment: keys per select program ; select: "hist" or "levels", default hist for
+    # rows longer than one segment ;
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
     # for bench/probe_pieces.py and the tests)
     T, Hi, d = q.shape
@@ -726,21 +714,7 @@ def index_topk(
     griddep = pdl(q.device)
     if select is None:
         select = "hist" if C > max_l and T <= HIST_MAX_TOKENS else "levels"
-        if C > max_l and not sort and RADIX and _radix_supported(q, C, K):
-            select = "radix"
-    assert select in ("hist", "levels", "radix"), (
-        f"select must be 'hist', 'levels' or 'radix', got {select!r}"
-    )
-    if select == "radix":
-        from dsv4.ops import topk_sm90  # Gluon (no interpreter): Hopper GPUs only
-
-        assert not sort, "the radix select is unsorted (sort=False)"
-        skey = _scores(
-            q, weights, keys, cand_idxs, score_config or ScoreConfig(), None, key_scale,
-            weight_scale,
-        )  # fmt: skip
-        topk_sm90.select(skey, out, griddep, early=griddep and T <= PDL_MAX_PROGRAMS)
-        return out
+    assert select in ("hist", "levels"), f"select must be 'hist' or 'levels', got {select!r}"
     if select == "hist":
         assert T <= HIST_MAX_TOKENS, f"hist select: T <= {HIST_MAX_TOKENS} (T={T})"
         # the packed filing counts (24 bits each) and the one scan of both (16 bits each)
