@@ -85,11 +85,21 @@ def _chat(ns: argparse.Namespace) -> int:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantized", action="store_true", help="keep FP8/FP4 weights packed")
+    # "auto" / unset: the GPU fast path when torch sees CUDA, else the exact CPU reference path
+    # (`dsv4.config.resolve_engine`)
+    p.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
-        "--ops", default="ref", choices=["ref", "triton"], help="op backend (triton: GPU kernels)"
+        "--quantized",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep FP8/FP4 weights packed (default: on a GPU)",
+    )
+    p.add_argument(
+        "--ops",
+        default="auto",
+        choices=["auto", "ref", "triton"],
+        help="op backend (triton: GPU kernels; default: triton on a GPU, ref on the CPU)",
     )
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--max-seqs", type=int, default=8, help="max running sequences")
@@ -103,8 +113,16 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cuda-graphs",
-        action="store_true",
-        help="replay decode steps as CUDA graphs (needs --device cuda --ops triton --quantized)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay decode steps as CUDA graphs (needs a CUDA device, --ops triton and "
+        "--quantized; default: on where they hold)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        dest="cuda_graphs",
+        action="store_false",
+        help="no CUDA graphs (as vLLM's flag; same as --no-cuda-graphs)",
     )
     p.add_argument(
         "--kv-cache-dtype",

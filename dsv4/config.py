@@ -560,6 +560,55 @@ class ParallelInfo:
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (the CPU tests pin it False: tests/conftest.py)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine(
+    device: str = "auto",
+    dtype: str = "auto",
+    ops: str = "auto",
+    quantized: bool | None = None,
+    cuda_graphs: bool | None = None,
+) -> dict[str, Any]:
+    """The engine flags with "auto" / None filled in, as a vLLM or SGLang user expects.
+
+    On a CUDA device (device "auto" takes one when torch sees it) the fast path: bfloat16, the
+    Triton kernels, FP8/FP4 weights kept packed, decode steps replayed as CUDA graphs. On the CPU
+    the exact reference path: float32, the torch ops, dequantized weights, eager steps. A flag
+    given explicitly is kept; CUDA graphs default on only where `EngineConfig` allows them.
+    """
+    import torch
+
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device ({e})") from e
+    if kind == "cuda" and not cuda_available():
+        raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
+    gpu = kind == "cuda"
+    if dtype == "auto":
+        dtype = "bfloat16" if gpu else "float32"
+    if ops == "auto":
+        ops = "triton" if gpu else "ref"
+    if quantized is None:
+        quantized = gpu
+    if cuda_graphs is None:
+        cuda_graphs = gpu and ops == "triton" and quantized
+    return {
+        "device": device,
+        "dtype": dtype,
+        "ops": ops,
+        "quantized": quantized,
+        "cuda_graphs": cuda_graphs,
+    }
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the model runs: device, compute dtype, op backend, state limits."""
@@ -641,16 +690,16 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` clients send; default: directory name
     max_queue: int | None = None  # waiting requests past which new ones get 503; None = no cap
     max_body_bytes: int = 32 << 20  # larger request bodies get 413
-    device: str = "cpu"
-    dtype: str = "float32"
-    quantized: bool = False
-    ops: str = "ref"
+    device: str = "auto"  # the engine flags: "auto" / None as `resolve_engine` fills them in
+    dtype: str = "auto"
+    quantized: bool | None = None
+    ops: str = "auto"
     max_seq_len: int = 4096
     max_seqs: int = 8
     chunk_size: int = 512
     max_memory: int | None = None
     memory_fraction: float | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

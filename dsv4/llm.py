@@ -10,7 +10,7 @@ import torch
 
 from dsv4 import ops as ops_pkg
 from dsv4.checkpoint import has_mtp, load_checkpoint
-from dsv4.config import EngineConfig, ModelArgs
+from dsv4.config import EngineConfig, ModelArgs, resolve_engine
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
@@ -40,10 +40,10 @@ class LLM:
     def __init__(
         self,
         model_dir: str | Path | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        quantized: bool = False,
-        ops: str = "ref",
+        device: str = "auto",
+        dtype: str = "auto",
+        quantized: bool | None = None,
+        ops: str = "auto",
         max_seqs: int = 8,
         max_seq_len: int = 4096,
         max_step_tokens: int = 2048,
@@ -51,27 +51,31 @@ class LLM:
         max_memory: int | None = None,
         memory_fraction: float | None = None,
         block_size: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         kv_cache_dtype: str = "auto",
         progress: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
+        flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
+        device, quantized, cuda_graphs = flags["device"], flags["quantized"], flags["cuda_graphs"]
         self.config = EngineConfig(
-            device=device,
-            dtype=dtype,
-            ops=ops,
-            quantized=quantized,
+            **flags,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
-            cuda_graphs=cuda_graphs,
             kv_cache_dtype=kv_cache_dtype,
+        )
+        log.info(
+            "engine: device=%s dtype=%s ops=%s quantized=%s cuda_graphs=%s",
+            *(flags[k] for k in ("device", "dtype", "ops", "quantized", "cuda_graphs")),
         )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
         self.args = args
         with torch.device(device):
-            self.model = Transformer(args, self.config.torch_dtype, quantized, ops_pkg.select(ops))
+            self.model = Transformer(
+                args, self.config.torch_dtype, quantized, ops_pkg.select(self.config.ops)
+            )
         load_checkpoint(self.model, self.model_dir, progress=progress)
         self.model.eval()
         self.tokenizer = None

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from dsv4 import __version__
 from dsv4.asgi import ClientGone, RequestGate, SSEResponse, error_response, sse, until_disconnect
 from dsv4.chat import encode_messages
-from dsv4.config import ConfigError, ServerConfig
+from dsv4.config import ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
 from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics
 from dsv4.protocol import (
@@ -378,7 +378,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     ns = p.parse_args(argv)
-    return ServerConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)})
+    # the engine flags' "auto" filled in now, so a bad --device fails before the server starts
+    fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
+    keys = ("device", "dtype", "ops", "quantized", "cuda_graphs")
+    fields |= resolve_engine(**{k: fields[k] for k in keys})
+    return ServerConfig(**fields)
 
 
 def main(argv: list[str]) -> int:

@@ -6,7 +6,17 @@ import copy
 
 import pytest
 
-from dsv4.config import CSA, HCA, SLIDING, ConfigError, ModelArgs, flash_args, yarn_inv_freq
+from dsv4.config import (
+    CSA,
+    HCA,
+    SLIDING,
+    ConfigError,
+    EngineConfig,
+    ModelArgs,
+    flash_args,
+    resolve_engine,
+    yarn_inv_freq,
+)
 
 
 def official() -> dict:
@@ -91,3 +101,39 @@ def test_inconsistencies_name_the_field(edit, field):  # noqa: ANN001
     edit(d)
     with pytest.raises(ConfigError, match=field):
         ModelArgs.from_dict(d)
+
+
+FAST = dict(device="cuda", dtype="bfloat16", ops="triton", quantized=True, cuda_graphs=True)
+EXACT = dict(device="cpu", dtype="float32", ops="ref", quantized=False, cuda_graphs=False)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_engine_auto_flags(cuda, monkeypatch):  # noqa: ANN001
+    # "auto" / None: the GPU fast path where torch sees CUDA, the exact CPU path elsewhere
+    monkeypatch.setattr("dsv4.config.cuda_available", lambda: cuda)
+    auto = resolve_engine()
+    assert auto == (FAST if cuda else EXACT)
+    EngineConfig(**auto)  # a combination the engine accepts
+    assert resolve_engine(device="cpu") == EXACT
+
+
+def test_engine_explicit_flags_kept(monkeypatch):  # noqa: ANN001
+    monkeypatch.setattr("dsv4.config.cuda_available", lambda: True)
+    assert resolve_engine(device="cuda:1")["device"] == "cuda:1"
+    # graphs default on only where EngineConfig allows them
+    assert resolve_engine(ops="ref") == FAST | dict(ops="ref", cuda_graphs=False)
+    assert resolve_engine(quantized=False) == FAST | dict(quantized=False, cuda_graphs=False)
+    assert resolve_engine(dtype="float32", cuda_graphs=False) == FAST | dict(
+        dtype="float32", cuda_graphs=False
+    )
+    assert resolve_engine(device="cpu", ops="triton") == EXACT | dict(ops="triton")
+    with pytest.raises(ConfigError, match="cuda_graphs needs a CUDA device"):
+        EngineConfig(**resolve_engine(device="cpu", cuda_graphs=True))
+
+
+def test_engine_bad_device(monkeypatch):  # noqa: ANN001
+    monkeypatch.setattr("dsv4.config.cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="'cuda' asked for, but torch sees no CUDA device"):
+        resolve_engine(device="cuda")
+    with pytest.raises(ConfigError, match="'gpu0' is not a torch device"):
+        resolve_engine(device="gpu0")

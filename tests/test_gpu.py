@@ -10,6 +10,9 @@ from dsv4.tiny import make_tiny, tiny_args
 
 pytestmark = pytest.mark.gpu
 
+# the exact path on the GPU (the engine's defaults there are bf16, Triton, packed weights, graphs)
+FP32_REF = dict(dtype="float32", ops="ref", quantized=False)
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):  # noqa: ANN001, ANN201
@@ -18,14 +21,14 @@ def tiny(tmp_path_factory):  # noqa: ANN001, ANN201
 
 def test_cuda_fp32_matches_cpu(tiny):  # noqa: ANN001
     ids = list(range(2, 70))
-    cpu = LLM(tiny, progress=False).score(ids)
-    gpu = LLM(tiny, device="cuda", progress=False).score(ids).cpu()
+    cpu = LLM(tiny, device="cpu", progress=False).score(ids)
+    gpu = LLM(tiny, device="cuda", **FP32_REF, progress=False).score(ids).cpu()
     assert float((gpu - cpu).abs().max() / cpu.abs().max()) < 1e-3
 
 
 def test_cuda_quantized_bf16_generates(tiny):  # noqa: ANN001
-    llm = LLM(tiny, device="cuda", dtype="bfloat16", quantized=True, progress=False)
-    ref = LLM(tiny, progress=False)
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", quantized=True, ops="ref", progress=False)
+    ref = LLM(tiny, device="cpu", progress=False)
     ids = list(range(2, 40))
     a, b = llm.score(ids).cpu(), ref.score(ids)
     # bf16 activations through random layers: ~4% norm error on CPU too; same argmax almost always
@@ -38,12 +41,21 @@ def test_cuda_quantized_bf16_generates(tiny):  # noqa: ANN001
 
 def test_cuda_triton_ops_match_reference(tiny):  # noqa: ANN001
     ids = list(range(2, 90))
-    ref = LLM(tiny, device="cuda", progress=False).score(ids)
-    tri = LLM(tiny, device="cuda", ops="triton", progress=False).score(ids)
+    ref = LLM(tiny, device="cuda", **FP32_REF, progress=False).score(ids)
+    kw = dict(dtype="float32", quantized=False, cuda_graphs=False, progress=False)
+    tri = LLM(tiny, device="cuda", ops="triton", **kw).score(ids)
     assert float((tri - ref).abs().max() / ref.abs().max()) < 1e-3  # tf32 dots inside kernels
     err = {}  # bf16 + packed weights: the Triton backend no further from fp32 than the reference
     for ops in ("ref", "triton"):
-        q = LLM(tiny, device="cuda", dtype="bfloat16", quantized=True, ops=ops, progress=False)
+        q = LLM(
+            tiny,
+            device="cuda",
+            dtype="bfloat16",
+            quantized=True,
+            ops=ops,
+            cuda_graphs=False,
+            progress=False,
+        )
         err[ops] = float((q.score(ids).float() - ref).norm() / ref.norm())
     assert err["ref"] < 0.15 and err["triton"] < 1.25 * err["ref"] + 0.01, err
 
@@ -54,9 +66,37 @@ def test_bf16_head_sums_in_fp32(tiny):  # noqa: ANN001
     import torch
     import torch.nn.functional as F
 
-    llm = LLM(tiny, device="cuda", dtype="bfloat16", progress=False)
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", ops="ref", quantized=False, progress=False)
     x = torch.randn(5, llm.args.dim, device="cuda").to(torch.bfloat16)
     got = llm.model.head_logits(x)
     want = F.linear(x.double(), llm.model.head.weight.double()).float()
     assert got.dtype == torch.float32
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_defaults_take_the_gpu_fast_path(tiny, caplog):  # noqa: ANN001
+    # as vLLM: with a GPU in sight, LLM() and the CLI take bf16, the Triton kernels, packed
+    # weights and CUDA graphs; the replayed decode gives the eager engine's greedy tokens
+    import logging
+
+    from dsv4.cli import main
+
+    llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
+    c = llm.config
+    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
+        "cuda",
+        "bfloat16",
+        "triton",
+        True,
+        True,
+    )
+    prompts = [list(range(2, 30)), list(range(5, 12))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    graphed = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    eager = LLM(tiny, max_seqs=2, max_seq_len=256, cuda_graphs=False, progress=False)
+    assert eager.engine.graphs is None
+    assert graphed == [o.token_ids for o in eager.generate(prompts, sp)]
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        assert main(["generate", "hi", "--model", str(tiny), "--max-tokens", "3"]) == 0
+    assert "device=cuda dtype=bfloat16 ops=triton quantized=True cuda_graphs=True" in caplog.text

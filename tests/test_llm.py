@@ -14,7 +14,11 @@ from dsv4.tiny import make_tiny, tiny_args
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):  # noqa: ANN001, ANN201
-    return LLM(make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300)), progress=False)
+    return LLM(
+        make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300)),
+        device="cpu",
+        progress=False,
+    )
 
 
 def test_score_shape_and_errors(llm):  # noqa: ANN001
@@ -90,6 +94,42 @@ def test_generate_cli_ops_flag(llm, capsys):  # noqa: ANN001
     assert outs[0] == outs[1] and outs[0].strip()
     with pytest.raises(SystemExit):  # argparse refuses an unknown backend
         main(["generate", "hi", "--model", d, "--ops", "cuda"])
+
+
+def test_engine_flags_default_auto(llm, monkeypatch, capsys):  # noqa: ANN001
+    # unset engine flags reach LLM as "auto" / None (resolved there: tests/test_config.py);
+    # --no-quantized, --enforce-eager and --no-cuda-graphs are explicit offs
+    from dsv4 import cli
+
+    build_llm, built = cli.build_llm, []
+    keys = ("device", "dtype", "ops", "quantized", "cuda_graphs")
+    monkeypatch.setattr(
+        cli, "build_llm", lambda ns: built.append([getattr(ns, k) for k in keys]) or llm
+    )
+    d = str(llm.model_dir)
+    base = ["generate", "hi", "--model", d, "--max-tokens", "1"]
+    for extra in ([], ["--no-quantized", "--enforce-eager"], ["--quantized", "--no-cuda-graphs"]):
+        assert main(base + extra) == 0
+    assert built == [
+        ["auto", "auto", "auto", None, None],
+        ["auto", "auto", "auto", False, False],
+        ["auto", "auto", "auto", True, False],
+    ]
+    monkeypatch.setattr(cli, "build_llm", build_llm)
+    assert main(base[:-2] + ["--device", "cuda"]) == 2  # no CUDA in the CPU tests
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_default_llm_is_the_exact_cpu_path(llm):  # noqa: ANN001
+    c = llm.config
+    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
+        "cpu",
+        "float32",
+        "ref",
+        False,
+        False,
+    )
+    assert llm.engine.graphs is None
 
 
 def test_kv_cache_dtype_flag_and_config(llm, monkeypatch):  # noqa: ANN001

@@ -67,7 +67,7 @@ def case(request, tmp_path_factory):  # noqa: ANN001, ANN201
     args = CONFIGS[request.param]
     d = make_tiny(tmp_path_factory.mktemp(request.param), args, seed=7, tokenizer="bytes")
     weights = independent_dequant(d)
-    return d, LLM(d, progress=False), hf_model(d, weights), weights
+    return d, LLM(d, device="cpu", progress=False), hf_model(d, weights), weights
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -51,7 +51,16 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", str(model_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dsv4.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+        ]
         cmd += ["--port", str(self.port), *flags]
         with open(log, "w") as fh:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
@@ -775,4 +784,14 @@ def test_serve_flags(capsys):  # noqa: ANN001
         and parse_args(["--model", "/x/DeepSeek-V4"]).model_name == "DeepSeek-V4"
     )
     assert main(["--port", "70000"]) == 2 and "port must be" in capsys.readouterr().err
+    # the engine flags' "auto" resolved at parse time (CPU here); a bad device fails at once
+    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
+        "cpu",
+        "float32",
+        "ref",
+        False,
+        False,
+    )
+    assert parse_args(["--dtype", "bfloat16", "--enforce-eager"]).dtype == "bfloat16"
+    assert main(["--device", "cuda"]) == 2 and "no CUDA device" in capsys.readouterr().err
     assert main(["--max-queue", "-1"]) == 2
