@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from dsv4.config import KV_CACHE_DTYPES
@@ -54,12 +55,10 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _chat(ns: argparse.Namespace) -> int:
-    import logging
 
     from dsv4.chat import encode_messages
     from dsv4.sampling import SamplingParams
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     llm = build_llm(ns)
     if llm.tokenizer is None:
         print("error: the model has no tokenizer", file=sys.stderr)
@@ -227,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     ns = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up lines
     try:
         return ns.fn(ns)
     except (ValueError, FileNotFoundError) as e:  # config/checkpoint/request errors: one clear line
