@@ -55,7 +55,6 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _chat(ns: argparse.Namespace) -> int:
-
     from dsv4.chat import encode_messages
     from dsv4.sampling import SamplingParams
 
