@@ -1,0 +1,63 @@
+"""`dsv4 serve`'s app on the GPU with the default (auto) engine flags: CUDA graphs under the
+server's engine thread. Apart from test_server.py, whose socket tests need the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from dsv4.config import ServerConfig
+from dsv4.llm import LLM
+from dsv4.sampling import SamplingParams
+from dsv4.server import Server, build_app
+from dsv4.tiny import make_tiny, tiny_args
+
+pytestmark = pytest.mark.gpu
+
+
+def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
+    # concurrent completions (two streamed) through the engine thread with replayed graphs give
+    # the eager engine's greedy text
+    d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=2, tokenizer="bytes")
+    server = Server(ServerConfig(model=str(d), max_seqs=4, max_seq_len=256))
+    server.load()
+    c = server.llm.config
+    assert (c.device, c.dtype, c.ops, c.cuda_graphs) == ("cuda", "bfloat16", "triton", True)
+    prompts = ["Once upon a time", "hi", "The quick brown fox jumps", "a"]
+    body = {"model": "m", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
+
+    async def one(ac: httpx.AsyncClient, prompt: str, stream: bool) -> str:
+        if not stream:
+            r = await ac.post("/v1/completions", json={**body, "prompt": prompt})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with ac.stream(
+            "POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}
+        ) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+        return text
+
+    async def go() -> tuple[list[str], str]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+            texts = await asyncio.gather(*(one(ac, p, i % 2 == 1) for i, p in enumerate(prompts)))
+            return list(texts), (await ac.get("/metrics")).text
+
+    try:
+        texts, metrics = asyncio.run(go())
+    finally:
+        server.shutdown()
+    graphs = server.llm.engine.graphs
+    assert graphs.graphs and not graphs.failed
+    key = 'vllm:generation_tokens_total{model_name="m"} '
+    assert [float(x[len(key) :]) for x in metrics.splitlines() if x.startswith(key)] == [48]
+    eager = LLM(d, max_seqs=4, max_seq_len=256, cuda_graphs=False, progress=False)
+    want = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert texts == [o.text for o in want]
