@@ -10,6 +10,8 @@ OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD  # the device has no network: run from the tree
+# the server's dependencies the image lacks (scripts/gpu_deps.sh; carry .gpu_deps), after its own
+[ -d .gpu_deps ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu_deps
 PARTS=${*:-tests ops step}
 {
   date -u
