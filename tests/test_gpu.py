@@ -74,6 +74,33 @@ def test_bf16_head_sums_in_fp32(tiny):  # noqa: ANN001
     assert float((got - want).norm() / want.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_defaults_at_either_dtype_match_cpu(tiny, dtype):  # noqa: ANN001
+    # the GPU defaults (Triton, packed weights, graphs) at a dtype the user picks: logits near the
+    # CPU's exact path (fp32: tf32 dots; bf16 as test_cuda_quantized_bf16_generates), and the
+    # graph-replayed greedy decode equals the eager one
+    ids = list(range(2, 60))
+    ref = LLM(tiny, device="cpu", progress=False).score(ids)
+    llm = LLM(tiny, device="cuda", dtype=dtype, max_seqs=2, max_seq_len=256, progress=False)
+    assert llm.config.cuda_graphs and llm.config.ops == "triton" and llm.config.quantized
+    got = llm.score(ids).float().cpu()
+    assert float((got - ref).norm() / ref.norm()) < (2e-3 if dtype == "float32" else 0.08)
+    prompts = [list(range(3, 40)), list(range(9, 14))]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    graphed = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    eager = LLM(
+        tiny,
+        device="cuda",
+        dtype=dtype,
+        max_seqs=2,
+        max_seq_len=256,
+        cuda_graphs=False,
+        progress=False,
+    )
+    assert graphed == [o.token_ids for o in eager.generate(prompts, sp)]
+
+
 def test_defaults_take_the_gpu_fast_path(tiny, caplog):  # noqa: ANN001
     # as vLLM: with a GPU in sight, LLM() and the CLI take bf16, the Triton kernels, packed
     # weights and CUDA graphs; the replayed decode gives the eager engine's greedy tokens
