@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -10,8 +10,10 @@ OUT=${OUT:-/tmp/dsv4-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD  # the device has no network: run from the tree
-# the server's dependencies the image lacks (scripts/gpu_deps.sh; carry .gpu_deps), after its own
-[ -d .gpu_deps ] && export PYTHONPATH=$PYTHONPATH:$PWD/.gpu_deps
+# the server's dependencies where the image lacks them (scripts/gpu_deps.sh; carry .gpu_deps)
+if [ -d .gpu_deps ] && ! python3 -c "import fastapi" 2>/dev/null; then
+  export PYTHONPATH=$PYTHONPATH:$PWD/.gpu_deps
+fi
 PARTS=${*:-tests ops step}
 {
   date -u
@@ -122,6 +124,30 @@ for part in $PARTS; do
       else echo "no ncu here"; fi ;;
     dump)  # every compiled Triton kernel (TTIR + options + resources) for bench/kernel_targets.py
       python3 bench/kernel_dump.py "$OUT/kernels.json.gz" 2>&1 | tee "$OUT/kernel_dump.txt" | tail -16 ;;
+    serve)  # `dsv4 bench serve` on a tiny model served on the GPU defaults and eagerly: the
+      # serving stack's own ceiling (host, engine, HTTP), its model time negligible
+      python3 -m dsv4.cli make-tiny /tmp/serve_tiny --tokenizer bytes --vocab-size 300 > /dev/null
+      for mode in graphs eager; do
+        flags=$([ $mode = eager ] && echo --enforce-eager)
+        python3 -m dsv4.cli serve --model /tmp/serve_tiny --port 8123 --max-seqs 64 $flags \
+          > "$OUT/serve_$mode.log" 2>&1 &
+        pid=$!
+        if ! python3 -c "import os, sys, time, urllib.request as u
+for _ in range(600):
+    try: u.urlopen('http://127.0.0.1:8123/health'); sys.exit(0)
+    except OSError: time.sleep(0.5)
+    os.kill($pid, 0)  # the server died: stop waiting
+sys.exit(1)" 2>/dev/null; then
+          echo "== $mode: the server did not start" | tee -a "$OUT/serve_bench.txt"
+          tail -5 "$OUT/serve_$mode.log" | tee -a "$OUT/serve_bench.txt"; kill $pid; continue
+        fi
+        for c in ${SERVE_CONCURRENCY:-1 16 64}; do
+          echo "== $mode, concurrency $c" | tee -a "$OUT/serve_bench.txt"
+          python3 -m dsv4.cli bench serve --base-url http://127.0.0.1:8123 --concurrency $c \
+            --num-prompts $((c * 4)) --input-len 256 --output-len 64 2>&1 | tee -a "$OUT/serve_bench.txt"
+        done
+        kill $pid; wait $pid
+      done ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
   esac
