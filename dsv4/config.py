@@ -701,6 +701,7 @@ class ServerConfig:
     memory_fraction: float | None = None
     cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"
+    warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

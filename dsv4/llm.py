@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -178,6 +179,40 @@ class LLM:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         return self.engine.add_request(self.encode(prompt), params, request_id)
+
+    def warmup(self) -> float:
+        """Meet the shapes a server meets first before it serves: one prefill of every power-of-two
+        length up to the chunk size and of one token more, then a short decode at every batch
+        bucket up to max_seqs. On a GPU that compiles the Triton kernels' specializations and
+        captures the decode graphs of the first position bound, so the first requests do not
+        stall on them (vLLM and SGLang capture at start-up as well). The engine is left empty;
+        returns the seconds it took."""
+        t0 = time.perf_counter()
+        s = self.engine.scheduler
+        longest = min(s.chunk_size, s.max_step_tokens, self.config.max_seq_len - 2)
+        tok = min(5, self.args.vocab_size - 1)  # any valid id
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        lengths = sorted(
+            {
+                min(n + e, longest)
+                for k in range(longest.bit_length())
+                for n in [1 << k]
+                for e in (0, 1)
+            }
+        )
+        for n in lengths:  # one request a call: a step of exactly n tokens
+            self.generate([[tok] * n], one)
+        top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)
+        batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
+        three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for b in batches:  # prefill of b, then decode steps of b sequences
+            self.generate([[tok] * 4] * b, three)
+        took = time.perf_counter() - t0
+        log.info(
+            "warm-up: prefills of %d lengths (1..%d), decodes of %s sequences, %.1f s",
+            len(lengths), longest, batches, took,
+        )  # fmt: skip
+        return took
 
     def generate(
         self,

@@ -61,6 +61,8 @@ class Server:
         t0 = time.perf_counter()
         llm = build_llm(self.config)
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
+        if self.config.warmup and llm.config.device.startswith("cuda"):
+            llm.warmup()  # kernels compiled and decode graphs captured before the first request
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 
     async def load_in_background(self) -> None:
@@ -377,6 +379,12 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="serve at once on a GPU: kernels compile and graphs capture on first use instead",
+    )
     ns = p.parse_args(argv)
     # the engine flags' "auto" filled in now, so a bad --device fails before the server starts
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}

@@ -132,6 +132,24 @@ def test_default_llm_is_the_exact_cpu_path(llm):  # noqa: ANN001
     assert llm.engine.graphs is None
 
 
+def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, monkeypatch):  # noqa: ANN001
+    # one prefill step of each power-of-two length up to the chunk size (and one token more),
+    # then decode steps at every batch bucket up to max_seqs; nothing held afterwards
+    steps = []
+    run = llm.engine._run
+    monkeypatch.setattr(
+        llm.engine, "_run", lambda work: steps.append([w.n for w in work]) or run(work)
+    )
+    assert llm.warmup() > 0
+    prefills = {s[0] for s in steps if len(s) == 1 and s[0] > 1} | {1}
+    want = {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512}
+    assert prefills == want
+    decodes = {len(s) for s in steps if set(s) == {1}}
+    assert decodes == {1, 2, 4, 8}  # max_seqs 8
+    st = llm.engine.stats()
+    assert not llm.engine.has_work() and st.num_free_pages == st.num_pages and not st.num_running
+
+
 def test_kv_cache_dtype_flag_and_config(llm, monkeypatch):  # noqa: ANN001
     # --kv-cache-dtype fp8 reaches the state; a bad value is refused by argparse and the config
     from dsv4 import cli

@@ -793,5 +793,6 @@ def test_serve_flags(capsys):  # noqa: ANN001
         False,
     )
     assert parse_args(["--dtype", "bfloat16", "--enforce-eager"]).dtype == "bfloat16"
+    assert c.warmup and not parse_args(["--no-warmup"]).warmup  # GPU only: LLM.warmup
     assert main(["--device", "cuda"]) == 2 and "no CUDA device" in capsys.readouterr().err
     assert main(["--max-queue", "-1"]) == 2

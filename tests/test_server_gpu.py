@@ -19,13 +19,15 @@ pytestmark = pytest.mark.gpu
 
 
 def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
-    # concurrent completions (two streamed) through the engine thread with replayed graphs give
-    # the eager engine's greedy text
+    # warmed up at load; concurrent completions (two streamed) through the engine thread with
+    # replayed graphs give the eager engine's greedy text
     d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=2, tokenizer="bytes")
     server = Server(ServerConfig(model=str(d), max_seqs=4, max_seq_len=256))
     server.load()
     c = server.llm.config
     assert (c.device, c.dtype, c.ops, c.cuda_graphs) == ("cuda", "bfloat16", "triton", True)
+    # warmed up before serving: a graph for every batch bucket at the first position bound
+    assert set(server.llm.engine.graphs.graphs) == {(1, 256), (2, 256), (4, 256)}
     prompts = ["Once upon a time", "hi", "The quick brown fox jumps", "a"]
     body = {"model": "m", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
