@@ -107,6 +107,11 @@ FAST = dict(device="cuda", dtype="bfloat16", ops="triton", quantized=True, cuda_
 EXACT = dict(device="cpu", dtype="float32", ops="ref", quantized=False, cuda_graphs=False)
 
 
+def engine_flags(config) -> dict:  # noqa: ANN001  (EngineConfig or ServerConfig)
+    """The flags `resolve_engine` fills in, as `config` holds them."""
+    return {k: getattr(config, k) for k in FAST}
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_engine_auto_flags(cuda, monkeypatch):  # noqa: ANN001
     # "auto" / None: the GPU fast path where torch sees CUDA, the exact CPU path elsewhere

@@ -7,6 +7,7 @@ import pytest
 from dsv4.llm import LLM
 from dsv4.sampling import SamplingParams
 from dsv4.tiny import make_tiny, tiny_args
+from tests.test_config import FAST, engine_flags
 
 pytestmark = pytest.mark.gpu
 
@@ -109,14 +110,7 @@ def test_defaults_take_the_gpu_fast_path(tiny, caplog):  # noqa: ANN001
     from dsv4.cli import main
 
     llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
-    c = llm.config
-    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
-        "cuda",
-        "bfloat16",
-        "triton",
-        True,
-        True,
-    )
+    assert engine_flags(llm.config) == FAST
     prompts = [list(range(2, 30)), list(range(5, 12))]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     graphed = [o.token_ids for o in llm.generate(prompts, sp)]

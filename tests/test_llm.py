@@ -10,6 +10,7 @@ from dsv4.cli import main
 from dsv4.ops import ref
 from dsv4.state import Batch
 from dsv4.tiny import make_tiny, tiny_args
+from tests.test_config import EXACT, engine_flags
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +122,7 @@ def test_engine_flags_default_auto(llm, monkeypatch, capsys):  # noqa: ANN001
 
 
 def test_default_llm_is_the_exact_cpu_path(llm):  # noqa: ANN001
-    c = llm.config
-    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
-        "cpu",
-        "float32",
-        "ref",
-        False,
-        False,
-    )
+    assert engine_flags(llm.config) == EXACT
     assert llm.engine.graphs is None
 
 

@@ -21,6 +21,7 @@ from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
 from dsv4.server import Server, build_app, main, parse_args
 from dsv4.tiny import make_tiny, tiny_args
+from tests.test_config import EXACT, engine_flags
 from tests.test_parsers import TOOLS as PARSER_TOOLS
 
 MODEL = "tiny"  # served name: the checkpoint directory's name
@@ -785,13 +786,7 @@ def test_serve_flags(capsys):  # noqa: ANN001
     )
     assert main(["--port", "70000"]) == 2 and "port must be" in capsys.readouterr().err
     # the engine flags' "auto" resolved at parse time (CPU here); a bad device fails at once
-    assert (c.device, c.dtype, c.ops, c.quantized, c.cuda_graphs) == (
-        "cpu",
-        "float32",
-        "ref",
-        False,
-        False,
-    )
+    assert engine_flags(c) == EXACT
     assert parse_args(["--dtype", "bfloat16", "--enforce-eager"]).dtype == "bfloat16"
     assert c.warmup and not parse_args(["--no-warmup"]).warmup  # GPU only: LLM.warmup
     assert main(["--device", "cuda"]) == 2 and "no CUDA device" in capsys.readouterr().err
