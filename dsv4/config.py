@@ -560,6 +560,9 @@ class ParallelInfo:
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
+AUTO_FLAGS = ("device", "dtype", "ops", "quantized", "cuda_graphs")  # what resolve_engine fills
+
+
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (the CPU tests pin it False: tests/conftest.py)."""
     import torch
@@ -600,13 +603,7 @@ def resolve_engine(
         quantized = gpu
     if cuda_graphs is None:
         cuda_graphs = gpu and ops == "triton" and quantized
-    return {
-        "device": device,
-        "dtype": dtype,
-        "ops": ops,
-        "quantized": quantized,
-        "cuda_graphs": cuda_graphs,
-    }
+    return dict(zip(AUTO_FLAGS, (device, dtype, ops, quantized, cuda_graphs)))
 
 
 @dataclass(frozen=True)

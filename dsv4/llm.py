@@ -65,10 +65,7 @@ class LLM:
             max_seq_len=max_seq_len,
             kv_cache_dtype=kv_cache_dtype,
         )
-        log.info(
-            "engine: device=%s dtype=%s ops=%s quantized=%s cuda_graphs=%s",
-            *(flags[k] for k in ("device", "dtype", "ops", "quantized", "cuda_graphs")),
-        )
+        log.info("engine: %s", " ".join(f"{k}={v}" for k, v in flags.items()))
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
@@ -192,14 +189,8 @@ class LLM:
         longest = min(s.chunk_size, s.max_step_tokens, self.config.max_seq_len - 2)
         tok = min(5, self.args.vocab_size - 1)  # any valid id
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        lengths = sorted(
-            {
-                min(n + e, longest)
-                for k in range(longest.bit_length())
-                for n in [1 << k]
-                for e in (0, 1)
-            }
-        )
+        k_max = longest.bit_length()
+        lengths = sorted({min((1 << k) + e, longest) for k in range(k_max) for e in (0, 1)})
         for n in lengths:  # one request a call: a step of exactly n tokens
             self.generate([[tok] * n], one)
         top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)

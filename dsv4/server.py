@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from dsv4 import __version__
 from dsv4.asgi import ClientGone, RequestGate, SSEResponse, error_response, sse, until_disconnect
 from dsv4.chat import encode_messages
-from dsv4.config import ConfigError, ServerConfig, resolve_engine
+from dsv4.config import AUTO_FLAGS, ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
 from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics
 from dsv4.protocol import (
@@ -388,8 +388,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
     ns = p.parse_args(argv)
     # the engine flags' "auto" filled in now, so a bad --device fails before the server starts
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
-    keys = ("device", "dtype", "ops", "quantized", "cuda_graphs")
-    fields |= resolve_engine(**{k: fields[k] for k in keys})
+    fields |= resolve_engine(**{k: fields[k] for k in AUTO_FLAGS})
     return ServerConfig(**fields)
 
 

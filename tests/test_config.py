@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from dsv4.config import (
+    AUTO_FLAGS,
     CSA,
     HCA,
     SLIDING,
@@ -109,7 +110,7 @@ EXACT = dict(device="cpu", dtype="float32", ops="ref", quantized=False, cuda_gra
 
 def engine_flags(config) -> dict:  # noqa: ANN001  (EngineConfig or ServerConfig)
     """The flags `resolve_engine` fills in, as `config` holds them."""
-    return {k: getattr(config, k) for k in FAST}
+    return {k: getattr(config, k) for k in AUTO_FLAGS}
 
 
 @pytest.mark.parametrize("cuda", [False, True])

@@ -5,7 +5,8 @@ Prompts are slices of `--input-len` token ids cut from the server's own tokeniza
 word text (`POST /tokenize`), so every prompt is exactly that many tokens for any tokenizer. Each
 request streams `--output-len` tokens (greedy, ignore_eos) from /v1/completions, at most
 `--concurrency` in flight, sent at once or at a Poisson `--request-rate`. A warm-up round at full
-concurrency goes first and is not counted (the engine captures its CUDA graphs lazily).
+concurrency goes first and is not counted (the server's own warm-up covers the first position
+bound; the decode graphs of later bounds are captured on first use).
 
 Per request: TTFT (send to the first streamed token chunk), ITL (gaps between token chunks), E2E
 latency, and TPOT = (E2E - TTFT) / (output tokens - 1) with the token count from the stream's usage
@@ -65,7 +66,7 @@ class Client:
     def json(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
             conn, resp = self.open(method, path, body)
-        except OSError as e:
+        except (OSError, http.client.HTTPException) as e:
             raise BenchError(f"cannot reach the server at {self.prefix or '/'} ({e})") from e
         try:
             text = resp.read().decode()
@@ -105,7 +106,7 @@ def one_request(client: Client, model: str, prompt: list[int], output_len: int) 
     t0 = time.perf_counter()
     try:
         conn, resp = client.open("POST", "/v1/completions", body)
-    except OSError as e:
+    except (OSError, http.client.HTTPException) as e:
         res.error = f"connection: {e}"
         return res
     try:
@@ -131,8 +132,8 @@ def one_request(client: Client, model: str, prompt: list[int], output_len: int) 
         res.ok = last is not None and res.output_tokens > 0
         if not res.ok:
             res.error = "the stream carried no tokens or no usage chunk"
-    except (OSError, ValueError) as e:
-        res.error = f"stream: {e}"
+    except (OSError, ValueError, http.client.HTTPException) as e:  # a cut or malformed stream
+        res.error = f"stream: {e!r}"
     finally:
         conn.close()
     return res
