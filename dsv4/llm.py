@@ -58,8 +58,7 @@ class LLM:
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
-        device, quantized, cuda_graphs = flags["device"], flags["quantized"], flags["cuda_graphs"]
-        self.config = EngineConfig(
+        self.config = c = EngineConfig(
             **flags,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
@@ -70,10 +69,8 @@ class LLM:
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
         self.args = args
-        with torch.device(device):
-            self.model = Transformer(
-                args, self.config.torch_dtype, quantized, ops_pkg.select(self.config.ops)
-            )
+        with torch.device(c.device):
+            self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops))
         load_checkpoint(self.model, self.model_dir, progress=progress)
         self.model.eval()
         self.tokenizer = None
@@ -87,9 +84,9 @@ class LLM:
         if memory_fraction is not None:  # like peers' mem-fraction: of what is free after weights
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            if torch.device(device).type != "cuda":
+            if torch.device(c.device).type != "cuda":
                 raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
-            max_memory = int(torch.cuda.mem_get_info(torch.device(device))[0] * memory_fraction)
+            max_memory = int(torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction)
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
@@ -102,7 +99,7 @@ class LLM:
             max_seqs,
             max_seq_len,
             tdt,
-            device,
+            c.device,
             num_blocks=num_blocks,
             block_size=block_size,
             kv_format=kv_cache_dtype,
@@ -124,7 +121,7 @@ class LLM:
             max_running=max_seqs,
             max_step_tokens=max_step_tokens,
             chunk_size=chunk_size,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=c.cuda_graphs,
         )
         self._score_state: DecodeState | None = None
 

@@ -8,7 +8,7 @@ import pytest
 
 from dsv4.bench.serve import RequestResult, _stats, main, summarize
 from dsv4.tiny import make_tiny, tiny_args
-from tests.test_server import ServerProcess, scrape
+from tests.serving import ServerProcess, scrape
 
 
 def test_summary_arithmetic():

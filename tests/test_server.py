@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,19 +12,18 @@ import openai
 import pytest
 
 from dsv4.chat import encode_messages
-from dsv4.config import ServerConfig
 from dsv4.engine import RequestOutput
 from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
-from dsv4.server import Server, build_app, main, parse_args
+from dsv4.server import main, parse_args
 from dsv4.tiny import make_tiny, tiny_args
+from tests.serving import ServerProcess, in_process, scrape
 from tests.test_config import EXACT, engine_flags
 from tests.test_parsers import TOOLS as PARSER_TOOLS
 
 MODEL = "tiny"  # served name: the checkpoint directory's name
 MAX_LEN = 2048
 BODY_LIMIT = 65536
-ROOT = Path(__file__).resolve().parents[1]
 HI = [{"role": "user", "content": "Hi there"}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -41,53 +37,6 @@ def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
     return make_tiny(
         tmp_path_factory.mktemp("srv") / MODEL, tiny_args(), seed=0, tokenizer="deepseek"
     )
-
-
-class ServerProcess:
-    """`python -m dsv4.cli serve` on a free loopback port; its log goes to a file."""
-
-    def __init__(self, model_dir: Path, log: Path, *flags: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [
-            sys.executable,
-            "-m",
-            "dsv4.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--device",
-            "cpu",
-        ]
-        cmd += ["--port", str(self.port), *flags]
-        with open(log, "w") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
-        self.health: list[int] = []  # /health statuses seen while starting
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited:\n{log.read_text()}"
-            try:
-                r = httpx.get(self.url + "/health", timeout=5)
-            except httpx.TransportError:
-                time.sleep(0.01)
-                continue
-            self.health.append(r.status_code)
-            if r.status_code == 200:
-                return
-            assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
-            time.sleep(0.01)
-        self.stop()
-        raise AssertionError(f"server not ready in time:\n{log.read_text()}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -104,16 +53,6 @@ def server(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:  # noqa: ANN001
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 def gauge(m: dict[str, float], name: str, **labels: str) -> float:
@@ -613,16 +552,8 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
 # ---- in process: loading, engine failures, crashes ------------------------------------------------
 
 
-def _in_process(model_dir: Path | None, **config) -> tuple[Server, httpx.AsyncClient]:  # noqa: ANN003
-    server = Server(ServerConfig(model=str(model_dir) if model_dir else None, **config))
-    if model_dir is not None:
-        server.load()
-    transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
-    return server, httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60)
-
-
 def test_health_503_while_loading():
-    _, ac = _in_process(None)
+    _, ac = in_process(None)
 
     async def go() -> list[httpx.Response]:
         async with ac:
@@ -639,7 +570,7 @@ def test_health_503_while_loading():
 
 
 def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
-    server, ac = _in_process(model_dir, max_seqs=4, max_seq_len=256)
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine
     real_run, calls = engine._run, []
 

@@ -9,11 +9,10 @@ import json
 import httpx
 import pytest
 
-from dsv4.config import ServerConfig
 from dsv4.llm import LLM
 from dsv4.sampling import SamplingParams
-from dsv4.server import Server, build_app
 from dsv4.tiny import make_tiny, tiny_args
+from tests.serving import in_process
 
 pytestmark = pytest.mark.gpu
 
@@ -22,15 +21,13 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
     # warmed up at load; concurrent completions (two streamed) through the engine thread with
     # replayed graphs give the eager engine's greedy text
     d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=2, tokenizer="bytes")
-    server = Server(ServerConfig(model=str(d), max_seqs=4, max_seq_len=256))
-    server.load()
+    server, client = in_process(d, max_seqs=4, max_seq_len=256)
     c = server.llm.config
     assert (c.device, c.dtype, c.ops, c.cuda_graphs) == ("cuda", "bfloat16", "triton", True)
     # warmed up before serving: a graph for every batch bucket at the first position bound
     assert set(server.llm.engine.graphs.graphs) == {(1, 256), (2, 256), (4, 256)}
     prompts = ["Once upon a time", "hi", "The quick brown fox jumps", "a"]
     body = {"model": "m", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    transport = httpx.ASGITransport(app=build_app(server), raise_app_exceptions=False)
 
     async def one(ac: httpx.AsyncClient, prompt: str, stream: bool) -> str:
         if not stream:
@@ -48,7 +45,7 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
         return text
 
     async def go() -> tuple[list[str], str]:
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as ac:
+        async with client as ac:
             texts = await asyncio.gather(*(one(ac, p, i % 2 == 1) for i, p in enumerate(prompts)))
             return list(texts), (await ac.get("/metrics")).text
 

@@ -216,13 +216,12 @@ def report(s: dict, args: argparse.Namespace) -> str:
         f"{'total tokens/s':<28}{s['total_token_throughput']:.1f}",
         f"{'':<28}{'mean':>10}{'median':>10}{'p99':>10}",
     ]
-    for key, name in (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("itl", "ITL (ms)")):
+    names = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E latency"}
+    for key, name in names.items():
         v = s[key]
-        lines.append(f"{name:<28}{v['mean_ms']:>10.2f}{v['median_ms']:>10.2f}{v['p99_ms']:>10.2f}")
-    v = s["e2e"]
-    lines.append(
-        f"{'E2E latency (ms)':<28}{v['mean_ms']:>10.2f}{v['median_ms']:>10.2f}{v['p99_ms']:>10.2f}"
-    )
+        lines.append(
+            f"{name + ' (ms)':<28}{v['mean_ms']:>10.2f}{v['median_ms']:>10.2f}{v['p99_ms']:>10.2f}"
+        )
     return "\n".join(lines)
 
 
