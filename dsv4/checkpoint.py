@@ -263,7 +263,8 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
     Every checkpoint tensor is consumed exactly once and every model parameter is written once.
     Quantized weights are copied as they are when the model keeps them packed, else dequantized
     exactly into the parameter's dtype. A parameter with a `weight_loader(param, tensor)` attribute
-    (tensor/expert sharding) receives the full tensor and copies its own part.
+    (tensor/expert sharding) receives the full tensor and copies its own part; tensors another
+    rank holds (`model.elsewhere(name)`: routed experts under expert parallelism) are not read.
     """
     args: ModelArgs = model.args
     files = checkpoint_files(ckpt_dir)
@@ -273,7 +274,15 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
     companions = companion_names(expected)
     written: set[str] = set()
     consumed: set[str] = set()
-    names = sorted((n for n in expected if n not in companions), key=lambda n: (str(files[n]), n))
+    elsewhere = getattr(model, "elsewhere", lambda name: False)
+    for name in [n for n in expected if elsewhere(n)]:
+        if name in params:
+            raise CheckpointError(f"tensor {name}: held by another rank, yet a parameter here")
+        consumed.add(name)
+    names = sorted(
+        (n for n in expected if n not in companions and n not in consumed),
+        key=lambda n: (str(files[n]), n),
+    )
     bar = _progress(names, progress, desc=f"loading {Path(ckpt_dir).name}")
     for name in bar:
         spec = expected[name]
@@ -347,7 +356,10 @@ def _copy(params: dict[str, torch.Tensor], name: str, t: torch.Tensor, written: 
     p = params[name]
     loader = getattr(p, "weight_loader", None)
     if loader is not None:
-        loader(p, t)
+        try:
+            loader(p, t)
+        except ValueError as e:
+            raise CheckpointError(f"tensor {name}: {e}") from None
     else:
         if tuple(p.shape) != tuple(t.shape):
             raise CheckpointError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from dsv4.config import KV_CACHE_DTYPES
@@ -20,6 +21,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "memory_fraction",
     "cuda_graphs",
     "kv_cache_dtype",
+    "tensor_parallel_size",
 )
 
 
@@ -30,7 +32,30 @@ def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerCon
     return LLM(source.model, **{name: getattr(source, name) for name in ENGINE_FIELDS})
 
 
+def spmd(n: int, fn, *args) -> int:  # noqa: ANN001
+    """fn(*args) on every rank of n: in this process when `torchrun` started it (or n is 1),
+    else on n local processes started here (`dsv4.parallel.spawn`); returns rank 0's code."""
+    if n == 1 or "WORLD_SIZE" in os.environ:
+        return fn(*args)
+    import torch.multiprocessing as mp
+
+    from dsv4.parallel import spawn
+
+    try:
+        spawn(n, fn, *args)
+    except mp.ProcessExitedException as e:
+        return e.exit_code or 1
+    except mp.ProcessRaisedException as e:  # the rank's traceback
+        print(f"error: a rank failed:\n{e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _generate(ns: argparse.Namespace) -> int:
+    return spmd(ns.tensor_parallel_size, _generate_rank, ns)
+
+
+def _generate_rank(ns: argparse.Namespace) -> int:
     from dsv4.sampling import SamplingParams
 
     llm = build_llm(ns)
@@ -46,6 +71,8 @@ def _generate(ns: argparse.Namespace) -> int:
         repetition_penalty=ns.repetition_penalty,
     )
     outs = llm.generate(ns.prompt, params)
+    if llm.config.parallel.rank:  # every rank holds the same outputs: rank 0 prints them
+        return 0
     for prompt, out in zip(ns.prompt, outs):
         if len(ns.prompt) > 1:
             print(f"--- {prompt!r}")
@@ -58,6 +85,8 @@ def _chat(ns: argparse.Namespace) -> int:
     from dsv4.chat import encode_messages
     from dsv4.sampling import SamplingParams
 
+    if ns.tensor_parallel_size != 1:
+        raise ValueError("chat runs on one rank; serve a tensor-parallel model with `dsv4 serve`")
     llm = build_llm(ns)
     if llm.tokenizer is None:
         print("error: the model has no tokenizer", file=sys.stderr)
@@ -128,6 +157,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         help="attention state: auto = the compute dtype; fp8 = FP8 entries (584 B at Flash "
         "width: e4m3 nope, bf16 rope, UE8M0 scales), as vLLM's fp8_ds_mla",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks, one GPU each: attention heads and the shared expert split, routed experts "
+        "spread (expert parallel); started here, or one per process under torchrun",
     )
 
 

@@ -1,4 +1,4 @@
-"""Typed configuration: ModelArgs (the checkpoint's config.json), EngineConfig, ParallelInfo."""
+"""Typed configuration: ModelArgs (the checkpoint's config.json), EngineConfig."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsv4.parallel import Parallel
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -549,14 +551,6 @@ def flash_args() -> ModelArgs:
     )
 
 
-@dataclass(frozen=True)
-class ParallelInfo:
-    """Tensor/expert-parallel rank and size (1/0 for a single device)."""
-
-    world_size: int = 1
-    rank: int = 0
-
-
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -620,7 +614,7 @@ class EngineConfig:
     # attention state (window rings, compressed entries): "auto" = the compute dtype; "fp8" = 584-byte
     # FP8 entries at Flash width (e4m3 nope + bf16 rope + UE8M0 scales, `dsv4.quant.kv_entry_layout`)
     kv_cache_dtype: str = "auto"
-    parallel: ParallelInfo = field(default_factory=ParallelInfo)
+    parallel: Parallel = field(default_factory=Parallel)  # tensor/expert-parallel rank and size
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -698,6 +692,7 @@ class ServerConfig:
     memory_fraction: float | None = None
     cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each); rank 0 serves HTTP
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
 
     def __post_init__(self) -> None:
@@ -716,6 +711,8 @@ class ServerConfig:
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
                 f"chunk_size={self.chunk_size} must be > 0"
             )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def model_name(self) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
@@ -181,6 +182,8 @@ class Engine:
             [r.output_ids for r in reqs],
             [r.extra["gen"] for r in reqs],
         )
+        # every rank computed the same logits; rank 0's draw decides, so the ranks never diverge
+        self.model.par.broadcast(sample.token_ids)
         outs = []
         for i, req in enumerate(reqs):
             tok = int(sample.token_ids[i])
@@ -228,12 +231,16 @@ class AsyncEngine:
         self._thread.start()
 
     def _loop(self) -> None:
+        par = self.engine.model.par
         while True:
-            self._drain_inbox()  # also after stop: pending aborts free their state
+            cmds = self._drain_inbox()  # also after stop: pending aborts free their state
+            work = self.engine.has_work()
+            if par.world_size > 1 and (cmds or work or self._stop):
+                parallel.send((cmds, self._stop))  # the other ranks repeat them (`follow`)
             if self._stop:
                 return
             try:
-                outs = self.engine.step() if self.engine.has_work() else None
+                outs = self.engine.step() if work else None
             except Exception as e:  # a failed step must not strand its callers or stop the loop
                 log.exception("engine step failed; aborting the running requests")
                 self._fail_running(e)
@@ -254,22 +261,28 @@ class AsyncEngine:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> list[tuple]:
+        """Apply the queued adds and aborts; returns those the engine took, in order."""
+        done = []
         while self._inbox:
-            kind, rid, *args = self._inbox.popleft()
+            cmd = self._inbox.popleft()
+            kind, rid, *args = cmd
             if kind == "abort":
                 self.engine.abort(rid)  # no-op when finished or unknown
+                done.append(cmd)
                 continue
             try:
                 self.engine.add_request(*args, rid)
+                done.append(cmd)
             except Exception as e:  # refused (ValueError): the caller's generate raises it
                 self._deliver(rid, e)
+        return done
 
     def _fail_running(self, error: Exception) -> None:
         failed = EngineError(f"engine step failed: {error!r}")
         failed.__cause__ = error
         for rid in list(self.engine.requests):
-            self.engine.abort(rid)
+            self.abort(rid)  # through the inbox: the other ranks abort them too
             self._deliver(rid, failed)
 
     async def generate(
@@ -307,3 +320,23 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def follow(engine: Engine) -> None:
+    """Ranks > 0 of a tensor-parallel server: apply rank 0's adds and aborts in its order and
+    step whenever it steps (the same state gives the same schedule), until it stops. Outputs
+    stay here: rank 0 answers the requests."""
+    while True:
+        cmds, stop = parallel.receive()
+        for kind, rid, *args in cmds:
+            if kind == "abort":
+                engine.abort(rid)
+            else:
+                engine.add_request(*args, rid)
+        if stop:
+            return
+        if engine.has_work():
+            try:
+                engine.step()
+            except Exception:  # rank 0 fails the same step and sends the aborts
+                log.exception("engine step failed on rank %d", engine.model.par.rank)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dsv4 import ops as ops_pkg
+from dsv4 import parallel
 from dsv4.checkpoint import has_mtp, load_checkpoint
 from dsv4.config import EngineConfig, ModelArgs, resolve_engine
 from dsv4.engine import Engine, RequestOutput, check_prompt
@@ -55,22 +56,41 @@ class LLM:
         cuda_graphs: bool | None = None,
         kv_cache_dtype: str = "auto",
         progress: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
+        # tensor/expert parallel: one process per rank, started by torchrun or `parallel.spawn`
+        # (the CLI's --tensor-parallel-size); every rank runs this same program
+        par = parallel.Parallel()
+        if tensor_parallel_size != 1:
+            par = parallel.from_env()
+            if par.world_size != tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size={tensor_parallel_size} needs that many processes "
+                    f"(torchrun --nproc-per-node {tensor_parallel_size}, or the CLI's "
+                    f"--tensor-parallel-size, which starts them); this one sees WORLD_SIZE="
+                    f"{par.world_size}"
+                )
+        flags["device"] = parallel.init(par, flags["device"])  # cuda -> cuda:<local rank>
         self.config = c = EngineConfig(
             **flags,
             max_seqs=max_seqs,
             max_seq_len=max_seq_len,
             kv_cache_dtype=kv_cache_dtype,
+            parallel=par,
         )
-        log.info("engine: %s", " ".join(f"{k}={v}" for k, v in flags.items()))
+        log.info(
+            "engine: %s%s",
+            " ".join(f"{k}={v}" for k, v in flags.items()),
+            f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
+        )
         args = ModelArgs.from_json(self.model_dir)
         if args.n_mtp_layers and not has_mtp(self.model_dir):
             args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
         self.args = args
         with torch.device(c.device):
-            self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops))
+            self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par)
         load_checkpoint(self.model, self.model_dir, progress=progress)
         self.model.eval()
         self.tokenizer = None

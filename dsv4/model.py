@@ -7,7 +7,10 @@ H = heads, hd = head_dim. Per-sequence bookkeeping lives in `Batch` and `DecodeS
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import operator
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from types import SimpleNamespace as Ops
 from typing import NamedTuple
 
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import CSA, HASH_MOE, SLIDING, ModelArgs, yarn_inv_freq
+from dsv4.parallel import Parallel, ParallelError
 from dsv4.state import Batch, CompressorState, DecodeState, LayerState
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, rd/2] fp32
@@ -76,6 +80,43 @@ def _stored(lin: Linear) -> tuple[torch.Tensor, ...]:
     return (lin.weight, lin.scale) if lin.fmt == "fp8" else (lin.weight,)
 
 
+def split(p: nn.Parameter, dim: int, par: Parallel) -> None:
+    """Let `p` (built at this rank's size) take its part of the checkpoint's full tensor along
+    `dim` when loaded (`load_checkpoint` calls `weight_loader`): rank r's r-th of world slices."""
+    if par.world_size == 1:
+        return
+
+    def load(param: torch.Tensor, full: torch.Tensor) -> None:
+        n = param.shape[dim]
+        want = [*param.shape[:dim], n * par.world_size, *param.shape[dim + 1 :]]
+        if list(full.shape) != want:
+            raise ValueError(
+                f"rank {par.rank} of {par.world_size} holds {list(param.shape)} (dim {dim}); "
+                f"the full tensor should be {want}, checkpoint has {list(full.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(full.narrow(dim, par.rank * n, n).to(param.dtype))
+
+    p.weight_loader = load
+
+
+def split_linear(lin: Linear, dim: int, par: Parallel) -> Linear:
+    """Shard a projection over the ranks: dim 0 its output rows, dim 1 its input columns. FP8
+    block scales go with their 128 x 128 blocks, so this rank's part must be whole blocks."""
+    if par.world_size == 1:
+        return lin
+    if lin.fmt not in ("dense", "fp8"):
+        raise ParallelError(f"a {lin.fmt!r} projection cannot be split over ranks")
+    if lin.fmt == "fp8" and lin.weight.shape[dim] % 128:
+        raise ParallelError(
+            f"an FP8 projection's part {list(lin.weight.shape)} is not whole 128-blocks along "
+            f"dim {dim} at {par.world_size} ranks"
+        )
+    for p in _stored(lin):
+        split(p, dim, par)
+    return lin
+
+
 def join_linears(a: Linear, b: Linear) -> None:
     """Put b's stored tensors right after a's in one allocation, so `pair(x, a, b)` runs both
     as one GEMM; values and state_dict keys are unchanged. Call once the weights are final and
@@ -123,6 +164,7 @@ class Build:
     quant: str  # dense projections: "dense" (dequantized) | "fp8"
     expert_quant: str  # routed experts: "dense" | "fp8" | "fp4" | "nvfp4"
     ops: Ops
+    par: Parallel = field(default_factory=Parallel)  # this rank's part (dsv4.parallel)
 
     def linear(self, n_in: int, n_out: int, fmt: str | None = None) -> Linear:
         return Linear(n_in, n_out, self.quant if fmt is None else fmt, self.dtype, self.ops)
@@ -268,18 +310,25 @@ class Attention(nn.Module):
 
     def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        a, self.ops = b.args, b.ops
+        a, self.ops, par = b.args, b.ops, b.par
         self.kind = a.layer_types[layer_id] if layer_id < a.n_layers else SLIDING
-        self.n_heads, self.head_dim, self.window = a.n_heads, a.head_dim, a.window_size
-        self.o_groups, self.eps, self.rope_dim = a.o_groups, a.norm_eps, a.rope_head_dim
+        self.head_dim, self.window, self.par = a.head_dim, a.window_size, par
+        self.eps, self.rope_dim = a.norm_eps, a.rope_head_dim
+        # this rank's query heads and the output groups that read them (all of them on one rank)
+        self.n_heads, self.o_groups = (
+            par.part(a.n_heads, "n_heads"),
+            par.part(a.o_groups, "o_groups"),
+        )
         self.wq_a = b.linear(a.dim, a.q_lora_rank)
         self.q_norm = b.norm(a.q_lora_rank)
-        self.wq_b = b.linear(a.q_lora_rank, a.n_heads * a.head_dim)
+        self.wq_b = split_linear(b.linear(a.q_lora_rank, self.n_heads * a.head_dim), 0, par)
         self.wkv = b.linear(a.dim, a.head_dim)
         self.kv_norm = b.norm(a.head_dim)
-        self.wo_a = b.linear(a.n_heads * a.head_dim // a.o_groups, a.o_groups * a.o_lora_rank)
-        self.wo_b = b.linear(a.o_groups * a.o_lora_rank, a.dim)
-        self.attn_sink = _param(a.n_heads, dtype=torch.float32)
+        group_in = a.n_heads * a.head_dim // a.o_groups
+        self.wo_a = split_linear(b.linear(group_in, self.o_groups * a.o_lora_rank), 0, par)
+        self.wo_b = split_linear(b.linear(self.o_groups * a.o_lora_rank, a.dim), 1, par)
+        self.attn_sink = _param(self.n_heads, dtype=torch.float32)
+        split(self.attn_sink, 0, par)
         if self.kind != SLIDING:
             ratio = a.csa_ratio if self.kind == CSA else a.hca_ratio
             self.compressor = Compressor(b, ratio, a.head_dim, self.kind == CSA)
@@ -336,7 +385,7 @@ class Attention(nn.Module):
         o = self.ops.grouped_linear(
             o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt, *self.wo_a.scales()
         )
-        return self.wo_b(o.flatten(1))
+        return self.par.all_reduce(self.wo_b(o.flatten(1)))  # the ranks' heads summed
 
 
 class Gate(nn.Module):
@@ -384,26 +433,54 @@ class Expert(nn.Module):
         return self.w2(self.ops.swiglu(g, u, self.limit, weights))
 
 
+class Experts(nn.ModuleList):
+    """This rank's routed experts: indexed 0.. locally, named by their global ids (checkpoint keys
+    `experts.{id}.`). On one rank the ids are 0..n-1, as in a plain ModuleList."""
+
+    def __init__(self, experts: Iterable[nn.Module], first: int) -> None:
+        nn.Module.__init__(self)
+        self.first = first
+        for i, e in enumerate(experts):
+            self.add_module(str(first + i), e)
+
+    def __getitem__(self, i: int) -> nn.Module:  # type: ignore[override]
+        n, i = len(self), operator.index(i)
+        if not -n <= i < n:
+            raise IndexError(f"expert {i} of {n} local experts")
+        return self._modules[str(self.first + i % n)]
+
+
 class MoE(nn.Module):
     """Routed experts (top-k of n_routed) plus one shared expert."""
 
     def __init__(self, layer_id: int, b: Build) -> None:
         super().__init__()
-        a, self.ops = b.args, b.ops
+        a, self.ops, self.par = b.args, b.ops, b.par
         self.gate = Gate(layer_id, b)
-        self.experts = nn.ModuleList(
-            Expert(b, a.moe_inter_dim, b.expert_quant) for _ in range(a.n_routed_experts)
+        # expert parallel: this rank's consecutive routed experts; the shared expert's inner
+        # dimension split (w1 / w3 rows, w2 columns)
+        n = b.par.part(a.n_routed_experts, "n_routed_experts")
+        self.first = b.par.rank * n
+        self.experts = Experts(
+            (Expert(b, a.moe_inter_dim, b.expert_quant) for _ in range(n)), self.first
         )
-        self.shared_experts = (
-            Expert(b, a.moe_inter_dim * a.n_shared_experts, b.quant) if a.n_shared_experts else None
-        )
+        self.shared_experts = None
+        if a.n_shared_experts:
+            inter = b.par.part(a.moe_inter_dim * a.n_shared_experts, "shared expert inner dim")
+            sh = self.shared_experts = Expert(b, inter, b.quant)
+            for lin, dim in ((sh.w1, 0), (sh.w3, 0), (sh.w2, 1)):
+                split_linear(lin, dim, b.par)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x, input_ids)  # [T, k] each
+        weights, idx = self.gate(x, input_ids)  # [T, k] each, global expert ids
+        if self.par.world_size > 1:  # local ids; -1 = held by another rank (contributes nothing)
+            loc = idx - self.first
+            idx = torch.where((loc >= 0) & (loc < len(self.experts)), loc, -1)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         # routed experts summed over the k slots, plus the shared expert's output, in fp32; then
-        # cast to x.dtype in the same op
-        return self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, out_dtype=x.dtype)
+        # cast to x.dtype in the same op; the ranks' parts summed
+        y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, out_dtype=x.dtype)
+        return self.par.all_reduce(y)
 
 
 class Pending(NamedTuple):
@@ -488,6 +565,9 @@ class MTPBlock(Block):
         return self.ops.hc_post(*super().forward(x, input_ids, batch, ls, rope, inv_freq))
 
 
+_EXPERT_KEY = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4: embedding, n_layers Blocks on hc_mult streams, hc_head, norm, head (+ MTP)."""
 
@@ -497,6 +577,7 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         quantized: bool = False,
         ops: Ops | None = None,
+        par: Parallel | None = None,
     ) -> None:
         super().__init__()
         if ops is None:
@@ -504,12 +585,14 @@ class Transformer(nn.Module):
 
             ops = select("ref")
         self.args, self.dtype, self.ops = args, dtype, ops
+        self.par = par = par or Parallel()
         b = Build(
             args,
             dtype,
             quant=args.weight_dtype.replace("bf16", "dense") if quantized else "dense",
             expert_quant=args.expert_dtype.replace("bf16", "dense") if quantized else "dense",
             ops=ops,
+            par=par,
         )
         self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
         self.embed.weight.requires_grad_(False)
@@ -527,6 +610,15 @@ class Transformer(nn.Module):
             yarn_inv_freq(rd, args.compress_rope_theta, args.yarn),
             persistent=False,
         )
+
+    def elsewhere(self, name: str) -> bool:
+        """Is checkpoint tensor `name` held by another rank (a routed expert outside this rank's
+        range)? `load_checkpoint` skips those without reading them."""
+        m = _EXPERT_KEY.search(name)
+        if m is None or self.par.world_size == 1:
+            return False
+        n = self.par.part(self.args.n_routed_experts, "n_routed_experts")
+        return not self.par.rank * n <= int(m[1]) < (self.par.rank + 1) * n
 
     def join_projections(self) -> None:
         """One GEMM for each pair of projections that read the same input: attention's wq_a /

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import time
 import uuid
@@ -393,14 +394,31 @@ def parse_args(argv: list[str]) -> ServerConfig:
 
 
 def main(argv: list[str]) -> int:
-    import uvicorn
+    from dsv4.cli import spmd
 
     try:
         config = parse_args(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return spmd(config.tensor_parallel_size, _serve_rank, config)
+
+
+def _serve_rank(config: ServerConfig) -> int:
+    """Rank 0 serves HTTP; the other ranks load their part, warm up as rank 0 does, then repeat
+    its engine's adds, aborts and steps (`engine.follow`) until it stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if int(os.environ.get("RANK", "0")):
+        from dsv4.cli import build_llm
+        from dsv4.engine import follow
+
+        llm = build_llm(config)
+        if config.warmup and llm.config.device.startswith("cuda"):
+            llm.warmup()
+        follow(llm.engine)
+        return 0
+    import uvicorn
+
     server = Server(config)
     app = build_app(server)
     http = uvicorn.Server(

@@ -281,3 +281,17 @@ def test_trace_writes_a_profiler_trace(tmp_path):  # noqa: ANN001
     run = json.loads(out.read_text())["runs"][0]
     trace = json.loads(open(run["trace"]).read())
     assert any(str(e.get("name", "")).startswith("aten::") for e in trace["traceEvents"])
+
+
+def test_two_ranks(tmp_path, capfd):  # noqa: ANN001
+    # -tp 2 starts two CPU ranks (gloo); each times its half of the step, rank 0 reports once
+    path = tmp_path / "tp.json"
+    argv = BASE + ["--batch", "2", "--context", "40", "--prefill", "8", "-tp", "2",
+                   "--json", str(path)]  # fmt: skip
+    assert step.main(argv) == 0
+    res = json.loads(path.read_text())
+    assert res["config"]["tensor_parallel_size"] == 2
+    assert res["config"]["weight_dtype"] == "bf16"  # tiny parts: no whole FP8 blocks
+    (run,) = res["runs"]
+    assert run["projected_s"] > 0 and res["prefill"]["projected_s"] > 0
+    assert capfd.readouterr().out.count("tensor parallel 2 (rank 0's times)") == 1

@@ -88,6 +88,11 @@ def print_report(res: dict) -> None:
     print(
         f"dsv4 bench step: preset {cfg['preset']}, layers {', '.join(keys)}, ops {cfg['ops']}, "
         f"{cfg['dtype']}, {res['env']['device']} ({res['env']['device_name']})"
+        + (
+            f", tensor parallel {cfg['tensor_parallel_size']} (rank 0's times)"
+            if cfg.get("tensor_parallel_size", 1) > 1
+            else ""
+        )
     )
     print(
         f"projection: {plan['n_layers']} layers = {target}, + rest (batch prep, embedding, "

@@ -181,8 +181,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="halve transformers' context until its decode transient fits (GB)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=_int_at_least("--tensor-parallel-size", 1),
+        default=1,
+        help="ranks (one GPU each, started here): each times its part of the step with the "
+        "all-reduces; rank 0 reports",
+    )
     p.add_argument("--json", help="write all results here")
     a = p.parse_args(argv)
+    if a.tensor_parallel_size > 1 and (a.hf or a.profile or a.trace):
+        p.error("--tensor-parallel-size times our step only: no --hf, --profile or --trace")
     batch, context, prefill = PRESET_DEFAULTS[a.preset]
     a.batch = a.batch or _int_list("batch sizes", 1)(batch)
     a.context = a.context or _int_list("contexts", 1)(context)
@@ -201,8 +211,11 @@ def layer_key(kind: str, mlp: str) -> str:
     return TYPE_NAMES[kind] + (":hash" if mlp == HASH_MOE else "")
 
 
-def bench_args(preset: str, layers: tuple[tuple[str, str], ...]) -> tuple[ModelArgs, ModelArgs]:
-    """(the benchmarked layers, the full model they are projected to: Flash's 43-layer schedule)."""
+def bench_args(
+    preset: str, layers: tuple[tuple[str, str], ...], tp: int = 1
+) -> tuple[ModelArgs, ModelArgs]:
+    """(the benchmarked layers, the full model they are projected to: Flash's 43-layer schedule).
+    Tiny shapes split over ranks keep bf16 projections: their parts are not whole FP8 blocks."""
     flash = flash_args().replace(n_mtp_layers=0)
     if preset == "flash":
         base = flash
@@ -210,6 +223,8 @@ def bench_args(preset: str, layers: tuple[tuple[str, str], ...]) -> tuple[ModelA
         from dsv4.tiny import tiny_args
 
         base = tiny_args(vocab_size=1024, n_mtp_layers=0)
+        if tp > 1:
+            base = base.replace(weight_dtype="bf16")
     kinds, mlps = zip(*layers)
     bench = base.replace(n_layers=len(layers), layer_types=kinds, mlp_layer_types=mlps)
     full = base.replace(
@@ -303,11 +318,14 @@ class Bench:
     """Our model (and transformers', with --hf), built once; runs prefill and decode cases."""
 
     def __init__(self, a: argparse.Namespace) -> None:
+        from dsv4 import parallel
         from dsv4.bench.weights import init_random_
         from dsv4.ops import select
 
-        self.a, self.device, self.dtype = a, torch.device(a.device), DTYPES[a.dtype]
-        self.args, self.full = bench_args(a.preset, a.layers)
+        self.par = parallel.from_env() if a.tensor_parallel_size > 1 else parallel.Parallel()
+        device = parallel.init(self.par, a.device)  # cuda -> cuda:<rank>
+        self.a, self.device, self.dtype = a, torch.device(device), DTYPES[a.dtype]
+        self.args, self.full = bench_args(a.preset, a.layers, a.tensor_parallel_size)
         self.keys = [layer_key(k, m) for k, m in a.layers]
         target = [layer_key(k, m) for k, m in zip(self.full.layer_types, self.full.mlp_layer_types)]
         self.plan = projection_plan(self.keys, target)
@@ -315,8 +333,10 @@ class Bench:
         ops = select(a.ops)
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = Transformer(self.args, self.dtype, quantized=True, ops=ops).eval()
-        init_random_(self.model, a.seed)
+            self.model = Transformer(
+                self.args, self.dtype, quantized=True, ops=ops, par=self.par
+            ).eval()
+        init_random_(self.model, a.seed + self.par.rank)
         self.build_s = time.perf_counter() - t0
         self.hf = None
         if a.hf:
@@ -455,6 +475,10 @@ class Bench:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    if a.tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:
+        from dsv4.cli import spmd
+
+        return spmd(a.tensor_parallel_size, main, argv)  # every rank runs this main
     try:
         bench = Bench(a)
     except Exception as e:  # noqa: BLE001  (--ops triton: import failures, no driver)
@@ -506,6 +530,8 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         bench.clock.close()
+    if bench.par.rank:  # rank 0 reports
+        return 1 if failed else 0
     print_report(res)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
@@ -534,6 +560,7 @@ def _config(a: argparse.Namespace, bench: Bench) -> dict:
         "hf",
         "hf_max_gb",
         "seed",
+        "tensor_parallel_size",
     )
     return {k: getattr(a, k) for k in keep} | {
         "layer_keys": bench.keys,

@@ -12,7 +12,9 @@ w1 weight / scale, so the compiler knows the pointers are 16-byte aligned and ve
 is built once per ModuleList and cached. Routing runs on the device without a host sync:
 the T*k pairs are sorted by expert and each expert's rows are padded to a multiple of BLOCK_M,
 giving every row-block one expert and BLOCK_M pair ids (-1 = padding). The number of row-blocks has
-a static bound, so the grids are static and blocks past the real count exit at once.
+a static bound, so the grids are static and blocks past the real count exit at once. Expert
+parallelism: `experts` holds the rank's experts only and idx names the others -1; such pairs are in
+no row-block (the GEMV form: their blocks exit at once), and the slot sum skips their rows.
 
   _moe_gate_up_kernel  per (row-block, inter tile): gather x rows, W1 and W3 tiles decoded from
                        e2m1 nibbles and e8m0 scales, two dots; epilogue clamp, silu * u, routing
@@ -306,16 +308,21 @@ def swiglu(
 
 
 @triton.jit
-def _sum_slots_kernel(out_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_y,
-                      K: tl.constexpr, HAS_SHARED: tl.constexpr, RNE_BF16: tl.constexpr,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _sum_slots_kernel(out_ptr, idx_ptr, shared_ptr, y_ptr, D, stride_o, stride_s, stride_y,
+                      K: tl.constexpr, HAS_IDX: tl.constexpr, HAS_SHARED: tl.constexpr,
+                      RNE_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):  # fmt: skip
     chain_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):  # slot order, as the reference's sum over dim 1
-        acc += tl.load(out_ptr + (t * K + j) * stride_o + cols, mask=ok).to(tl.float32)
+        v = tl.load(out_ptr + (t * K + j) * stride_o + cols, mask=ok).to(tl.float32)
+        if HAS_IDX:  # a slot whose id is < 0 (another rank's expert): its row was never written,
+            # so its values (any bits, NaN too) are dropped; read with the id, not after it
+            v = tl.where(tl.load(idx_ptr + t * K + j) >= 0, v, 0.0)
+        acc += v
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t * stride_s + cols, mask=ok).to(tl.float32)
     tl.store(y_ptr + t * stride_y + cols, cast_rne(acc, y_ptr.dtype.element_ty, RNE_BF16), mask=ok)
@@ -326,19 +333,23 @@ def sum_slots(
     k: int,
     shared: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # out: [T*k, D] each (token, slot) pair's expert output -> [T, D]: sum over the k slots
-    # (+ shared [T, D]) in fp32, returned in out_dtype (rounded to nearest in the same launch)
+    # (+ shared [T, D]) in fp32, returned in out_dtype (rounded to nearest in the same launch);
+    # idx [T, k]: the slots whose id is < 0 are left out (their rows of out are not read)
     P, D = out.shape
     T = P // k
     y = torch.empty((T, D), dtype=out_dtype, device=out.device)
     if T == 0:
         return y
+    assert idx is None or idx.shape == (T, k), f"idx {tuple(idx.shape)} for {T} tokens x {k}"
     block = min(1024, triton.next_power_of_2(D))
     s = shared if shared is not None else out
+    ids = idx.reshape(-1).contiguous() if idx is not None else out
     _sum_slots_kernel[(T, triton.cdiv(D, block))](
-        out, s, y, D, out.stride(0), s.stride(0), y.stride(0),
-        K=k, HAS_SHARED=shared is not None,
+        out, ids, s, y, D, out.stride(0), s.stride(0), y.stride(0),
+        K=k, HAS_IDX=idx is not None, HAS_SHARED=shared is not None,
         RNE_BF16=rne_bf16(out, out_dtype), BLOCK=block, num_warps=4,
         **chain(out.device),
     )  # fmt: skip
@@ -675,7 +686,7 @@ ALIGN_MAX_PAIRS = 1024  # pairs up to which align_rows is one Triton program (de
 
 @triton.jit
 def _align_rows_kernel(
-    idx_ptr,  # [P] int64 expert of each pair (pair p = t*k + j)
+    idx_ptr,  # [P] int64 expert of each pair (pair p = t*k + j), < 0: none (left out)
     rows_ptr,  # [NB*BLOCK_M] int32 out: pair ids grouped by expert, -1 padding
     experts_ptr,  # [NB] int32 out: expert of each row-block, -1 past the real ones
     scratch_ptr,  # [2*E_PAD] int32: each expert's first block and first pair (gathered back)
@@ -689,10 +700,12 @@ def _align_rows_kernel(
 ):
     chain_start(PDL)
     # the torch form below in one program: counts by histogram, block / pair offsets by prefix
-    # sums, the pairs ordered by (expert, pair id) in one sort, then scattered to their rows
+    # sums, the pairs ordered by (expert, pair id) in one sort, then scattered to their rows.
+    # Pairs with an id < 0 count as padding: in no histogram bin, sorted last, never stored
     offs = tl.arange(0, P_PAD)
-    ok = offs < P
-    e = tl.load(idx_ptr + offs, mask=ok, other=0).to(tl.int32)
+    e = tl.load(idx_ptr + offs, mask=offs < P, other=-1).to(tl.int32)
+    ok = e >= 0
+    e = tl.maximum(e, 0)
     counts = tl.histogram(e, E_PAD, mask=ok)  # [E_PAD]
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     offs_e = tl.arange(0, E_PAD)
@@ -720,7 +733,8 @@ def align_rows(
     """[T, k] expert ids -> (rows int32 [NB*block_m] pair ids grouped by expert, each expert's run
     padded with -1 to a multiple of block_m ; experts int32 [NB], -1 past the real blocks).
     NB = num_row_blocks(T*k, E, block_m); device ops only, no host sync. Up to ALIGN_MAX_PAIRS
-    pairs one Triton launch, else ~15 torch launches."""
+    pairs one Triton launch, else ~15 torch launches. Pairs whose id is < 0 (expert parallelism:
+    another rank's expert) are in no row; NB stays a bound (fewer pairs, fewer blocks)."""
     flat = idx.reshape(-1)
     P, dev = flat.numel(), flat.device
     NB = num_row_blocks(P, n_experts, block_m)
@@ -736,21 +750,25 @@ def align_rows(
             **chain(dev),
         )  # fmt: skip
         return rows, experts
+    # the pairs with an id < 0 as an extra expert n_experts: sorted last, their rows written to
+    # one spare slot past the end (cut off), as are their blocks' experts
     flat = flat.long()
+    flat = torch.where(flat < 0, n_experts, flat)
     order = flat.argsort(stable=True)  # pair ids sorted by expert
     e_sorted = flat[order]
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
     first_block = blocks.cumsum(0) - blocks  # exclusive prefix sums
     first_pair = counts.cumsum(0) - counts
     rank = torch.arange(P, device=dev) - first_pair[e_sorted]
     pos = first_block[e_sorted] * block_m + rank  # padded row of each sorted pair
-    rows = torch.full((NB * block_m,), -1, dtype=torch.int32, device=dev)
+    pos = torch.where(e_sorted < n_experts, pos, NB * block_m)  # left out: the spare slot
+    rows = torch.full((NB * block_m + 1,), -1, dtype=torch.int32, device=dev)
     rows[pos] = order.to(torch.int32)
-    experts = torch.full((NB,), -1, dtype=torch.int32, device=dev)
+    experts = torch.full((NB + 1,), -1, dtype=torch.int32, device=dev)
     experts[pos // block_m] = e_sorted.to(torch.int32)  # duplicates write the same value
-    return rows, experts
+    return rows[:-1], experts[:-1]
 
 
 def gemv_config(pairs: int, D: int, I: int) -> dict:  # noqa: E741
@@ -799,9 +817,11 @@ def moe_experts(
     shared: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) -> [T, D] out_dtype (the sum
-    # in fp32, then cast), plus shared [T, D] (the shared expert's output) when given, in the
-    # launch that sums the k slots
+    # x: [T, D] ; weights: [T, k] fp32 ; idx: [T, k] int64 in [0, E) or -1 -> [T, D] out_dtype
+    # (the sum in fp32, then cast), plus shared [T, D] (the shared expert's output) when given, in
+    # the launch that sums the k slots. An id of -1 (expert parallelism: the pair's expert lives
+    # on another rank, experts holding this rank's only) contributes nothing: no row-block
+    # computes the pair and the slot sum leaves its (unwritten) row out
     # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
@@ -857,13 +877,14 @@ def moe_experts(
 
         rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
-        return sum_slots(out, k, shared, out_dtype)
+        return sum_slots(out, k, shared, out_dtype, idx)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
     assert not (gemv and x.is_cuda and table.unit != 16), "gemv: expert weights not 16-B aligned"
     block_m = 1 if gemv else 16 if P < 2048 else 64
     if gemv:  # one pair per row-block, in pair order: the router's ids are the blocks' experts
+        # (an id < 0 is a block that exits at once, as align_rows's padding blocks)
         rows = blk = idx.reshape(-1)
     else:
         rows, blk = align_rows(idx, E, block_m)
@@ -908,4 +929,4 @@ def moe_experts(
         assert D % cfg["BLOCK_K"] == 0 and I % cfg["BLOCK_K"] == 0, f"bad config {cfg}"
         _moe_gate_up_kernel[grid(I)](*args1, TOPK=k, **(consts | cfg))
         _moe_down_kernel[grid(D)](*args2, **(consts | cfg))
-    return sum_slots(out, k, shared, out_dtype)
+    return sum_slots(out, k, shared, out_dtype, idx)

@@ -351,12 +351,15 @@ def moe_experts(
     # x: [T, D] ; weights, idx: [T, k] routing weights (fp32) and expert ids -> [T, D] out_dtype:
     # y_t = sum_j Expert_{idx[t,j]}(x_t, weights[t,j]) (SwiGLU, clamp, weight before w2), plus the
     # shared expert's output shared [T, D] (as fp32) when given, summed in fp32, then cast.
+    # An id < 0 (expert parallelism: the expert lives on another rank) contributes nothing.
     # (token, slot) pairs grouped by expert; one host sync for the per-expert counts
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    order = idx.flatten().argsort(stable=True)
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # the pairs with ids < 0 first: skipped
     tok, slot = order // idx.shape[1], order % idx.shape[1]
-    counts = torch.bincount(idx.flatten(), minlength=len(experts)).tolist()
-    start = 0
+    # bin 0 counts the skipped pairs, bin e + 1 expert e's
+    skipped, *counts = torch.bincount((flat + 1).clamp(min=0), minlength=len(experts) + 1).tolist()
+    start = skipped
     for e, n in enumerate(counts):
         if n:
             t, k = tok[start : start + n], slot[start : start + n]

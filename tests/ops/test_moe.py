@@ -258,6 +258,154 @@ def test_align_rows_forms_agree(monkeypatch) -> None:  # noqa: ANN001
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+# ---------------------------------------------------------------------------------------------
+# Expert parallelism: `experts` holds a rank's experts, idx -1 names a pair whose expert lives on
+# another rank (it contributes nothing here)
+# ---------------------------------------------------------------------------------------------
+
+
+def _remote(idx: torch.Tensor, frac: float, seed: int = 0) -> torch.Tensor:
+    # idx with about `frac` of its pairs -1, token 0's all of them (a token with no local expert)
+    g = torch.Generator().manual_seed(seed + 2)
+    idx = torch.where(torch.rand(idx.shape, generator=g) < frac, -1, idx)
+    idx[0] = -1
+    return idx
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch) -> None:  # noqa: ANN001
+    # torch.empty of x's dtypes filled with NaN: a row the kernels leave unwritten and a launch
+    # then reads shows up as NaN (the CPU allocator often hands out zeroed memory)
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype in TOL or t.dtype == torch.float16 else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def test_ref_remote_pairs_contribute_nothing() -> None:
+    # ref with -1 ids = ref with those pairs' weights 0 and ids any local expert: an independent
+    # statement of "contributes nothing" (a zero weight zeroes h, so the pair's w2 output is 0;
+    # fp32 to rounding: the experts' matmuls see other batch sizes)
+    D, I, E, k, T = 64, 32, 5, 3, 9  # noqa: E741
+    experts = _experts(D, I, E, seed=21)
+    weights, idx = _routing(T, k, E, False, seed=21)
+    remote = _remote(idx, 0.4, seed=21)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(21))
+    shared = torch.randn(T, D, generator=torch.Generator().manual_seed(22))
+    gone = remote < 0
+    any_id = torch.randint(0, E, idx.shape, generator=torch.Generator().manual_seed(23))
+    for sh in (None, shared):
+        y = ref.moe_experts(x, weights, remote, experts, sh)
+        want = ref.moe_experts(
+            x, weights.masked_fill(gone, 0.0), torch.where(gone, any_id, remote), experts, sh
+        )
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    # token 0 has no local expert: 0, or the shared expert's output
+    assert torch.equal(ref.moe_experts(x, weights, remote, experts)[0], torch.zeros(D))
+    assert torch.equal(ref.moe_experts(x, weights, remote, experts, shared)[0], shared[0])
+    # every pair remote (and no local expert at all): zeros / shared
+    none = torch.full_like(idx, -1)
+    assert torch.equal(ref.moe_experts(x, weights, none, experts, shared), shared)
+    empty = torch.nn.ModuleList()
+    assert torch.equal(ref.moe_experts(x, weights, none, empty), torch.zeros(T, D))
+
+
+@pytest.mark.parametrize("form", ["triton", "torch"])
+@pytest.mark.parametrize("T,k,E,block_m,frac", [(5, 2, 4, 16, 0.5), (17, 3, 9, 4, 0.3),
+                                                (40, 6, 9, 8, 0.6), (7, 2, 4, 4, 1.0)])  # fmt: skip
+def test_align_rows_remote_pairs(T: int, k: int, E: int, block_m: int, frac: float, form: str,
+                                 monkeypatch) -> None:  # noqa: ANN001  # fmt: skip
+    # -1 pairs are in no row; every other pair exactly once, grouped by expert, within the static
+    # bound num_row_blocks(T * k, ...); both forms give the same layout
+    _, idx = _routing(T, k, E, skew=T > 20, seed=T)
+    idx = _remote(idx, frac, seed=T)
+    one = moe.align_rows(idx, E, block_m)
+    monkeypatch.setattr(moe, "ALIGN_MAX_PAIRS", 0)
+    two = moe.align_rows(idx, E, block_m)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    rows, blk = one if form == "triton" else two
+    NB = moe.num_row_blocks(T * k, E, block_m)
+    assert rows.shape == (NB * block_m,) and blk.shape == (NB,)
+    flat = idx.flatten()
+    local = (flat >= 0).nonzero().flatten()
+    assert sorted(rows[rows >= 0].tolist()) == local.tolist()
+    assert bool(((rows >= 0) | (rows == -1)).all())
+    counts = torch.bincount(flat[local], minlength=E)
+    n_real = int(((counts + block_m - 1) // block_m).sum())
+    assert (blk[:n_real] >= 0).all() and (blk[n_real:] == -1).all()
+    assert (rows.view(NB, block_m)[n_real:] == -1).all()
+    assert torch.equal(blk[:n_real], blk[:n_real].sort().values)
+    for b in range(n_real):
+        r = rows.view(NB, block_m)[b]
+        pairs = r[r >= 0]
+        assert len(pairs) > 0 and (flat[pairs.long()] == blk[b]).all()
+
+
+def test_sum_slots_skips_remote_slots() -> None:
+    # the rows of -1 slots are never written (NaN here) and never read: the sum of the others
+    torch.manual_seed(5)
+    T, k, D = 4, 3, 200
+    idx = _remote(torch.randint(0, 8, (T, k)), 0.4, seed=5)
+    out = torch.randn(T * k, D)
+    out[idx.flatten() < 0] = float("nan")
+    shared = torch.randn(T, D)
+    masked = out.view(T, k, D).masked_fill((idx < 0)[:, :, None], 0.0)
+    want = masked[:, 0].clone()
+    for j in range(1, k):
+        want += masked[:, j]
+    assert torch.equal(moe.sum_slots(out, k, idx=idx), want)
+    assert torch.equal(moe.sum_slots(out, k, shared, idx=idx), want + shared)
+    assert torch.equal(moe.sum_slots(out, k, shared, idx=torch.full_like(idx, -1)), shared)
+
+
+# each form of the Triton launcher: (dtype, knobs)
+EP_FORMS = {
+    "dot-fp32": (torch.float32, {}),
+    "dot-bf16": (torch.bfloat16, {}),
+    "dot_scaled": (torch.bfloat16, {"dot_scaled": True}),
+    "gemv": (torch.float32, {"gemv": True, "config": {"BLOCK_N": 64, "BLOCK_K": 32,
+                                                       "num_warps": 4, "num_stages": 1}}),
+    "align-torch": (torch.bfloat16, {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", list(EP_FORMS))
+@pytest.mark.usefixtures("poisoned_empty")
+def test_moe_experts_remote_pairs(form: str, monkeypatch) -> None:  # noqa: ANN001
+    # a rank's output with ~40% of the pairs remote (token 0 all of them), with and without the
+    # shared expert: the reference's; every pair remote gives shared (or 0) exactly
+    dtype, knobs = EP_FORMS[form]
+    if form == "align-torch":
+        monkeypatch.setattr(moe, "ALIGN_MAX_PAIRS", 0)
+    D, I, E, k, T = 64, 32, 6, 3, 9  # noqa: E741
+    experts = _experts(D, I, E, seed=31)
+    weights, idx = _routing(T, k, E, False, seed=31)
+    idx = _remote(idx, 0.4, seed=31)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(31)).to(dtype)
+    shared = torch.randn(T, D, generator=torch.Generator().manual_seed(32)).to(dtype)
+    y = moe.moe_experts(x, weights, idx, experts, shared=shared, **knobs)
+    want = ref.moe_experts(x, weights, idx, experts, shared)
+    assert _rel(y, want) < TOL[dtype], _rel(y, want)
+    assert torch.equal(y[0], shared[0].float())  # no local expert: the shared output alone
+    none = torch.full_like(idx, -1)
+    y = moe.moe_experts(x, weights, none, experts, shared=shared, **knobs)
+    assert torch.equal(y, shared.float())
+    y = moe.moe_experts(x, weights, none, experts, out_dtype=dtype, **knobs)
+    assert y.dtype == dtype and torch.equal(y, torch.zeros(T, D, dtype=dtype))
+
+
+def test_moe_experts_no_local_experts() -> None:
+    # a rank without routed experts (the early exit to the reference): shared, or zeros
+    x, shared = torch.randn(3, 64), torch.randn(3, 64)
+    weights, idx = torch.rand(3, 2), torch.full((3, 2), -1)
+    empty = torch.nn.ModuleList()
+    assert torch.equal(moe.moe_experts(x, weights, idx, empty, shared=shared), shared)
+    assert torch.equal(moe.moe_experts(x, weights, idx, empty), torch.zeros(3, 64))
+
+
 def test_table_cached_and_rebuilt() -> None:
     experts = _experts(64, 32, 4, seed=7)
     weights, idx = _routing(5, 2, 4, False)
@@ -406,3 +554,86 @@ def test_moe_experts_gemv_small_gpu(T: int) -> None:
     y = moe.moe_experts(x, weights, idx, experts)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < TOL[torch.bfloat16], _rel(y, want)
+
+
+def _ranks(idx: torch.Tensor, experts: torch.nn.ModuleList, ranks: int):  # noqa: ANN202
+    # expert parallelism over `ranks` ranks: each rank's contiguous run of experts and the ids
+    # mapped to its local ones, -1 where the expert is another rank's
+    n = len(experts) // ranks
+    for r in range(ranks):
+        mine = (idx >= r * n) & (idx < (r + 1) * n)
+        yield torch.nn.ModuleList(experts[r * n : (r + 1) * n]), torch.where(mine, idx - r * n, -1)
+
+
+# the launcher's forms at T=16, k=6 on a GPU: "default" is sm90 on an sm_90 GPU, else dot_scaled
+EP_GPU_KNOBS = {
+    "default": {},
+    "dot": {"dot_scaled": False, "gemv": False},
+    "dot_scaled": {"dot_scaled": True},
+    "gemv": {"gemv": True},
+    "sm90": {"sm90": True},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poisoned_empty")
+@pytest.mark.parametrize("path", list(EP_GPU_KNOBS))
+def test_moe_experts_expert_parallel_gpu(path: str) -> None:
+    # Flash sizes, 256 experts over 2 ranks of 128, T=16, k=6, bf16 (token 0's experts all on
+    # rank 1): each rank's output with its local ids (-1: the other rank's) is the reference's,
+    # and the ranks' sum (the all-reduce) is the whole layer's
+    from dsv4.bench.cases_moe import random_experts
+
+    if path == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 experts need an sm_90 GPU")
+    D, I, E, k, T = 4096, 2048, 256, 6, 16  # noqa: E741
+    experts = random_experts(D, I, E, "cuda", seed=9)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    idx = torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k]
+    idx[0] = torch.arange(E - k, E, device="cuda")
+    weights = torch.rand(T, k, generator=g, device="cuda") / k
+    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    shared = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    total = torch.zeros(T, D, device="cuda")
+    for r, (local, lidx) in enumerate(_ranks(idx, experts, 2)):
+        assert bool((lidx < 0).any()) and bool((lidx >= 0).any())
+        sh = shared if r == 0 else None  # the shared expert on one rank, as the model adds it
+        y = moe.moe_experts(x, weights, lidx, local, shared=sh, **EP_GPU_KNOBS[path])
+        want = ref.moe_experts(x, weights, lidx, local, sh)
+        assert y.dtype == torch.float32 and not bool(y.isnan().any())
+        assert _rel(y, want) < 1e-2, (r, _rel(y, want))
+        if r == 0:  # token 0 has no expert on rank 0
+            assert torch.equal(y[0], shared[0].float())
+        total += y
+    want = ref.moe_experts(x, weights, idx, experts, shared)
+    assert _rel(total, want) < 1e-2, _rel(total, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_moe_experts_expert_parallel_graph_gpu(T: int) -> None:
+    # the default path (T=1: the GEMV form; T=16: sm90 on an sm_90 GPU) captured once in a CUDA
+    # graph and replayed with other routings, other pairs remote each time (every one the last)
+    from dsv4.bench.cases_moe import random_experts
+
+    D, I, E, k = 4096, 2048, 64, 6  # noqa: E741
+    experts = random_experts(D, I, E, "cuda", seed=T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, D, generator=g, device="cuda").to(torch.bfloat16)
+    weights = torch.rand(T, k, generator=g, device="cuda") / k
+    routings = [torch.rand(T, E, generator=g, device="cuda").argsort(-1)[:, :k] for _ in range(3)]
+    local, lidx = next(_ranks(routings[0], experts, 2))
+    y0 = moe.moe_experts(x, weights, lidx, local, out_dtype=torch.bfloat16)  # compiled, tuned
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe.moe_experts(x, weights, lidx, local, out_dtype=torch.bfloat16)
+    for i, idx in enumerate([*routings, torch.full_like(routings[0], E - 1)]):
+        lidx.copy_(next(_ranks(idx, experts, 2))[1])
+        y.fill_(float("nan"))
+        graph.replay()
+        want = ref.moe_experts(x, weights, lidx, local, out_dtype=torch.bfloat16)
+        assert _rel(y, want) < 1e-2, (i, _rel(y, want))
+        if i == 0:
+            assert torch.equal(y, y0)
+        if i == 3:  # every pair remote
+            assert torch.equal(y, torch.zeros_like(y))

@@ -1,0 +1,197 @@
+"""Tensor and expert parallelism: which part of the model this process holds, and the collectives.
+
+Every rank runs the same program on the same inputs (SPMD, as `torchrun` starts it). The parts:
+- attention: each rank holds n_heads / world of the query heads (wq_b rows, attn_sink) and the
+  output groups that read them (wo_a rows, wo_b columns); wo_b's partial sums are all-reduced.
+  The single shared K=V head, the compressors and the indexer are replicated (like vLLM's).
+- MoE: each rank holds n_routed / world consecutive routed experts (expert parallelism) and
+  1 / world of the shared expert's inner dimension (w1 / w3 rows, w2 columns); the router is
+  replicated; routed and shared partial sums are all-reduced together.
+- embedding, hyper-connections, norms and head are replicated, so every rank computes the same
+  logits; the sampled tokens are broadcast from rank 0 so that the ranks never diverge.
+
+A single process is `Parallel()` (world_size 1): every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ParallelError(ValueError):
+    """A model or checkpoint that cannot be split over the asked-for ranks."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Rank and size of the tensor/expert-parallel group (the default process group)."""
+
+    world_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ParallelError(f"rank {self.rank} of world size {self.world_size}")
+
+    # ---- the split ---------------------------------------------------------------------------
+    def part(self, n: int, what: str) -> int:
+        """This rank's share of n (n / world), with a clear error when n does not divide."""
+        if n % self.world_size:
+            raise ParallelError(
+                f"{what} = {n} does not split over {self.world_size} ranks "
+                f"(tensor/expert parallel size must divide it)"
+            )
+        return n // self.world_size
+
+    def start(self, n: int, what: str) -> int:
+        """First index of this rank's share of n."""
+        return self.rank * self.part(n, what)
+
+    # ---- collectives (identity on one rank) ------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place; returns x."""
+        if self.world_size > 1:
+            import torch.distributed
+
+            torch.distributed.all_reduce(x)
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank src's x on every rank, in place; returns x."""
+        if self.world_size > 1:
+            import torch.distributed
+
+            torch.distributed.broadcast(x, src)
+        return x
+
+
+def from_env() -> Parallel:
+    """The group `torchrun` (or `spawn`) describes in RANK / WORLD_SIZE; one rank without them."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Parallel(world, int(os.environ.get("RANK", "0")))
+
+
+def init(par: Parallel, device: str) -> str:
+    """Join the process group of `par` (NCCL on CUDA, gloo on the CPU; rendezvous from
+    MASTER_ADDR / MASTER_PORT) and return this rank's device: cuda:<local rank> for "cuda"."""
+    import torch
+    import torch.distributed
+
+    if par.world_size == 1:
+        return device
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", par.rank))
+        if local >= torch.cuda.device_count():
+            raise ParallelError(
+                f"rank {par.rank} needs GPU {local}, but torch sees {torch.cuda.device_count()}"
+            )
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist = torch.distributed
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo",
+            rank=par.rank,
+            world_size=par.world_size,
+            device_id=torch.device(device) if dev.type == "cuda" else None,
+        )
+    elif dist.get_world_size() != par.world_size or dist.get_rank() != par.rank:
+        raise ParallelError(
+            f"process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"asked for rank {par.rank} of {par.world_size}"
+        )
+    global _CONTROL
+    if _CONTROL is None:  # every rank creates it, in the same order
+        _CONTROL = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return device
+
+
+# The control channel: rank 0's engine commands to the other ranks of a server (gloo, on the
+# host). It waits while the server idles, so its timeout is long.
+CONTROL_TIMEOUT = timedelta(days=365)
+_CONTROL = None
+
+
+def send(obj: object) -> None:
+    """Rank 0: hand `obj` (picklable) to every other rank's `receive`."""
+    import torch.distributed
+
+    torch.distributed.broadcast_object_list([obj], src=0, group=_CONTROL)
+
+
+def receive() -> object:
+    """Ranks > 0: the next object rank 0 sends (blocks until it does)."""
+    import torch.distributed
+
+    box = [None]
+    torch.distributed.broadcast_object_list(box, src=0, group=_CONTROL)
+    return box[0]
+
+
+def spawn(world_size: int, fn, *args) -> None:  # noqa: ANN001
+    """Run fn(*args) on world_size local processes as ranks 0..world_size-1 (what `torchrun
+    --nproc-per-node` does, for callers that are not started by it). Raises if a rank fails
+    (torch.multiprocessing.ProcessRaisedException) or returns a nonzero code (...ExitedException)."""
+    import signal
+    import socket
+    import threading
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(
+        _entry, args=(world_size, port, fn, args), nprocs=world_size, join=False
+    )
+    # SIGTERM here stops rank 0, which stops the others (a server's `follow` loops); a terminal's
+    # Ctrl-C reaches every rank by itself
+    rank0, stopping = ctx.processes[0], []
+
+    def stop(*_) -> None:  # noqa: ANN002
+        stopping.append(True)
+        if rank0.is_alive():
+            os.kill(rank0.pid, signal.SIGTERM)
+
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, stop)
+    try:
+        while not ctx.join():
+            pass
+    except mp.ProcessExitedException as e:
+        # a server's rank 0 stops by dying of the SIGTERM it was sent (uvicorn re-raises it
+        # after its graceful shutdown, which has already stopped the other ranks)
+        if not (stopping and e.error_index == 0 and e.exit_code == -signal.SIGTERM):
+            raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args: tuple) -> None:  # noqa: ANN001
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch.distributed
+
+    global _CONTROL
+    try:
+        code = fn(*args)
+        if code:
+            raise SystemExit(code)
+    finally:
+        _CONTROL = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
