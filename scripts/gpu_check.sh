@@ -45,7 +45,7 @@ for part in $PARTS; do
       echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
     tp)  # two GPUs (kind nvidia-h200-x2): the tensor-parallel tests, then the Flash-width
       # decode step on one rank and on two (rank 0's times), side by side
-      python3 -m pytest -q -m gpu tests/test_parallel.py tests/ops/test_moe.py -k "gpu and (two_ranks or skip or minus or elsewhere)" \
+      python3 -m pytest -q -m gpu tests/test_parallel.py tests/ops/test_moe.py -k "two_ranks or expert_parallel" \
         -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.txt"
       echo "tp tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_tests.txt"
       for n in ${TP_SIZES:-1 2}; do
