@@ -55,12 +55,17 @@ class Parallel:
 
     # ---- collectives (identity on one rank) ------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of x over the ranks, in place; returns x."""
-        if self.world_size > 1:
-            import torch.distributed
+        """Sum of x over the ranks, in x.dtype. Added in fp32: bf16 partial sums are rounded
+        once more than one process's GEMM rounds them, not once per rank. x itself may be
+        overwritten; use the result."""
+        if self.world_size == 1:
+            return x
+        import torch
+        import torch.distributed
 
-            torch.distributed.all_reduce(x)
-        return x
+        y = x if x.dtype == torch.float32 else x.float()
+        torch.distributed.all_reduce(y)
+        return y.to(x.dtype)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's x on every rank, in place; returns x."""

@@ -148,13 +148,16 @@ two_gpus = pytest.mark.skipif(
 
 
 def _gpu_rank(model_dir: Path, out: Path) -> None:
-    llm = LLM(model_dir, tensor_parallel_size=2, progress=False, max_seqs=4, max_seq_len=512)
+    kw = dict(tensor_parallel_size=2, progress=False, max_seqs=4, max_seq_len=512)
+    llm = LLM(model_dir, **kw)  # the GPU defaults: bf16, Triton, packed weights, CUDA graphs
     c = llm.config
     assert c.device == f"cuda:{c.parallel.rank}" and c.cuda_graphs and c.quantized
-    res = {"logits": llm.score(PROMPTS[0]).cpu()}
+    res = {"bf16": llm.score(PROMPTS[0]).cpu()}
     res["graphs"] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.engine.graphs = None  # the same requests stepped eagerly
     res["eager"] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    res["fp32"] = LLM(model_dir, dtype="float32", **kw).score(PROMPTS[0]).cpu()
     torch.save(res, out / f"rank{c.parallel.rank}.pt")
 
 
@@ -166,22 +169,23 @@ def test_gpu_two_ranks(tmp_path: Path) -> None:
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     # the all-reduces captured in the decode graphs: graph steps = eager steps, on both ranks
     assert r0["graphs"] == r0["eager"] == r1["graphs"] == r1["eager"]
-    torch.testing.assert_close(r0["logits"], r1["logits"], rtol=0, atol=0)
-    one = LLM(model_dir, device="cuda:0", progress=False, max_seqs=4, max_seq_len=512)
+    torch.testing.assert_close(r0["bf16"], r1["bf16"], rtol=0, atol=0)
+    assert bool(torch.isfinite(r0["bf16"]).all())
+    # against one GPU in fp32 (the Triton kernels, packed weights): in bf16 the extra rounding of
+    # the ranks' partial sums flips near-tied routing and top-k picks of a random tiny model
+    # (checked on the CPU), so the exact comparison is in fp32
+    one = LLM(model_dir, device="cuda:0", dtype="float32", progress=False, max_seqs=4)
     want = one.score(PROMPTS[0]).cpu()
-    # bf16: the ranks' partial sums are rounded before they are added, one process's are not
-    err = (r0["logits"] - want).abs().max() / want.abs().max()
-    assert err < 0.05, err
-    agree = (r0["logits"].argmax(-1) == want.argmax(-1)).float().mean()
-    assert agree >= 0.9, agree
+    torch.testing.assert_close(r0["fp32"], want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
 
 
 @pytest.mark.gpu
 @two_gpus
 def test_gpu_serve_two_ranks(tmp_path: Path) -> None:
     model_dir = make_tiny(tmp_path / "m", tiny_args(**GPU_ARGS))
-    flags = ("--device", "cuda", "--tensor-parallel-size", "2", "--max-seqs", "4",
-             "--max-seq-len", "512")  # fmt: skip
+    # fp32 (Triton kernels, packed weights, graphs): batched and one-at-a-time steps agree
+    flags = ("--device", "cuda", "--dtype", "float32", "--tensor-parallel-size", "2",
+             "--max-seqs", "4", "--max-seq-len", "512")  # fmt: skip
     srv = ServerProcess(model_dir, tmp_path / "server.log", *flags)
     try:
         url = srv.url + "/v1/completions"
