@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -43,13 +43,14 @@ for part in $PARTS; do
     tests)
       python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider --ignore=tests/test_server.py 2>&1 | tee "$OUT/gpu_tests.txt"
       echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
-    tp)  # two GPUs (kind nvidia-h200-x2): the tensor-parallel tests, then the Flash-width
-      # decode step on one rank and on two (rank 0's times), side by side
+    tp)  # two GPUs (kind nvidia-h200-x2): the tensor-parallel tests
       python3 -m pytest -q -m gpu tests/test_parallel.py tests/ops/test_moe.py -k "two_ranks or expert_parallel" \
         -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.txt"
-      echo "tp tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_tests.txt"
+      echo "tp tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_tests.txt" ;;
+    tp_step)  # the Flash-width decode step on one rank and on two (rank 0's times), side by
+      # side; TP_LAYERS=all builds Flash's whole 43-layer schedule (too big for one H200: TP_SIZES=2)
       for n in ${TP_SIZES:-1 2}; do
-        python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
+        python3 -m dsv4.cli bench step --preset flash --ops triton --layers ${TP_LAYERS:-sliding,csa,hca} \
           --batch ${TP_BATCH:-1,16,64} --context ${TP_CONTEXT:-4096} --prefill 0 --repeat 3 --graph \
           -tp "$n" --json "$OUT/step_tp$n.json" 2>&1 | tee "$OUT/step_tp$n.txt"
       done ;;

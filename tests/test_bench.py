@@ -295,3 +295,15 @@ def test_two_ranks(tmp_path, capfd):  # noqa: ANN001
     (run,) = res["runs"]
     assert run["projected_s"] > 0 and res["prefill"]["projected_s"] > 0
     assert capfd.readouterr().out.count("tensor parallel 2 (rank 0's times)") == 1
+
+
+def test_layers_all_is_the_flash_schedule():
+    layers = step._layer_list("all")
+    f = flash_args()
+    assert [k for k, _ in layers] == list(f.layer_types) and len(layers) == f.n_layers
+    assert [m for _, m in layers] == list(f.mlp_layer_types)
+    args, full = step.bench_args("flash", layers)
+    keys = [step.layer_key(k, m) for k, m in layers]
+    target = [step.layer_key(k, m) for k, m in zip(full.layer_types, full.mlp_layer_types)]
+    plan = step.projection_plan(keys, target)  # every layer measured: nothing stands in
+    assert not plan["substitutions"] and not plan["missing"] and args.n_layers == 43

@@ -65,6 +65,9 @@ FLOOR_GPU = "H200"
 
 
 def _layer_list(text: str) -> tuple[tuple[str, str], ...]:
+    if text == "all":  # Flash's own 43-layer schedule: the whole model, nothing projected
+        f = flash_args()
+        return tuple(zip(f.layer_types, f.mlp_layer_types))
     out = []
     for item in text.split(","):
         name, _, mlp = item.strip().partition(":")
@@ -116,7 +119,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--layers",
         type=_layer_list,
         default=_layer_list("sliding,csa,hca"),
-        help="layers to build, e.g. sliding,csa,hca or sliding:hash,csa,hca",
+        help="layers to build, e.g. sliding,csa,hca or sliding:hash,csa,hca; all: Flash's 43",
     )
     p.add_argument("--batch", type=_int_list("batch sizes", 1), help="e.g. 1,16,64")
     p.add_argument(
