@@ -26,6 +26,7 @@ class GpuSpec:
     fp8_flops: float
     fp4_flops: float | None  # None: no FP4 tensor cores (Hopper)
     memory_bytes: float
+    link_bytes_per_s: float = 0.0  # GPU-to-GPU, one direction (tensor-parallel all-reduces)
 
     def peak(self, dtype: str) -> float:
         """Dense FLOP/s of a GEMM whose weights are stored as `dtype`."""
@@ -42,12 +43,19 @@ class GpuSpec:
 # and the NVIDIA H100/H200 datasheets (989 TF bf16, 1979 TF fp8). B200: HGX B200 datasheet per GPU
 # (2.25 PF bf16, 4.5 PF fp8, 9 PF fp4 dense; 8 TB/s; 180 GB). RTX PRO 6000 Blackwell Workstation:
 # 1792 GB/s GDDR7, 96 GB, "4000 AI TOPS" (sparse fp4) -> dense 2000 fp4, 1000 fp8, 500 bf16.
+# Links, one direction: NVLink 4 (H100/H200 SXM) 900 GB/s both ways, NVLink 5 (B200) 1.8 TB/s,
+# the RTX PRO 6000 has no NVLink: PCIe 5.0 x16, ~64 GB/s.
 GPUS: dict[str, GpuSpec] = {
-    "H100": GpuSpec("H100", 3.35e12, 989e12, 1979e12, None, 80e9),
-    "H200": GpuSpec("H200", 4.8e12, 989e12, 1979e12, None, 141e9),
-    "B200": GpuSpec("B200", 8.0e12, 2250e12, 4500e12, 9000e12, 180e9),
-    "RTX-PRO-6000": GpuSpec("RTX-PRO-6000", 1.792e12, 500e12, 1000e12, 2000e12, 96e9),
+    "H100": GpuSpec("H100", 3.35e12, 989e12, 1979e12, None, 80e9, 450e9),
+    "H200": GpuSpec("H200", 4.8e12, 989e12, 1979e12, None, 141e9, 450e9),
+    "B200": GpuSpec("B200", 8.0e12, 2250e12, 4500e12, 9000e12, 180e9, 900e9),
+    "RTX-PRO-6000": GpuSpec("RTX-PRO-6000", 1.792e12, 500e12, 1000e12, 2000e12, 96e9, 64e9),
 }
+
+# tensors split over tensor-parallel ranks (dsv4/parallel.py): the query heads' projections and
+# the output groups, the shared expert; routed experts are spread (expert parallel). The rest,
+# the one K=V head's state reads included, is replicated on every rank.
+SPLIT = {"wq_b", "wo_a", "wo_b", "attn_sink"}
 
 
 def get_gpu(name: str) -> GpuSpec:
@@ -294,11 +302,21 @@ def roofline(
     state_dtype: str = "bf16",
     mode: str = "decode",
     prompt_len: int | None = None,
+    tp: int = 1,
 ) -> Roofline:
     """Floor of one decode step (`batch` sequences at `context` tokens, the new one included) or
-    of a prefill of `prompt_len` (default: `context`) tokens per sequence ending at `context`."""
+    of a prefill of `prompt_len` (default: `context`) tokens per sequence ending at `context`.
+    With `tp` ranks: the floor of one rank (each reads its part of the split tensors and all of
+    the replicated ones), plus its all-reduces over the GPU link ("comm")."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch={batch} and context={context} must be >= 1")
+    inner = args.moe_inter_dim * args.n_shared_experts
+    sizes = (args.n_heads, args.o_groups, args.n_routed_experts, inner or tp)
+    if tp < 1 or any(n % tp for n in sizes):
+        raise ValueError(
+            f"tp={tp} must divide n_heads, o_groups, n_routed_experts and the shared expert's "
+            f"inner dim {sizes}"
+        )
     if mode not in ("decode", "prefill"):
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     main_b, idx_b = entry_bytes(args, state_dtype)
@@ -318,14 +336,17 @@ def roofline(
             "experts",
             "shared_expert",
             "head",
+            "comm",
         )
     }
 
     # weights: read once per step; routed experts scaled by the expected distinct ones
+    # (with tp ranks: a rank holds E / tp experts, so it meets 1/tp of the distinct ones)
     n_distinct = distinct_experts(args.n_routed_experts, args.n_activated_experts, tokens)
     for x in _model_tensors(args):
-        wb = x.count * tensor_bytes(x.rows, x.cols, x.fmt)
-        fl = 2.0 * tokens * x.rows * x.cols if x.matmul else 0.0  # 2 FLOPs per MAC
+        part = 1 / tp if x.comp in ("experts", "shared_expert") or x.name in SPLIT else 1.0
+        wb = x.count * tensor_bytes(x.rows, x.cols, x.fmt) * part
+        fl = (2.0 * tokens * x.rows * x.cols if x.matmul else 0.0) * part  # 2 FLOPs per MAC
         if x.comp == "embed":  # gather: one bf16 row per token
             rows["head"].add(gpu, 0.0, "bf16", weight_bytes=tokens * x.cols * 2)
         elif x.comp == "experts":  # per token k of the E experts run
@@ -348,7 +369,7 @@ def roofline(
         ctxs = [context - s + 1 + int((i + 0.5) * s / n) for i in range(n)]
     reads = [_query_reads(args, c) for c in ctxs]
     keys, scored = (sum(r[j] for r in reads) / len(reads) for j in range(2))
-    attn_flops = tokens * 4.0 * args.n_heads * args.head_dim * keys  # QK^T and PV, K = V
+    attn_flops = tokens * 4.0 * args.n_heads * args.head_dim * keys / tp  # QK^T, PV; K = V
     idx_flops = tokens * 2.0 * args.index_n_heads * args.index_head_dim * scored
     if mode == "decode":  # each query reads its keys and scans all visible indexer keys
         attn_state, idx_state = batch * keys * main_b, batch * scored * idx_b
@@ -358,9 +379,17 @@ def roofline(
     rows["attention"].add(gpu, attn_flops, "bf16", state_bytes=attn_state)  # fp8 KV: bf16 MMA
     rows["indexer"].add(gpu, idx_flops, state_dtype, state_bytes=idx_state)  # + top-k: no FLOPs
 
+    # all-reduces: after wo_b and after the MoE, [tokens, dim] in fp32; a ring sends (and
+    # receives) 2 (tp - 1) / tp of it per rank
+    comm = 2 * args.n_layers * tokens * args.dim * 4 * 2 * (tp - 1) / tp
     for c in rows.values():
         mem_s = (c.weight_bytes + c.state_bytes) / gpu.hbm_bytes_per_s
         c.floor_s, c.bound = max(mem_s, c.compute_s), "compute" if c.compute_s > mem_s else "memory"
+    if comm:
+        if not gpu.link_bytes_per_s:
+            raise ValueError(f"tp={tp}: no GPU-to-GPU link bandwidth for {gpu.name}")
+        c = rows["comm"]
+        c.floor_s, c.bound = comm / gpu.link_bytes_per_s, "link"
     config = {
         "batch": batch,
         "context": context,
@@ -373,6 +402,8 @@ def roofline(
         "expert_dtype": args.expert_dtype,
         "n_layers": args.n_layers,
         "layer_types": {t: args.layer_types.count(t) for t in (SLIDING, CSA, HCA)},
+        "tp": tp,
+        "comm_bytes": comm,
     }
     return Roofline(list(rows.values()), gpu, config, tokens)
 
@@ -399,7 +430,9 @@ def _table(r: Roofline) -> str:
     return "\n".join(lines) + (
         f"\nfloor {r.floor_s * 1e3:.3f} ms/step -> {r.tok_per_s:.1f} tok/s  ({cfg['mode']}, "
         f"batch {cfg['batch']}, context {cfg['context']}, {cfg['state_dtype']} state, "
-        f"{cfg['distinct_experts']:.1f} experts/layer; {g.name}: "
+        f"{cfg['distinct_experts']:.1f} experts/layer"
+        + (f", one of {cfg['tp']} ranks" if cfg["tp"] > 1 else "")
+        + f"; {g.name}: "
         f"{g.hbm_bytes_per_s / 1e9:.0f} GB/s, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16)"
     )
 
@@ -445,6 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flops", type=float, help="TFLOP/s, overrides every dtype's peak")
     p.add_argument("--state-dtype", choices=["bf16", "fp8"], default="bf16")
     p.add_argument("--mode", choices=["decode", "prefill"], default="decode")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tp",
+        type=int,
+        default=1,
+        help="ranks: the floor of one rank (its part of the split weights, all the replicated "
+        "ones, its all-reduces over the GPU link)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--bench", help="JSON {components: {name: seconds}, step_s: seconds}")
     a = p.parse_args(argv)
@@ -467,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             state_dtype=a.state_dtype,
             mode=a.mode,
             prompt_len=a.prompt_len,
+            tp=a.tp,
         )
         bench = None
         if a.bench:

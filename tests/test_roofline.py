@@ -207,3 +207,47 @@ def test_cli_unknown_gpu(capsys):
     assert main(["--gpu", "A100"]) == 2
     err = capsys.readouterr().err
     assert "A100" in err and all(name in err for name in GPUS)
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_tensor_parallel_rank(batch):
+    # one rank of two reads half of the split tensors and of the experts it meets, all of the
+    # replicated ones (the K=V state included), and sends its all-reduces over NVLink
+    one, two = (
+        rows(roofline(FLASH, batch, 4096, H200)),
+        rows(roofline(FLASH, batch, 4096, H200, tp=2)),
+    )
+    a = FLASH
+    split = (
+        sum(
+            x * (1 + 1 / 128**2)  # fp8: a scale byte per 128 x 128 tile
+            for x in (
+                a.n_heads * a.head_dim * a.q_lora_rank,
+                a.o_groups * a.o_lora_rank * a.n_heads * a.head_dim // a.o_groups,
+                a.dim * a.o_groups * a.o_lora_rank,
+            )
+        )
+        * a.n_layers
+        + a.n_heads * 4 * a.n_layers
+    )  # + attn_sink fp32
+    drop = one["attn_proj"].weight_bytes - two["attn_proj"].weight_bytes
+    assert drop == pytest.approx(split / 2, rel=1e-3)
+    for name in ("experts", "shared_expert"):
+        assert two[name].weight_bytes == pytest.approx(one[name].weight_bytes / 2)
+        assert two[name].flops == pytest.approx(one[name].flops / 2)
+    for name in ("compressor", "indexer", "mhc", "router", "head"):
+        assert two[name].weight_bytes == one[name].weight_bytes
+    assert two["attention"].state_bytes == one["attention"].state_bytes  # one K=V head
+    assert two["attention"].flops == pytest.approx(one["attention"].flops / 2)  # half the heads
+    comm = 2 * a.n_layers * batch * a.dim * 4  # 2 all-reduces a layer, fp32, ring at tp=2
+    assert one["comm"].floor_s == 0 and two["comm"].floor_s == pytest.approx(comm / 450e9)
+
+
+def test_tensor_parallel_errors_and_cli(capsys):
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        roofline(FLASH, 1, 4096, H200, tp=3)
+    assert main(["--batch", "16", "--tp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["tp"] == 2 and out["config"]["comm_bytes"] > 0
+    assert main(["--batch", "16", "--tensor-parallel-size", "2"]) == 0
+    assert "one of 2 ranks" in capsys.readouterr().out

@@ -386,7 +386,10 @@ class Bench:
         run["distinct_experts"] = distinct_experts(self.model, step, self.keys)
         # fp8: 584-B entries and 132-B FP8 indexer keys, as the state
         state_dtype = "fp8" if a.kv_cache_dtype == "fp8" else "bf16"
-        fl = roofline(self.full, batch, context + 1, GPUS[FLOOR_GPU], state_dtype=state_dtype)
+        fl = roofline(
+            self.full, batch, context + 1, GPUS[FLOOR_GPU], state_dtype=state_dtype,
+            tp=self.par.world_size,
+        )  # fmt: skip
         proj = run["projected_s"]
         run["floor"] = {
             "gpu": FLOOR_GPU,
