@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from dsv4.config import KV_CACHE_DTYPES
@@ -32,30 +31,7 @@ def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerCon
     return LLM(source.model, **{name: getattr(source, name) for name in ENGINE_FIELDS})
 
 
-def spmd(n: int, fn, *args) -> int:  # noqa: ANN001
-    """fn(*args) on every rank of n: in this process when `torchrun` started it (or n is 1),
-    else on n local processes started here (`dsv4.parallel.spawn`); returns rank 0's code."""
-    if n == 1 or "WORLD_SIZE" in os.environ:
-        return fn(*args)
-    import torch.multiprocessing as mp
-
-    from dsv4.parallel import spawn
-
-    try:
-        spawn(n, fn, *args)
-    except mp.ProcessExitedException as e:
-        return e.exit_code or 1
-    except mp.ProcessRaisedException as e:  # the rank's traceback
-        print(f"error: a rank failed:\n{e}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def _generate(ns: argparse.Namespace) -> int:
-    return spmd(ns.tensor_parallel_size, _generate_rank, ns)
-
-
-def _generate_rank(ns: argparse.Namespace) -> int:
     from dsv4.sampling import SamplingParams
 
     llm = build_llm(ns)
@@ -71,8 +47,7 @@ def _generate_rank(ns: argparse.Namespace) -> int:
         repetition_penalty=ns.repetition_penalty,
     )
     outs = llm.generate(ns.prompt, params)
-    if llm.config.parallel.rank:  # every rank holds the same outputs: rank 0 prints them
-        return 0
+    llm.close()  # tensor parallel: the other ranks stop
     for prompt, out in zip(ns.prompt, outs):
         if len(ns.prompt) > 1:
             print(f"--- {prompt!r}")
@@ -85,8 +60,6 @@ def _chat(ns: argparse.Namespace) -> int:
     from dsv4.chat import encode_messages
     from dsv4.sampling import SamplingParams
 
-    if ns.tensor_parallel_size != 1:
-        raise ValueError("chat runs on one rank; serve a tensor-parallel model with `dsv4 serve`")
     llm = build_llm(ns)
     if llm.tokenizer is None:
         print("error: the model has no tokenizer", file=sys.stderr)
@@ -164,7 +137,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="ranks, one GPU each: attention heads and the shared expert split, routed experts "
-        "spread (expert parallel); started here, or one per process under torchrun",
+        "spread (expert parallel); ranks 1.. are started here, or by torchrun",
     )
 
 

@@ -94,6 +94,13 @@ class Engine:
         self.sampler = Sampler(self.args.eos_token_id)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # tensor parallel: rank 0 leads. It hands its adds and aborts, in order, to the other
+        # ranks at each step (`tell`), and they repeat them and step with it (`LLM._follow`):
+        # the same state gives the same schedule
+        self.par = model.par
+        self.leads = self.par.world_size > 1 and self.par.rank == 0
+        self._outbox: list[tuple] = []
+        self.closed = False
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -121,9 +128,13 @@ class Engine:
         )
         self.scheduler.add(req)
         self.requests[request_id] = req
+        if self.leads:
+            self._outbox.append(("add", request_id, list(prompt_ids), params))
         return request_id
 
     def abort(self, request_id: str) -> None:
+        if self.leads:
+            self._outbox.append(("abort", request_id))
         req = self.scheduler.abort(request_id)
         if req is not None:
             req.extra["out"].finish_reason = req.finish_reason
@@ -139,8 +150,24 @@ class Engine:
             len(s.running), len(s.waiting), s.state.num_blocks, len(s.free_pages), s.num_preemptions
         )
 
+    def tell(self, what: str, *args: object) -> None:
+        """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
+        ("step", "score" with its arguments, or "stop")."""
+        if self.closed:
+            raise EngineError("the tensor-parallel engine is closed")
+        parallel.send((self._outbox, what, args))
+        self._outbox = []
+        self.closed = what == "stop"
+
+    def close(self) -> None:
+        """Rank 0 of several: let the other ranks stop (idempotent)."""
+        if self.leads and not self.closed:
+            self.tell("stop")
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self.leads:
+            self.tell("step")
         work = self.scheduler.schedule()
         if not work:
             return []
@@ -231,16 +258,12 @@ class AsyncEngine:
         self._thread.start()
 
     def _loop(self) -> None:
-        par = self.engine.model.par
         while True:
-            cmds = self._drain_inbox()  # also after stop: pending aborts free their state
-            work = self.engine.has_work()
-            if par.world_size > 1 and (cmds or work or self._stop):
-                parallel.send((cmds, self._stop))  # the other ranks repeat them (`follow`)
+            self._drain_inbox()  # also after stop: pending aborts free their state
             if self._stop:
                 return
             try:
-                outs = self.engine.step() if work else None
+                outs = self.engine.step() if self.engine.has_work() else None
             except Exception as e:  # a failed step must not strand its callers or stop the loop
                 log.exception("engine step failed; aborting the running requests")
                 self._fail_running(e)
@@ -261,28 +284,22 @@ class AsyncEngine:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def _drain_inbox(self) -> list[tuple]:
-        """Apply the queued adds and aborts; returns those the engine took, in order."""
-        done = []
+    def _drain_inbox(self) -> None:
         while self._inbox:
-            cmd = self._inbox.popleft()
-            kind, rid, *args = cmd
+            kind, rid, *args = self._inbox.popleft()
             if kind == "abort":
                 self.engine.abort(rid)  # no-op when finished or unknown
-                done.append(cmd)
                 continue
             try:
                 self.engine.add_request(*args, rid)
-                done.append(cmd)
             except Exception as e:  # refused (ValueError): the caller's generate raises it
                 self._deliver(rid, e)
-        return done
 
     def _fail_running(self, error: Exception) -> None:
         failed = EngineError(f"engine step failed: {error!r}")
         failed.__cause__ = error
         for rid in list(self.engine.requests):
-            self.abort(rid)  # through the inbox: the other ranks abort them too
+            self.engine.abort(rid)
             self._deliver(rid, failed)
 
     async def generate(
@@ -320,23 +337,3 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
-
-
-def follow(engine: Engine) -> None:
-    """Ranks > 0 of a tensor-parallel server: apply rank 0's adds and aborts in its order and
-    step whenever it steps (the same state gives the same schedule), until it stops. Outputs
-    stay here: rank 0 answers the requests."""
-    while True:
-        cmds, stop = parallel.receive()
-        for kind, rid, *args in cmds:
-            if kind == "abort":
-                engine.abort(rid)
-            else:
-                engine.add_request(*args, rid)
-        if stop:
-            return
-        if engine.has_work():
-            try:
-                engine.step()
-            except Exception:  # rank 0 fails the same step and sends the aborts
-                log.exception("engine step failed on rank %d", engine.model.par.rank)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -58,19 +59,21 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
     ) -> None:
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
-        # tensor/expert parallel: one process per rank, started by torchrun or `parallel.spawn`
-        # (the CLI's --tensor-parallel-size); every rank runs this same program
-        par = parallel.Parallel()
+        # tensor/expert parallel: one process a rank. Started here (ranks 1.. run this same
+        # constructor and follow) unless torchrun started every rank
+        par, self._followers = parallel.Parallel(), []
         if tensor_parallel_size != 1:
+            if "WORLD_SIZE" not in os.environ:
+                kwargs["model_dir"] = self.model_dir
+                self._followers = parallel.start_followers(tensor_parallel_size, _follower, kwargs)
             par = parallel.from_env()
             if par.world_size != tensor_parallel_size:
                 raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size} needs that many processes "
-                    f"(torchrun --nproc-per-node {tensor_parallel_size}, or the CLI's "
-                    f"--tensor-parallel-size, which starts them); this one sees WORLD_SIZE="
-                    f"{par.world_size}"
+                    f"tensor_parallel_size={tensor_parallel_size}, but torchrun started "
+                    f"WORLD_SIZE={par.world_size} processes"
                 )
         flags["device"] = parallel.init(par, flags["device"])  # cuda -> cuda:<local rank>
         self.config = c = EngineConfig(
@@ -144,12 +147,48 @@ class LLM:
             cuda_graphs=c.cuda_graphs,
         )
         self._score_state: DecodeState | None = None
+        if par.rank:  # a follower: serve rank 0 until it closes, then end this process
+            self._follow()
+            raise SystemExit(0)
+        if par.world_size > 1:
+            atexit.register(self.close)
+
+    # ---- tensor parallel -----------------------------------------------------------------------
+    def _follow(self) -> None:
+        """Ranks > 0: repeat rank 0's adds and aborts, and each engine step and score call, in
+        its order (`Engine.tell`), until it stops. Outputs stay here: rank 0 returns them."""
+        log.info("rank %d: following rank 0", self.config.parallel.rank)
+        while True:
+            cmds, what, args = parallel.receive()
+            for kind, rid, *rest in cmds:
+                if kind == "abort":
+                    self.engine.abort(rid)
+                else:
+                    self.engine.add_request(*rest, rid)
+            if what == "stop":
+                log.info("rank %d: stopped", self.config.parallel.rank)
+                return
+            try:
+                if what == "step":
+                    self.engine.step()
+                else:
+                    getattr(self, what)(*args)
+            except Exception:  # rank 0 fails the same call and aborts what it ran
+                log.exception("rank %d: %s failed", self.config.parallel.rank, what)
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (tensor parallel; idempotent)."""
+        if self.engine.leads and not self.engine.closed:
+            self.engine.close()
+            parallel.stop(self._followers)
 
     # ---- scoring -----------------------------------------------------------------------------
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Teacher-forced fp32 logits for every position: [T, vocab]. Chunked prefill if asked."""
         check_prompt(token_ids, self.args.vocab_size, self.config.max_seq_len, generate=False)
+        if self.engine.leads:  # the other ranks run the same forward passes
+            self.engine.tell("score", list(token_ids), chunk_size)
         chunk = chunk_size or len(token_ids)
         out = []
         for start in range(0, len(token_ids), chunk):
@@ -252,3 +291,9 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _follower(kwargs: dict) -> None:
+    """Ranks 1.. of an `LLM(..., tensor_parallel_size=N)`: the same constructor, which follows."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    LLM(**kwargs)

@@ -1,6 +1,10 @@
 """Tensor and expert parallelism: which part of the model this process holds, and the collectives.
 
-Every rank runs the same program on the same inputs (SPMD, as `torchrun` starts it). The parts:
+One process a rank. Rank 0 leads: its engine hands the other ranks its adds and aborts at every
+step, and they repeat them and step with it (`Engine.tell`, `LLM._follow`), so every rank runs
+the same model calls on the same inputs. `LLM(..., tensor_parallel_size=N)` starts ranks 1..N-1
+itself (`start_followers`); under `torchrun` ranks > 0 follow inside `LLM()` and exit when rank 0
+closes it. The parts:
 - attention: each rank holds n_heads / world of the query heads (wq_b rows, attn_sink) and the
   output groups that read them (wo_a rows, wo_b columns); wo_b's partial sums are all-reduced.
   The single shared K=V head, the compressors and the indexer are replicated (like vLLM's).
@@ -140,45 +144,62 @@ def receive() -> object:
     return box[0]
 
 
-def spawn(world_size: int, fn, *args) -> None:  # noqa: ANN001
-    """Run fn(*args) on world_size local processes as ranks 0..world_size-1 (what `torchrun
-    --nproc-per-node` does, for callers that are not started by it). Raises if a rank fails
-    (torch.multiprocessing.ProcessRaisedException) or returns a nonzero code (...ExitedException)."""
-    import signal
+def _free_port() -> int:
     import socket
-    import threading
-
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        _entry, args=(world_size, port, fn, args), nprocs=world_size, join=False
+        return s.getsockname()[1]
+
+
+def start_followers(world_size: int, fn, *args) -> list:  # noqa: ANN001
+    """Make this process rank 0 of world_size (RANK / WORLD_SIZE / MASTER_* set here) and start
+    ranks 1..world_size-1 as local processes running fn(*args); returns them (join them after
+    rank 0 has stopped them)."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
-    # SIGTERM here stops rank 0, which stops the others (a server's `follow` loops); a terminal's
-    # Ctrl-C reaches every rank by itself
-    rank0, stopping = ctx.processes[0], []
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args), daemon=False)
+        for r in range(1, world_size)
+    ]
+    for p in procs:
+        p.start()
+    return procs
 
-    def stop(*_) -> None:  # noqa: ANN002
-        stopping.append(True)
-        if rank0.is_alive():
-            os.kill(rank0.pid, signal.SIGTERM)
 
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, stop)
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as e:
-        # a server's rank 0 stops by dying of the SIGTERM it was sent (uvicorn re-raises it
-        # after its graceful shutdown, which has already stopped the other ranks)
-        if not (stopping and e.error_index == 0 and e.exit_code == -signal.SIGTERM):
-            raise
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+def stop(procs: list, timeout: float = 60.0) -> None:
+    """After rank 0 has told its followers to stop: wait for them, leave the process group."""
+    import torch.distributed
+
+    global _CONTROL
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.terminate()
+    _CONTROL = None
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+
+
+def spawn(world_size: int, fn, *args) -> None:  # noqa: ANN001
+    """Run fn(*args) on world_size local processes as ranks 0..world_size-1 (what `torchrun
+    --nproc-per-node` does; `bench step -tp N` and the tests use it). Raises if a rank fails
+    (torch.multiprocessing.ProcessRaisedException) or returns a nonzero code (...ExitedException)."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    mp.spawn(_entry, args=(world_size, port, fn, args), nprocs=world_size, join=True)
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args: tuple) -> None:  # noqa: ANN001

@@ -97,6 +97,7 @@ class Server:
         self.stopping = True
         if self.engine is not None:
             self.engine.shutdown()
+            self.llm.close()  # tensor parallel: the other ranks stop
 
     # ---- checks ----------------------------------------------------------------------------
     def require_engine(self) -> AsyncEngine:
@@ -394,30 +395,19 @@ def parse_args(argv: list[str]) -> ServerConfig:
 
 
 def main(argv: list[str]) -> int:
-    from dsv4.cli import spmd
+    import uvicorn
 
     try:
         config = parse_args(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return spmd(config.tensor_parallel_size, _serve_rank, config)
-
-
-def _serve_rank(config: ServerConfig) -> int:
-    """Rank 0 serves HTTP; the other ranks load their part, warm up as rank 0 does, then repeat
-    its engine's adds, aborts and steps (`engine.follow`) until it stops."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if int(os.environ.get("RANK", "0")):
+    if int(os.environ.get("RANK", "0")):  # under torchrun: follow rank 0 inside LLM(), exit
         from dsv4.cli import build_llm
-        from dsv4.engine import follow
 
-        llm = build_llm(config)
-        if config.warmup and llm.config.device.startswith("cuda"):
-            llm.warmup()
-        follow(llm.engine)
+        build_llm(config)
         return 0
-    import uvicorn
 
     server = Server(config)
     app = build_app(server)

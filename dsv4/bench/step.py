@@ -482,9 +482,15 @@ class Bench:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     if a.tensor_parallel_size > 1 and "WORLD_SIZE" not in os.environ:
-        from dsv4.cli import spmd
+        import torch.multiprocessing as mp
 
-        return spmd(a.tensor_parallel_size, main, argv)  # every rank runs this main
+        from dsv4.parallel import spawn
+
+        try:  # every rank runs this main; rank 0 reports
+            spawn(a.tensor_parallel_size, main, argv)
+        except mp.ProcessExitedException as e:  # a rank returned nonzero (it printed why)
+            return e.exit_code or 1
+        return 0
     try:
         bench = Bench(a)
     except Exception as e:  # noqa: BLE001  (--ops triton: import failures, no driver)
