@@ -65,87 +65,102 @@ class LLM:
         # tensor/expert parallel: one process a rank. Started here (ranks 1.. run this same
         # constructor and follow) unless torchrun started every rank
         par, self._followers = parallel.Parallel(), []
-        if tensor_parallel_size != 1:
-            if "WORLD_SIZE" not in os.environ:
-                kwargs["model_dir"] = self.model_dir
-                self._followers = parallel.start_followers(tensor_parallel_size, _follower, kwargs)
-            par = parallel.from_env()
-            if par.world_size != tensor_parallel_size:
-                raise ValueError(
-                    f"tensor_parallel_size={tensor_parallel_size}, but torchrun started "
-                    f"WORLD_SIZE={par.world_size} processes"
-                )
-        flags["device"] = parallel.init(par, flags["device"])  # cuda -> cuda:<local rank>
-        self.config = c = EngineConfig(
-            **flags,
-            max_seqs=max_seqs,
-            max_seq_len=max_seq_len,
-            kv_cache_dtype=kv_cache_dtype,
-            parallel=par,
-        )
-        log.info(
-            "engine: %s%s",
-            " ".join(f"{k}={v}" for k, v in flags.items()),
-            f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
-        )
-        args = ModelArgs.from_json(self.model_dir)
-        if args.n_mtp_layers and not has_mtp(self.model_dir):
-            args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
-        self.args = args
-        with torch.device(c.device):
-            self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par)
-        load_checkpoint(self.model, self.model_dir, progress=progress)
-        self.model.eval()
-        self.tokenizer = None
-        if (self.model_dir / "tokenizer.json").exists():
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        # ---- state pools: fixed part per slot, pages for the growing part
-        tdt = self.config.torch_dtype
-        block_size = block_size or default_block_size(args)
-        if memory_fraction is not None:  # like peers' mem-fraction: of what is free after weights
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            if torch.device(c.device).type != "cuda":
-                raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
-            max_memory = int(torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction)
-        if max_memory is None:  # every slot can reach max_seq_len
-            num_blocks = max_seqs * -(-max_seq_len // block_size)
-        else:
-            num_blocks = DecodeState.blocks_for_budget(
-                args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
+        try:  # a failed start stops the ranks started here and leaves the group
+            if tensor_parallel_size != 1:
+                if "WORLD_SIZE" not in os.environ:
+                    kwargs["model_dir"] = self.model_dir
+                    self._followers = parallel.start_followers(
+                        tensor_parallel_size, _follower, kwargs
+                    )
+                par = parallel.from_env()
+                if par.world_size != tensor_parallel_size:
+                    raise ValueError(
+                        f"tensor_parallel_size={tensor_parallel_size}, but torchrun started "
+                        f"WORLD_SIZE={par.world_size} processes"
+                    )
+            flags["device"] = parallel.init(par, flags["device"])  # cuda -> cuda:<local rank>
+            self.config = c = EngineConfig(
+                **flags,
+                max_seqs=max_seqs,
+                max_seq_len=max_seq_len,
+                kv_cache_dtype=kv_cache_dtype,
+                parallel=par,
             )
-        # the scheduler hands out these pages (block tables start empty)
-        self.state = DecodeState(
-            args,
-            max_seqs,
-            max_seq_len,
-            tdt,
-            c.device,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            kv_format=kv_cache_dtype,
-        )
-        log.info(
-            "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
-            "%d tokens; %.1f MiB",
-            bytes_per_token(args, tdt, kv_cache_dtype),
-            bytes_per_seq(args, tdt, kv_cache_dtype),
-            self.state.num_blocks,
-            self.state.block_size,
-            self.state.num_blocks * self.state.block_size,
-            self.state.nbytes() / 2**20,
-        )
-        self.engine = Engine(
-            self.model,
-            self.state,
-            self.tokenizer,
-            max_running=max_seqs,
-            max_step_tokens=max_step_tokens,
-            chunk_size=chunk_size,
-            cuda_graphs=c.cuda_graphs,
-        )
+            log.info(
+                "engine: %s%s",
+                " ".join(f"{k}={v}" for k, v in flags.items()),
+                f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
+            )
+            args = ModelArgs.from_json(self.model_dir)
+            if args.n_mtp_layers and not has_mtp(self.model_dir):
+                args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
+            self.args = args
+            with torch.device(c.device):
+                self.model = Transformer(
+                    args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par
+                )
+            load_checkpoint(self.model, self.model_dir, progress=progress)
+            self.model.eval()
+            self.tokenizer = None
+            if (self.model_dir / "tokenizer.json").exists():
+                from tokenizers import Tokenizer
+
+                self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+            # ---- state pools: fixed part per slot, pages for the growing part
+            tdt = self.config.torch_dtype
+            block_size = block_size or default_block_size(args)
+            if (
+                memory_fraction is not None
+            ):  # like peers' mem-fraction: of what is free after weights
+                if not 0 < memory_fraction <= 1:
+                    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+                if torch.device(c.device).type != "cuda":
+                    raise ValueError(
+                        "memory_fraction needs a CUDA device; use max_memory on the CPU"
+                    )
+                max_memory = int(
+                    torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction
+                )
+            if max_memory is None:  # every slot can reach max_seq_len
+                num_blocks = max_seqs * -(-max_seq_len // block_size)
+            else:
+                num_blocks = DecodeState.blocks_for_budget(
+                    args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
+                )
+            # the scheduler hands out these pages (block tables start empty)
+            self.state = DecodeState(
+                args,
+                max_seqs,
+                max_seq_len,
+                tdt,
+                c.device,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                kv_format=kv_cache_dtype,
+            )
+            log.info(
+                "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
+                "%d tokens; %.1f MiB",
+                bytes_per_token(args, tdt, kv_cache_dtype),
+                bytes_per_seq(args, tdt, kv_cache_dtype),
+                self.state.num_blocks,
+                self.state.block_size,
+                self.state.num_blocks * self.state.block_size,
+                self.state.nbytes() / 2**20,
+            )
+            self.engine = Engine(
+                self.model,
+                self.state,
+                self.tokenizer,
+                max_running=max_seqs,
+                max_step_tokens=max_step_tokens,
+                chunk_size=chunk_size,
+                cuda_graphs=c.cuda_graphs,
+            )
+        except BaseException:
+            if self._followers:
+                parallel.stop(self._followers, timeout=10)
+            raise
         self._score_state: DecodeState | None = None
         if par.rank:  # a follower: serve rank 0 until it closes, then end this process
             self._follow()

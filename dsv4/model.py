@@ -460,7 +460,7 @@ class MoE(nn.Module):
         # expert parallel: this rank's consecutive routed experts; the shared expert's inner
         # dimension split (w1 / w3 rows, w2 columns)
         n = b.par.part(a.n_routed_experts, "n_routed_experts")
-        self.first = b.par.rank * n
+        self.first = b.par.start(a.n_routed_experts, "n_routed_experts")
         self.experts = Experts(
             (Expert(b, a.moe_inter_dim, b.expert_quant) for _ in range(n)), self.first
         )
@@ -620,7 +620,8 @@ class Transformer(nn.Module):
         if m is None or self.par.world_size == 1:
             return False
         n = self.par.part(self.args.n_routed_experts, "n_routed_experts")
-        return not self.par.rank * n <= int(m[1]) < (self.par.rank + 1) * n
+        first = self.par.start(self.args.n_routed_experts, "n_routed_experts")
+        return not first <= int(m[1]) < first + n
 
     def join_projections(self) -> None:
         """One GEMM for each pair of projections that read the same input: attention's wq_a /

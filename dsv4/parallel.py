@@ -177,7 +177,8 @@ def start_followers(world_size: int, fn, *args) -> list:  # noqa: ANN001
 
 
 def stop(procs: list, timeout: float = 60.0) -> None:
-    """After rank 0 has told its followers to stop: wait for them, leave the process group."""
+    """After rank 0 has told its followers to stop: wait for them, leave the process group (and,
+    if `procs` were started here, forget the group's environment)."""
     import torch.distributed
 
     global _CONTROL
@@ -189,7 +190,8 @@ def stop(procs: list, timeout: float = 60.0) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
+        if procs:
+            os.environ.pop(key, None)
 
 
 def spawn(world_size: int, fn, *args) -> None:  # noqa: ANN001

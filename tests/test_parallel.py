@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -198,3 +199,11 @@ def test_gpu_serve_two_ranks(tmp_path: Path) -> None:
     finally:
         srv.stop()
     assert "rank 1: stopped" in srv.log.read_text()
+
+
+def test_failed_start_stops_the_ranks(tmp_path: Path) -> None:
+    # no config.json: both ranks fail after joining the group; rank 0 stops rank 1, leaves the
+    # group and forgets its environment, so a later LLM starts afresh
+    with pytest.raises(ValueError, match="config file not found"):
+        LLM(tmp_path, device="cpu", tensor_parallel_size=2, progress=False)
+    assert not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ
