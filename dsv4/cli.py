@@ -80,6 +80,7 @@ def _chat(ns: argparse.Namespace) -> int:
         out = llm.generate([ids], params)[0]
         print(f"assistant> {out.text}")
         messages.append({"role": "assistant", "content": out.text})
+    llm.close()  # tensor parallel: the other ranks stop
     return 0
 
 

@@ -98,6 +98,15 @@ def test_generate_cli_two_ranks(model_dir: Path, capfd) -> None:  # noqa: ANN001
     assert one.strip() and two == one
 
 
+def test_chat_cli_two_ranks(model_dir: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    lines = iter(["hi there", "again", ""])
+    monkeypatch.setattr("builtins.input", lambda _: next(lines))
+    flags = ["chat", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "3"]
+    assert main([*flags, "-tp", "2"]) == 0
+    assert capsys.readouterr().out.count("assistant>") == 2
+    assert not torch.distributed.is_initialized()  # closed: rank 1 stopped, the group left
+
+
 def test_serve_two_ranks(model_dir: Path, tmp_path: Path) -> None:
     # rank 0 serves; rank 1 repeats its adds, aborts and steps. Concurrent greedy requests get
     # the tokens one process generates; a stream cut mid-way is aborted on both ranks, and the
