@@ -109,9 +109,8 @@ class LLM:
             # ---- state pools: fixed part per slot, pages for the growing part
             tdt = self.config.torch_dtype
             block_size = block_size or default_block_size(args)
-            if (
-                memory_fraction is not None
-            ):  # like peers' mem-fraction: of what is free after weights
+            # like peers' mem-fraction: of what is free after weights
+            if memory_fraction is not None:
                 if not 0 < memory_fraction <= 1:
                     raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
                 if torch.device(c.device).type != "cuda":
@@ -127,6 +126,9 @@ class LLM:
                 num_blocks = DecodeState.blocks_for_budget(
                     args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
                 )
+            # every rank the same pages (free memory differs a little between GPUs): the ranks'
+            # schedulers must make the same choices, preemptions included
+            num_blocks = par.least(num_blocks)
             # the scheduler hands out these pages (block tables start empty)
             self.state = DecodeState(
                 args,

@@ -71,6 +71,17 @@ class Parallel:
         torch.distributed.all_reduce(y)
         return y.to(x.dtype)
 
+    def least(self, n: int) -> int:
+        """The smallest of the ranks' n (over the control channel, on the host)."""
+        if self.world_size == 1:
+            return n
+        import torch
+        import torch.distributed
+
+        t = torch.tensor([n], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=_CONTROL)
+        return int(t.item())
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's x on every rank, in place; returns x."""
         if self.world_size > 1:

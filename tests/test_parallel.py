@@ -14,7 +14,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.checkpoint import load_checkpoint
 from dsv4.cli import main
 from dsv4.model import Experts, Transformer
-from dsv4.parallel import Parallel, ParallelError
+from dsv4.parallel import Parallel, ParallelError, spawn
 from dsv4.tiny import make_tiny, tiny_args
 from tests.serving import ServerProcess
 
@@ -51,6 +51,21 @@ def test_two_ranks_equal_one(model_dir: Path) -> None:
     assert greedy == [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
     torch.manual_seed(1234)
     assert drawn == [o.token_ids for o in one.generate(PROMPTS, RANDOM)]
+
+
+def _least_rank(out: Path) -> None:
+    from dsv4 import parallel
+
+    par = parallel.from_env()
+    parallel.init(par, "cpu")
+    (out / f"least{par.rank}").write_text(str(par.least(7 - 3 * par.rank)))
+
+
+def test_ranks_agree_on_the_least(tmp_path: Path) -> None:
+    # the state's page count: each rank's own budget, the smallest taken everywhere
+    spawn(2, _least_rank, tmp_path)
+    assert [(tmp_path / f"least{r}").read_text() for r in (0, 1)] == ["4", "4"]
+    assert Parallel().least(9) == 9
 
 
 def test_split_errors(model_dir: Path) -> None:
