@@ -121,8 +121,12 @@ class DecodeGraphs:
                 self.out[: key[0]].copy_(self._forward(key))
         except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
             torch.cuda.synchronize()
-            self.failed.add(key)
             log.warning("decode step %s not captured, running eagerly: %s", key, e, exc_info=True)
+            graph = None
+        # tensor parallel: a graph pads the batch, so every rank must replay or every rank run
+        # eagerly (their all-reduces would differ in size); one rank's failure fails all
+        if self.model.par.least(int(graph is not None)) == 0:
+            self.failed.add(key)
             return None
         self.pool = graph.pool()
         self.graphs[key] = graph
