@@ -339,7 +339,9 @@ class Bench:
             self.model = Transformer(
                 self.args, self.dtype, quantized=True, ops=ops, par=self.par
             ).eval()
-        init_random_(self.model, a.seed + self.par.rank)
+        # one seed on every rank: the replicated weights (router, indexer, embedding, ...) agree,
+        # so every rank routes and selects as the others do
+        init_random_(self.model, a.seed)
         self.build_s = time.perf_counter() - t0
         self.hf = None
         if a.hf:
