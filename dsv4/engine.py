@@ -155,9 +155,9 @@ class Engine:
         ("step", "score" with its arguments, or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
+        self.closed = what == "stop"  # (a failed "stop" leaves it closed too)
         parallel.send((self._outbox, what, args))
         self._outbox = []
-        self.closed = what == "stop"
 
     def close(self) -> None:
         """Rank 0 of several: let the other ranks stop (idempotent)."""

@@ -196,7 +196,10 @@ class LLM:
     def close(self) -> None:
         """Stop the other ranks and leave the process group (tensor parallel; idempotent)."""
         if self.engine.leads and not self.engine.closed:
-            self.engine.close()
+            try:
+                self.engine.close()
+            except RuntimeError as e:  # a rank already gone (Ctrl-C reaches every rank)
+                log.warning("tensor parallel: stopping the other ranks: %s", e)
             parallel.stop(self._followers)
 
     # ---- scoring -----------------------------------------------------------------------------
@@ -313,4 +316,7 @@ class LLM:
 def _follower(kwargs: dict) -> None:
     """Ranks 1.. of an `LLM(..., tensor_parallel_size=N)`: the same constructor, which follows."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    LLM(**kwargs)
+    try:
+        LLM(**kwargs)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; rank 0 reports it
+        pass

@@ -68,6 +68,16 @@ def test_ranks_agree_on_the_least(tmp_path: Path) -> None:
     assert Parallel().least(9) == 9
 
 
+def test_close_after_a_rank_is_gone(model_dir: Path) -> None:
+    # a rank killed first (Ctrl-C reaches every rank): closing still leaves the group
+    two = LLM(model_dir, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4)
+    (follower,) = two._followers
+    follower.kill()
+    follower.join()
+    two.close()
+    assert two.engine.closed and not torch.distributed.is_initialized()
+
+
 def test_split_errors(model_dir: Path) -> None:
     with pytest.raises(ParallelError, match="n_heads = 4 does not split over 3 ranks"):
         Transformer(tiny_args(vocab_size=300), par=Parallel(3, 0))
