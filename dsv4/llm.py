@@ -62,22 +62,11 @@ class LLM:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
-        # tensor/expert parallel: one process a rank. Started here (ranks 1.. run this same
-        # constructor and follow) unless torchrun started every rank
-        par, self._followers = parallel.Parallel(), []
+        # tensor/expert parallel: one process a rank. Ranks 1.. are started here (they run this
+        # same constructor and follow) unless torchrun started every rank
+        kwargs["model_dir"] = self.model_dir
+        par, self._followers = parallel.ranks(tensor_parallel_size, _follower, kwargs)
         try:  # a failed start stops the ranks started here and leaves the group
-            if tensor_parallel_size != 1:
-                if "WORLD_SIZE" not in os.environ:
-                    kwargs["model_dir"] = self.model_dir
-                    self._followers = parallel.start_followers(
-                        tensor_parallel_size, _follower, kwargs
-                    )
-                par = parallel.from_env()
-                if par.world_size != tensor_parallel_size:
-                    raise ValueError(
-                        f"tensor_parallel_size={tensor_parallel_size}, but torchrun started "
-                        f"WORLD_SIZE={par.world_size} processes"
-                    )
             flags["device"] = parallel.init(par, flags["device"])  # cuda -> cuda:<local rank>
             self.config = c = EngineConfig(
                 **flags,
@@ -91,74 +80,8 @@ class LLM:
                 " ".join(f"{k}={v}" for k, v in flags.items()),
                 f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
             )
-            args = ModelArgs.from_json(self.model_dir)
-            if args.n_mtp_layers and not has_mtp(self.model_dir):
-                args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
-            self.args = args
-            with torch.device(c.device):
-                self.model = Transformer(
-                    args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par
-                )
-            load_checkpoint(self.model, self.model_dir, progress=progress)
-            self.model.eval()
-            self.tokenizer = None
-            if (self.model_dir / "tokenizer.json").exists():
-                from tokenizers import Tokenizer
-
-                self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-            # ---- state pools: fixed part per slot, pages for the growing part
-            tdt = self.config.torch_dtype
-            block_size = block_size or default_block_size(args)
-            # like peers' mem-fraction: of what is free after weights
-            if memory_fraction is not None:
-                if not 0 < memory_fraction <= 1:
-                    raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-                if torch.device(c.device).type != "cuda":
-                    raise ValueError(
-                        "memory_fraction needs a CUDA device; use max_memory on the CPU"
-                    )
-                max_memory = int(
-                    torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction
-                )
-            if max_memory is None:  # every slot can reach max_seq_len
-                num_blocks = max_seqs * -(-max_seq_len // block_size)
-            else:
-                num_blocks = DecodeState.blocks_for_budget(
-                    args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
-                )
-            # every rank the same pages (free memory differs a little between GPUs): the ranks'
-            # schedulers must make the same choices, preemptions included
-            num_blocks = par.least(num_blocks)
-            # the scheduler hands out these pages (block tables start empty)
-            self.state = DecodeState(
-                args,
-                max_seqs,
-                max_seq_len,
-                tdt,
-                c.device,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                kv_format=kv_cache_dtype,
-            )
-            log.info(
-                "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
-                "%d tokens; %.1f MiB",
-                bytes_per_token(args, tdt, kv_cache_dtype),
-                bytes_per_seq(args, tdt, kv_cache_dtype),
-                self.state.num_blocks,
-                self.state.block_size,
-                self.state.num_blocks * self.state.block_size,
-                self.state.nbytes() / 2**20,
-            )
-            self.engine = Engine(
-                self.model,
-                self.state,
-                self.tokenizer,
-                max_running=max_seqs,
-                max_step_tokens=max_step_tokens,
-                chunk_size=chunk_size,
-                cuda_graphs=c.cuda_graphs,
-            )
+            self._load(c, progress, block_size, max_memory, memory_fraction, max_step_tokens,
+                       chunk_size)  # fmt: skip
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
@@ -169,6 +92,83 @@ class LLM:
             raise SystemExit(0)
         if par.world_size > 1:
             atexit.register(self.close)
+
+    def _load(
+        self,
+        c: EngineConfig,
+        progress: bool,
+        block_size: int | None,
+        max_memory: int | None,
+        memory_fraction: float | None,
+        max_step_tokens: int,
+        chunk_size: int,
+    ) -> None:
+        """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part)."""
+        max_seqs, max_seq_len, kv_cache_dtype, par = (
+            c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
+        )  # fmt: skip
+        args = ModelArgs.from_json(self.model_dir)
+        if args.n_mtp_layers and not has_mtp(self.model_dir):
+            args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
+        self.args = args
+        with torch.device(c.device):
+            self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par)
+        load_checkpoint(self.model, self.model_dir, progress=progress)
+        self.model.eval()
+        self.tokenizer = None
+        if (self.model_dir / "tokenizer.json").exists():
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        # ---- state pools: fixed part per slot, pages for the growing part
+        tdt = self.config.torch_dtype
+        block_size = block_size or default_block_size(args)
+        # like peers' mem-fraction: of what is free after weights
+        if memory_fraction is not None:
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+            if torch.device(c.device).type != "cuda":
+                raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
+            max_memory = int(torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction)
+        if max_memory is None:  # every slot can reach max_seq_len
+            num_blocks = max_seqs * -(-max_seq_len // block_size)
+        else:
+            num_blocks = DecodeState.blocks_for_budget(
+                args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
+            )
+        # every rank the same pages (free memory differs a little between GPUs): the ranks'
+        # schedulers must make the same choices, preemptions included
+        num_blocks = par.least(num_blocks)
+        # the scheduler hands out these pages (block tables start empty)
+        self.state = DecodeState(
+            args,
+            max_seqs,
+            max_seq_len,
+            tdt,
+            c.device,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_format=kv_cache_dtype,
+        )
+        log.info(
+            "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
+            "%d tokens; %.1f MiB",
+            bytes_per_token(args, tdt, kv_cache_dtype),
+            bytes_per_seq(args, tdt, kv_cache_dtype),
+            self.state.num_blocks,
+            self.state.block_size,
+            self.state.num_blocks * self.state.block_size,
+            self.state.nbytes() / 2**20,
+        )
+        self.engine = Engine(
+            self.model,
+            self.state,
+            self.tokenizer,
+            max_running=max_seqs,
+            max_step_tokens=max_step_tokens,
+            chunk_size=chunk_size,
+            cuda_graphs=c.cuda_graphs,
+        )
 
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
@@ -188,8 +188,10 @@ class LLM:
             try:
                 if what == "step":
                     self.engine.step()
+                elif what == "score":
+                    self.score(*args)
                 else:
-                    getattr(self, what)(*args)
+                    raise ValueError(f"unknown command {what!r} from rank 0")
             except Exception:  # rank 0 fails the same call and aborts what it ran
                 log.exception("rank %d: %s failed", self.config.parallel.rank, what)
 

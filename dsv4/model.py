@@ -479,10 +479,9 @@ class MoE(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         # routed experts summed over the k slots, plus the shared expert's output, in fp32; then
         # cast to x.dtype in the same op (across ranks: the parts summed in fp32, then cast)
-        many = self.par.world_size > 1
-        out_dtype = torch.float32 if many else x.dtype
+        out_dtype = torch.float32 if self.par.world_size > 1 else x.dtype
         y = self.ops.moe_experts(x, weights, idx, self.experts, shared=shared, out_dtype=out_dtype)
-        return self.par.all_reduce(y).to(x.dtype) if many else y
+        return self.par.all_reduce(y).to(x.dtype)  # (one rank: y itself, no copy)
 
 
 class Pending(NamedTuple):

@@ -187,6 +187,18 @@ def start_followers(world_size: int, fn, *args) -> list:  # noqa: ANN001
     return procs
 
 
+def ranks(size: int, fn, *args) -> tuple[Parallel, list]:  # noqa: ANN001
+    """This process's place among `size` ranks, and the processes started for the others: alone
+    for 1; under torchrun its RANK; else rank 0, with ranks 1.. started here running fn(*args)."""
+    procs = []
+    if size != 1 and "WORLD_SIZE" not in os.environ:
+        procs = start_followers(size, fn, *args)
+    par = from_env() if size != 1 else Parallel()
+    if par.world_size != size:
+        raise ParallelError(f"tensor_parallel_size={size}, but torchrun started {par.world_size}")
+    return par, procs
+
+
 def stop(procs: list, timeout: float = 60.0) -> None:
     """After rank 0 has told its followers to stop: wait for them, leave the process group (and,
     if `procs` were started here, forget the group's environment)."""
