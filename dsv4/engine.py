@@ -160,9 +160,15 @@ class Engine:
         self._outbox = []
 
     def close(self) -> None:
-        """Rank 0 of several: let the other ranks stop (idempotent)."""
-        if self.leads and not self.closed:
-            self.tell("stop")
+        """Before this rank leaves the process group: rank 0 of several lets the other ranks stop
+        (idempotent), and every rank drops its decode graphs. NCCL's communicator teardown
+        waits until no graph holds the collectives captured in it, so a rank that left them
+        alive would hang in `destroy_process_group`."""
+        try:
+            if self.leads and not self.closed:
+                self.tell("stop")
+        finally:
+            self.graphs = None
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

@@ -183,6 +183,7 @@ class LLM:
                 else:
                     self.engine.add_request(*rest, rid)
             if what == "stop":
+                self.engine.close()  # (its graphs)
                 log.info("rank %d: stopped", self.config.parallel.rank)
                 return
             try:

@@ -200,18 +200,21 @@ def ranks(size: int, fn, *args) -> tuple[Parallel, list]:  # noqa: ANN001
 
 
 def stop(procs: list, timeout: float = 60.0) -> None:
-    """After rank 0 has told its followers to stop: wait for them, leave the process group (and,
-    if `procs` were started here, forget the group's environment)."""
+    """After rank 0 has told its followers to stop: leave the process group, then wait for them
+    (and, if `procs` were started here, forget the group's environment). The ranks leave
+    together: rank 0 does not wait for its followers to exit first, in case a communicator's
+    teardown waits for the other ranks' teardown. (Drop the CUDA graphs that captured
+    collectives before: NCCL's teardown waits for them, `Engine.close`.)"""
     import torch.distributed
 
     global _CONTROL
+    _CONTROL = None
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     for p in procs:
         p.join(timeout)
         if p.is_alive():
             p.terminate()
-    _CONTROL = None
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if procs:
             os.environ.pop(key, None)

@@ -44,9 +44,13 @@ for part in $PARTS; do
       python3 -m pytest -q -m gpu ${TESTS:-tests/} -p no:cacheprovider --ignore=tests/test_server.py 2>&1 | tee "$OUT/gpu_tests.txt"
       echo "gpu tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt" ;;
     tp)  # two GPUs (kind nvidia-h200-x2): the tensor-parallel tests
-      # (bounded: ranks that disagree wait on each other until NCCL's 10-minute watchdog)
-      timeout ${TP_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_parallel.py tests/ops/test_moe.py \
-        -k "two_ranks or expert_parallel" -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.txt"
+      # (bounded: ranks that disagree wait on each other until NCCL's 10-minute watchdog). A hang
+      # leaves its stacks: every rank's Python dumps its threads on the SIGABRT that timeout sends
+      # to the whole process group, and pytest dumps the main process's after 150 s in one test
+      PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} \
+        timeout -s ABRT -k 20 ${TP_TIMEOUT:-300} python3 -m pytest -v -s -m gpu tests/test_parallel.py \
+        tests/ops/test_moe.py -k "${TP_TESTS:-two_ranks or expert_parallel}" -p no:cacheprovider \
+        -o faulthandler_timeout=150 -o log_cli=true --log-cli-level=INFO 2>&1 | tee "$OUT/tp_tests.txt"
       echo "tp tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_tests.txt" ;;
     tp_step)  # the Flash-width decode step on one rank and on two (rank 0's times), side by
       # side; TP_LAYERS=all builds Flash's whole 43-layer schedule (too big for one H200: TP_SIZES=2)

@@ -187,8 +187,11 @@ def test_gpu_two_ranks(tmp_path: Path) -> None:
         assert c.device == "cuda:0" and c.cuda_graphs and c.quantized
         assert bool(torch.isfinite(two.score(PROMPTS[0])).all())
         graphs = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
+        assert two.engine.graphs.graphs and not two.engine.graphs.failed
     finally:
         two.close()
+    # dropped before the group is left: NCCL's teardown waits for graphs holding its collectives
+    assert two.engine.graphs is None
     # the all-reduces captured in the decode graphs: graph steps = eager steps. (Every rank must
     # take the same path: a graph pads the batch to its bucket, so its all-reduces are larger
     # than an eager step's, and mixed ranks would wait on each other for ever)
