@@ -21,6 +21,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "cuda_graphs",
     "kv_cache_dtype",
     "tensor_parallel_size",
+    "speculative_config",
 )
 
 
@@ -139,6 +140,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         help="ranks, one GPU each: attention heads and the shared expert split, routed experts "
         "spread (expert parallel); ranks 1.. are started here, or by torchrun",
+    )
+    p.add_argument(
+        "--speculative-config",
+        "--speculative_config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM: \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+        "(the model's MTP layer drafts; the next step verifies)",
     )
 
 

@@ -615,6 +615,7 @@ class EngineConfig:
     # FP8 entries at Flash width (e4m3 nope + bf16 rope + UE8M0 scales, `dsv4.quant.kv_entry_layout`)
     kv_cache_dtype: str = "auto"
     parallel: Parallel = field(default_factory=Parallel)  # tensor/expert-parallel rank and size
+    num_speculative_tokens: int = 0  # MTP speculative decoding: draft tokens per step (0 = off)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -670,6 +671,35 @@ def yarn_inv_freq(rope_dim: int, theta: float, yarn: YarnArgs | None):  # -> fp3
     return inv
 
 
+def speculative_tokens(config: dict | str | None) -> int:
+    """Draft tokens per step from a vLLM-style speculative config (a dict or its JSON text):
+    {"method": "mtp", "num_speculative_tokens": k}; None = no speculative decoding. The model's
+    MTP layer drafts; k > 1 feeds it its own output for each further token, as vLLM does."""
+    if config is None:
+        return 0
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative config is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"speculative config must be a JSON object, got {config!r}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ConfigError(f"speculative config: unknown keys {unknown}")
+    method = config.get("method", "mtp")
+    if method not in ("mtp", "deepseek_mtp"):
+        raise ConfigError(
+            f"speculative config: method must be 'mtp' (the model's MTP layer), got {method!r}"
+        )
+    k = config.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+        raise ConfigError(
+            f"speculative config: num_speculative_tokens must be an int in [1, 8], got {k!r}"
+        )
+    return k
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """`dsv4 serve` settings: where to listen, who may call, and the engine to build."""
@@ -693,6 +723,8 @@ class ServerConfig:
     cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each); rank 0 serves HTTP
+    # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
+    speculative_config: str | None = None
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
 
     def __post_init__(self) -> None:
@@ -713,6 +745,7 @@ class ServerConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        speculative_tokens(self.speculative_config)  # a bad one fails before the server starts
 
     @property
     def model_name(self) -> str:

@@ -17,7 +17,7 @@ from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
-from dsv4.sampling import Sampler, SamplingParams, StopChecker, make_generator
+from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
 from dsv4.state import Batch, DecodeState
 
@@ -51,6 +51,8 @@ class EngineStats:
     num_pages: int
     num_free_pages: int
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
+    num_accepted_tokens: int = 0
 
     @property
     def state_usage(self) -> float:  # fraction of state pages held by requests, 0..1
@@ -86,9 +88,21 @@ class Engine:
         max_step_tokens: int,
         chunk_size: int,
         cuda_graphs: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
         self.graphs = DecodeGraphs(model, state, max_running) if cuda_graphs else None
+        # speculative decoding: the MTP layer drafts this many tokens after each sampled one,
+        # and the next step verifies them in the same pass as that token (`_sample`, `_draft`)
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+        if num_speculative_tokens and not len(model.mtp):
+            raise ValueError(
+                "speculative decoding with MTP needs the model's MTP layer: this checkpoint has "
+                "none (num_nextn_predict_layers = 0, or no mtp.* tensors)"
+            )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # totals, for metrics
         self.args = model.args
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
         self.sampler = Sampler(self.args.eos_token_id)
@@ -147,7 +161,13 @@ class Engine:
         # read without the step lock: each count is one len() (atomic), the set may be mid-step
         s = self.scheduler
         return EngineStats(
-            len(s.running), len(s.waiting), s.state.num_blocks, len(s.free_pages), s.num_preemptions
+            len(s.running),
+            len(s.waiting),
+            s.state.num_blocks,
+            len(s.free_pages),
+            s.num_preemptions,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
         )
 
     def tell(self, what: str, *args: object) -> None:
@@ -177,12 +197,31 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return []
-        logits = self._run(work)
+        # rejected drafts past the first overwrite ring rows that the next step reads: kept
+        ahead = [(w, j) for w in work for j in range(2, len(w.draft) + 1)]
+        saved = self.state.save_rows(
+            range(self.args.n_layers),
+            [w.request.slot for w, _ in ahead],
+            [w.start + j for w, j in ahead],
+        )
+        h, logits = self._run(work)
+        sampled = [w for w in work if w.samples]
+        tokens, logprobs = self._sample(sampled, logits)
+        self.state.restore_rows(saved, [j > w.accepted + 1 for w, j in ahead])
         self.scheduler.advance(work)
-        return self._postprocess([w for w in work if w.samples], logits)
+        outs = self._postprocess(sampled, tokens, logprobs)
+        if self.num_speculative_tokens:
+            self._draft(work, h)
+        return outs
 
-    def _run(self, work: list[Work]) -> torch.Tensor:
-        if self.graphs is not None and all(w.n == 1 and w.samples for w in work):
+    def _run(self, work: list[Work]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The model over the step's tokens -> (streams [T, n, D] before hc_head, or None from a
+        graph; fp32 logits of each sampling work's last known token and its drafts, in order)."""
+        if (
+            self.graphs is not None
+            and not self.num_speculative_tokens  # (the MTP layer reads the streams)
+            and all(w.n == 1 and w.samples for w in work)
+        ):
             # one new token per sequence: a captured decode step, where one serves
             logits = self.graphs.run(
                 [w.request.slot for w in work],
@@ -190,52 +229,86 @@ class Engine:
                 [w.request.all_ids[w.start] for w in work],
             )
             if logits is not None:
-                return logits
+                return None, logits
         dev = self.state.block_table.device
         batch = Batch.build(
-            [w.request.slot for w in work], [w.start for w in work], [w.n for w in work], self.state
+            [w.request.slot for w in work],
+            [w.start for w in work],
+            [w.n + len(w.draft) for w in work],
+            self.state,
         )
         flat = torch.tensor(
-            [t for w in work for t in w.request.all_ids[w.start : w.start + w.n]],
+            [t for w in work for t in w.request.all_ids[w.start : w.start + w.n] + w.draft],
             dtype=torch.long,
             device=dev,
         )
         h = self.model(flat, batch, self.state)
-        last = batch.last_token_idx()[torch.tensor([w.samples for w in work], device=dev)]
-        return self.model.logits(h[last])
+        rows, off = [], 0
+        for w in work:
+            if w.samples:
+                rows += range(off + w.n - 1, off + w.n + len(w.draft))
+            off += w.n + len(w.draft)
+        return h, self.model.logits(h[torch.tensor(rows, device=dev)])
 
-    def _postprocess(self, work: list[Work], logits: torch.Tensor) -> list[RequestOutput]:
-        reqs = [w.request for w in work]
-        if not reqs:
-            return []
-        sample = self.sampler(
-            logits,
-            [r.params for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.extra["gen"] for r in reqs],
-        )
-        # every rank computed the same logits; rank 0's draw decides, so the ranks never diverge
-        self.model.par.broadcast(sample.token_ids)
+    def _sample(
+        self, work: list[Work], logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[list[dict]]]:
+        """Each work's new tokens (its accepted drafts, then one sampled token) and their
+        logprob entries. Round j verifies every work's draft j against the logits of the token
+        before it (row j of the work's rows); a work leaves after its first rejection, or after
+        the token past its last draft. Sets `accepted` on each work."""
+        tokens: list[list[int]] = [[] for _ in work]
+        entries: list[list[dict]] = [[] for _ in work]
+        first = list(itertools.accumulate([1 + len(w.draft) for w in work], initial=0))
+        active, j = list(range(len(work))), 0
+        while active:
+            reqs = [work[i].request for i in active]
+            drafts = [work[i].draft[j] if j < len(work[i].draft) else -1 for i in active]
+            sample = self.sampler(
+                logits[[first[i] + j for i in active]],
+                [r.params for r in reqs],
+                [r.prompt_ids for r in reqs],
+                [r.output_ids + tokens[i] for r, i in zip(reqs, active)],
+                [r.extra["gen"] for r in reqs],
+                drafts if self.num_speculative_tokens else None,
+            )
+            ids = sample.token_ids.tolist()
+            for k, (i, req) in enumerate(zip(active, reqs)):
+                tokens[i].append(ids[k])
+                if req.params.logprobs is not None:
+                    entries[i].append(_logprob_entry(sample, k, ids[k], req.params.logprobs))
+            accepted = [False] * len(ids) if sample.accepted is None else sample.accepted.tolist()
+            active, j = [i for k, i in enumerate(active) if accepted[k]], j + 1
+        # every rank computed the same logits; rank 0's draws decide, so the ranks never diverge
+        if self.par.world_size > 1 and work:
+            dev = logits.device
+            t = torch.full((len(work), first[-1]), -1, dtype=torch.long, device=dev)
+            for i, toks in enumerate(tokens):
+                t[i, : len(toks)] = torch.tensor(toks)
+            tokens = [[x for x in row if x >= 0] for row in self.par.broadcast(t).tolist()]
+        for w, toks in zip(work, tokens):
+            w.accepted = len(toks) - 1
+            self.num_draft_tokens += len(w.draft)
+            self.num_accepted_tokens += w.accepted
+        return tokens, entries
+
+    def _postprocess(
+        self, work: list[Work], tokens: list[list[int]], logprobs: list[list[dict]]
+    ) -> list[RequestOutput]:
         outs = []
-        for i, req in enumerate(reqs):
-            tok = int(sample.token_ids[i])
+        for w, toks, lps in zip(work, tokens, logprobs):
+            req = w.request
             out: RequestOutput = req.extra["out"]
-            req.output_ids.append(tok)
             detok = req.extra["detok"]
-            res = req.extra["stop"].step([tok], detok.step if detok else (lambda ids: ""))
-            out.delta_token_ids = [tok]  # a stop token stays in token_ids; its text does not
+            res = req.extra["stop"].step(toks, detok.step if detok else (lambda ids: ""))
+            toks = toks[: res.num_tokens]  # the tokens after a stop are dropped
+            req.output_ids += toks
+            out.delta_token_ids = toks  # a stop token stays in token_ids; its text does not
             out.token_ids = list(req.output_ids)
             out.delta_text = res.delta
             out.text += res.delta
             if out.logprobs is not None:
-                n = req.params.logprobs
-                entry = {"token_id": tok, "logprob": float(sample.logprobs[i])}
-                if n:
-                    entry["top"] = list(
-                        zip(sample.top_ids[i, :n].tolist(), sample.top_logprobs[i, :n].tolist())
-                    )
-                out.logprobs.append(entry)
+                out.logprobs += lps[: len(toks)]
             if res.finish_reason is None and len(req.output_ids) >= req.max_tokens:
                 res.finish_reason = "length"
             if res.finish_reason is not None:
@@ -244,6 +317,71 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             outs.append(out)
         return outs
+
+    def _draft(self, work: list[Work], h: torch.Tensor) -> None:
+        """Speculative decoding: the MTP layer runs over every position whose state this step
+        kept (its window ring must hold them all), reading the main streams there and the token
+        after; where a request decodes next, its last row drafts the next token, and the MTP
+        layer, fed its own streams and that draft one position on, drafts the one after."""
+        work = [w for w in work if w.request.slot is not None]  # (finished ones are freed)
+        if not work:
+            return
+        dev = h.device
+        first = list(itertools.accumulate([w.n + len(w.draft) for w in work], initial=0))
+        lens = [w.n + w.accepted for w in work]
+        rows = [r for w, f, n in zip(work, first, lens) for r in range(f, f + n)]
+        nxt = [
+            t for w, n in zip(work, lens) for t in w.request.all_ids[w.start + 1 : w.start + 1 + n]
+        ]
+        batch = Batch.build(
+            [w.request.slot for w in work], [w.start for w in work], lens, self.state
+        )
+        x = self.model.mtp_forward(
+            h[torch.tensor(rows, device=dev)], torch.tensor(nxt, device=dev), batch, self.state
+        )
+        for w in work:
+            w.request.draft = []
+        # (the requests that sampled this step: one token after their state)
+        drafting = [
+            (w, i) for i, w in enumerate(work) if w.request.num_computed == w.request.num_tokens - 1
+        ]
+        if not drafting:
+            return
+        last = list(itertools.accumulate(lens))
+        x = x[torch.tensor([last[i] - 1 for _, i in drafting], device=dev)]
+        reqs = [w.request for w, _ in drafting]
+        drafts = []
+        # the drafts after the first run the MTP layer at positions the next step runs again
+        # from its kept state: their ring rows are put back afterwards
+        k = self.num_speculative_tokens
+        mtp = range(self.args.n_layers, self.args.n_layers + 1)
+        ahead = [(r, d) for r in reqs for d in range(k - 1)]
+        saved = self.state.save_rows(
+            mtp, [r.slot for r, _ in ahead], [r.num_computed + d for r, d in ahead]
+        )
+        for depth in range(self.num_speculative_tokens):
+            d = self.par.broadcast(self.model.mtp_logits(x).argmax(-1))  # rank 0's, as tokens
+            drafts.append(d.tolist())
+            if depth + 1 == self.num_speculative_tokens:
+                break
+            # one position on: the MTP layer's own streams in place of the main model's
+            pos = [r.num_computed + depth for r in reqs]
+            batch = Batch.build([r.slot for r in reqs], pos, [1] * len(reqs), self.state)
+            x = self.model.mtp_forward(x, d, batch, self.state)
+        self.state.restore_rows(saved, [True] * len(ahead))
+        for i, r in enumerate(reqs):
+            room = r.max_tokens - len(r.output_ids) - 1  # the token after the drafts fits too
+            r.draft = [d[i] for d in drafts][: max(room, 0)]
+
+
+def _logprob_entry(sample: SampleOutput, k: int, tok: int, n: int) -> dict:
+    """Row k's emitted token `tok` with its logprob and, if n, the n most likely tokens."""
+    entry = {"token_id": tok, "logprob": float(sample.logprobs[k])}
+    if n:
+        entry["top"] = list(
+            zip(sample.top_ids[k, :n].tolist(), sample.top_logprobs[k, :n].tolist())
+        )
+    return entry
 
 
 class AsyncEngine:

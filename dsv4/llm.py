@@ -13,7 +13,7 @@ import torch
 from dsv4 import ops as ops_pkg
 from dsv4 import parallel
 from dsv4.checkpoint import has_mtp, load_checkpoint
-from dsv4.config import EngineConfig, ModelArgs, resolve_engine
+from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tokens
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
@@ -58,6 +58,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         progress: bool = True,
         tensor_parallel_size: int = 1,
+        speculative_config: dict | str | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -74,6 +75,7 @@ class LLM:
                 max_seq_len=max_seq_len,
                 kv_cache_dtype=kv_cache_dtype,
                 parallel=par,
+                num_speculative_tokens=speculative_tokens(speculative_config),
             )
             log.info(
                 "engine: %s%s",
@@ -168,6 +170,7 @@ class LLM:
             max_step_tokens=max_step_tokens,
             chunk_size=chunk_size,
             cuda_graphs=c.cuda_graphs,
+            num_speculative_tokens=c.num_speculative_tokens,
         )
 
     # ---- tensor parallel -----------------------------------------------------------------------

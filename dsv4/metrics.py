@@ -9,7 +9,10 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:kv_cache_usage_perc              fraction (0..1) of decode-state pages in use
   counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
               vllm:request_success_total{finished_reason=stop|length|abort},
-              vllm:num_preemptions_total
+              vllm:num_preemptions_total,
+              vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total
+                                                    (MTP speculative decoding; acceptance rate =
+                                                    accepted / draft tokens)
 Every series carries model_name. Updates happen on the event loop, so nothing is locked.
 """
 
@@ -121,6 +124,18 @@ class ServerMetrics:
                 "vllm:num_preemptions_total",
                 "Preemptions (recompute).",
                 stats.num_preemptions,
+            )
+            scalar(
+                "counter",
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Speculative draft tokens verified.",
+                stats.num_draft_tokens,
+            )
+            scalar(
+                "counter",
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Speculative draft tokens accepted.",
+                stats.num_accepted_tokens,
             )
         scalar(
             "counter", "vllm:prompt_tokens_total", "Prefilled prompt tokens.", self.prompt_tokens

@@ -677,11 +677,13 @@ class Transformer(nn.Module):
         batch: Batch,
         state: DecodeState,
         depth: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP layer `depth` on main streams h [T, n, D] and the next tokens [T] -> (streams, logits).
+    ) -> torch.Tensor:
+        """MTP layer `depth` on main streams h [T, n, D] (before hc_head) and the next tokens
+        [T] -> its streams [T, n, D]; `mtp_logits` of those predict the token after the next.
 
         Position convention (UNCONFIRMED upstream): the MTP block runs at the positions of `h`.
         """
+        batch.prepare(self.args)
         mtp = self.mtp[depth]
         inv = self.freqs_main
         x = mtp(
@@ -693,4 +695,8 @@ class Transformer(nn.Module):
             rope_at(inv, batch.positions),
             inv,
         )
-        return x, self.head_logits(self.hc_head(x, mtp))
+        return x
+
+    def mtp_logits(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP streams x [N, n, D] -> fp32 logits [N, vocab] (the shared head)."""
+        return self.head_logits(self.hc_head(x, self.mtp[depth]))

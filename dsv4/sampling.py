@@ -117,6 +117,8 @@ class SampleOutput:
     """Sampled ids plus raw-model logprobs (log_softmax of unprocessed logits, vLLM's default)."""
 
     token_ids: Tensor  # [B] int64
+    # speculative decoding: [B] bool, the row's draft token was accepted (token_ids holds it)
+    accepted: Tensor | None = None
     logprobs: Tensor | None = None  # [B] fp32 logprob of token_ids; None unless some row asked
     # [B, n] int64, n = max requested; row i reads [: params[i].logprobs]
     top_ids: Tensor | None = None
@@ -238,32 +240,57 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
+        drafts: list[int] | None = None,
     ) -> SampleOutput:
+        """One token per row. With `drafts` (a proposed token per row, -1 for none), each row
+        verifies its draft first (speculative decoding with a deterministic draft): the draft is
+        accepted with probability p(draft), greedy rows iff it is the argmax; a rejected draft
+        is replaced by a draw from p with the draft removed, renormalized. Either way the row's
+        token is distributed exactly as p."""
         B, V = logits.shape
         assert logits.dtype == torch.float32, f"logits must be fp32, got {logits.dtype}"
         assert len(params) == len(prompt_ids) == len(output_ids) == len(generators) == B, (
             f"batch mismatch: logits B={B}, params={len(params)}, prompt_ids={len(prompt_ids)}, "
             f"output_ids={len(output_ids)}, generators={len(generators)}"
         )
+        dev = logits.device
         processed = self.process(logits, params, prompt_ids, output_ids)  # [B, V] fp32
         token_ids = processed.argmax(-1)  # [B]; torch.argmax returns the first maximal index
+        accepted = None
+        if drafts is not None:
+            draft = torch.tensor(drafts, dtype=torch.long, device=dev)
+            has = draft >= 0
+            accepted = has & (token_ids == draft)  # greedy rows; random rows below
         rand_rows = [i for i, p in enumerate(params) if not p.greedy]
         if rand_rows:
             # exponential race: argmax(p / q), q ~ Exp(1), draws i with probability p_i (equivalent
             # to Gumbel-max). Unseeded rows share one draw; a seeded row redraws its own [V] noise
             # from its generator, so its tokens do not depend on the rest of the batch.
             probs = processed.softmax(-1)
+            is_rand = torch.zeros(B, dtype=torch.bool)
+            is_rand[rand_rows] = True
+            is_rand = is_rand.to(dev)
+            if drafts is not None:
+                # accept the draft with probability p(draft); a rejection draws from the rest
+                u = torch.rand(B, device=dev)
+                for i in rand_rows:
+                    if generators[i] is not None:
+                        u[i : i + 1].uniform_(generator=generators[i])
+                p_draft = probs.gather(-1, draft.clamp(min=0)[:, None]).squeeze(-1)
+                accepted = torch.where(is_rand, has & (u < p_draft), accepted)
+                rest = probs.scatter(-1, draft.clamp(min=0)[:, None], 0.0)
+                probs = torch.where(has[:, None], rest, probs)
             q = torch.empty_like(probs).exponential_()
             for i in rand_rows:
                 if generators[i] is not None:
                     q[i].exponential_(generator=generators[i])
             q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would turn a masked 0/0 into nan
             sampled = probs.div(q).argmax(-1)
-            is_rand = torch.zeros(B, dtype=torch.bool)
-            is_rand[rand_rows] = True
-            token_ids = torch.where(is_rand.to(logits.device), sampled, token_ids)
+            token_ids = torch.where(is_rand, sampled, token_ids)
+        if accepted is not None:
+            token_ids = torch.where(accepted, draft, token_ids)
 
-        out = SampleOutput(token_ids=token_ids)
+        out = SampleOutput(token_ids=token_ids, accepted=accepted)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         if asked:
             raw = logits.log_softmax(-1)  # [B, V] fp32: raw-model logprobs, before any processing

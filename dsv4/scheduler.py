@@ -25,6 +25,7 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose state is in the pools
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
     extra: dict[str, Any] = field(default_factory=dict)  # sampler/detokenizer state (engine)
@@ -44,11 +45,14 @@ class Request:
 
 @dataclass
 class Work:
-    """A slice of one request to run this step: tokens [start, start + n)."""
+    """A slice of one request to run this step: tokens [start, start + n), then the draft tokens
+    to verify (speculative decoding), of which the engine accepts the first `accepted`."""
 
     request: Request
     start: int
     n: int
+    draft: list[int] = field(default_factory=list)
+    accepted: int = 0
 
     @property
     def samples(self) -> bool:  # the chunk reaches the last known token: its logits give the next
@@ -91,7 +95,7 @@ class Scheduler:
             self.state.block_table[req.slot].fill_(-1)
             self.free_slots.append(req.slot)
         self.free_pages.extend(req.pages)
-        req.slot, req.pages, req.num_computed = None, [], 0
+        req.slot, req.pages, req.num_computed, req.draft = None, [], 0, []
 
     def finish(self, req: Request) -> None:
         if req in self.running:
@@ -132,6 +136,10 @@ class Scheduler:
             if req not in self.running or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, self.chunk_size, budget)
+            # a decode verifies its draft tokens in the same pass, as far as the budget reaches
+            draft = req.draft[: budget - 1] if n == req.num_tokens - req.num_computed == 1 else []
+            if draft and not self._grow(req, req.num_computed + n + len(draft)):
+                draft = []  # no free page for a guess: nobody is preempted for it
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=lambda r: r.arrival)  # newest first
                 self._preempt(victim)
@@ -139,8 +147,8 @@ class Scheduler:
                 if victim is req:
                     break
             if req in self.running:
-                work.append(Work(req, req.num_computed, n))
-                budget -= n
+                work.append(Work(req, req.num_computed, n, draft))
+                budget -= n + len(draft)
         while (
             self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running
         ):
@@ -157,5 +165,8 @@ class Scheduler:
         return work
 
     def advance(self, work: list[Work]) -> None:
+        """The step's state is kept for the known tokens and the accepted drafts: a rejected
+        draft's writes (window rows, compressor rows, an entry it closed) are addressed by its
+        position and rewritten when the next step runs that position again."""
         for w in work:
-            w.request.num_computed = w.start + w.n
+            w.request.num_computed = w.start + w.n + w.accepted

@@ -192,6 +192,44 @@ class DecodeState:
             )
         return int(free // per_block)
 
+    def rings(self, layers: range) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, ring size) of every ring of `layers`: window K=V rows and the compressors'
+        raw rows, token p of slot s at row s*size + p % size."""
+        out = []
+        for ls in self.layers[layers.start : layers.stop]:
+            out.append((ls.window, self.window_size))
+            for c in (ls.compressor, ls.indexer):
+                if c is not None:
+                    out += [(c.kv_state, c.ring), (c.score_state, c.ring)]
+        return out
+
+    def save_rows(
+        self, layers: range, slots: list[int], positions: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Copies of the ring rows that tokens at `positions` of `slots` would write in `layers`
+        (token i: positions[i] of slots[i]). Speculative decoding puts back the rows that
+        rejected drafts overwrote (`restore_rows`): a rejected token past the first overwrites
+        an older token that the next step still reads."""
+        dev = self.block_table.device
+        s = torch.tensor(slots, dtype=torch.long, device=dev)
+        p = torch.tensor(positions, dtype=torch.long, device=dev)
+        saved = []
+        for t, size in self.rings(layers):
+            rows = s * size + p % size
+            saved.append((t, rows, t[rows].clone()))
+        return saved
+
+    @staticmethod
+    def restore_rows(
+        saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], which: list[bool]
+    ) -> None:
+        """Put back the saved rows of the tokens marked in `which`."""
+        if not any(which):
+            return
+        for t, rows, values in saved:
+            pick = torch.tensor(which, device=rows.device)
+            t[rows[pick]] = values[pick]
+
     def nbytes(self) -> int:
         total = 0
         for layer in self.layers:

@@ -61,7 +61,8 @@ def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
         for s in range(0, len(ids), chunk):
             b = Batch.build([0], [s], [len(ids[s : s + chunk])], llm.score_state())
             h = m(torch.tensor(ids[s : s + chunk]), b, llm.score_state())
-            out.append(m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.score_state())[1])
+            x = m.mtp_forward(h, torch.tensor(nxt[s : s + chunk]), b, llm.score_state())
+            out.append(m.mtp_logits(x))
         return torch.cat(out)
 
     full = run(len(ids))
@@ -69,7 +70,7 @@ def test_mtp_forward_chunked_equals_full(llm):  # noqa: ANN001
     assert torch.allclose(run(3), full, rtol=1e-5, atol=1e-5)
     b = Batch.build([0], [0], [len(ids)], llm.score_state())
     h = m(torch.tensor(ids), b, llm.score_state())
-    other = m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.score_state())[1]
+    other = m.mtp_logits(m.mtp_forward(h, torch.tensor(nxt[::-1]), b, llm.score_state()))
     assert not torch.allclose(other, full)  # depends on the next-token embedding
 
 

@@ -1,0 +1,207 @@
+"""MTP speculative decoding: drafts verified in the next step's pass, exact against plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.cli import main
+from dsv4.config import ConfigError, speculative_tokens
+from dsv4.engine import Engine
+from dsv4.sampling import Sampler
+from dsv4.state import Batch
+from dsv4.tiny import make_tiny, tiny_args
+
+PROMPTS = [[0, 5, 6, 7, 8, 9, 10], [0, 11, 12], list(range(20, 45))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# chunked prefill (the MTP layer runs over every chunk) and two sequences' worth of pages
+KW = dict(device="cpu", progress=False, max_seqs=3, chunk_size=8)
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
+    return make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> LLM:
+    return LLM(model_dir, **KW)
+
+
+def _oracle(llm: LLM, want: dict[tuple, list[int]], wrong_at: int | None = None) -> list:
+    """Replace the MTP drafts with the plain run's next tokens (token `wrong_at` of each draft
+    made wrong), after the MTP layer ran: the accept path, with the MTP state still kept.
+    Returns the list of (tokens emitted so far, draft) pairs it proposed."""
+    engine, made = llm.engine, []
+    real = Engine._draft
+
+    def draft(work, h) -> None:  # noqa: ANN001
+        real(engine, work, h)
+        for w in work:
+            r = w.request
+            if r.draft:
+                d = list(
+                    want[tuple(r.prompt_ids)][len(r.output_ids) : len(r.output_ids) + len(r.draft)]
+                )
+                if wrong_at is not None and wrong_at < len(d):
+                    d[wrong_at] = (d[wrong_at] + 1) % llm.args.vocab_size
+                r.draft = d
+                made.append((len(r.output_ids), d))
+
+    engine._draft = draft
+    return made
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_greedy_equals_plain_decoding(model_dir: Path, plain: LLM, k: int) -> None:
+    # random MTP weights: nearly every draft is rejected, so each step rewrites the rejected
+    # position's window, compressor and entry rows; the tokens must not change
+    want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = LLM(model_dir, speculative_config=spec(k), **KW)
+    assert llm.engine.num_speculative_tokens == k
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    st = llm.engine.stats()
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens <= st.num_draft_tokens
+
+
+@pytest.mark.parametrize(("k", "wrong_at"), [(1, None), (3, None), (3, 1), (2, 0)])
+def test_accepted_drafts_equal_plain_decoding(
+    model_dir: Path, plain: LLM, k: int, wrong_at
+) -> None:  # noqa: ANN001
+    # drafts that are (partly) right: accepted tokens skip steps, the state after them is kept
+    # and the next step goes on from there
+    outs = plain.generate(PROMPTS, GREEDY)
+    want = {tuple(o.prompt_token_ids): o.token_ids for o in outs}
+    llm = LLM(model_dir, speculative_config=spec(k), **KW)
+    made = _oracle(llm, want, wrong_at)
+    steps = 0
+    for p in PROMPTS:
+        llm.add_request(p, GREEDY)
+    got = {}
+    while llm.engine.has_work():
+        steps += 1
+        for o in llm.engine.step():
+            if o.finished:
+                got[tuple(o.prompt_token_ids)] = o.token_ids
+    assert got == want and made
+    st = llm.engine.stats()
+    accepted_each = k if wrong_at is None else wrong_at
+    assert st.num_accepted_tokens >= accepted_each * (len(made) - len(PROMPTS) * k)
+    plain_steps = 12 + -(-len(PROMPTS[2]) // 8)  # decode steps of the longest + its prefill
+    if accepted_each:
+        assert steps < plain_steps
+    else:
+        assert st.num_accepted_tokens == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_are_the_mtp_layers_prediction(model_dir: Path, k: int) -> None:
+    # each first draft equals the MTP layer's argmax over the whole sequence in one pass: the MTP
+    # window ring holds every kept position, whatever was rejected or chained in between
+    llm = LLM(model_dir, speculative_config=spec(k), **KW)
+    seen = []
+    real = Engine._draft
+
+    def draft(work, h) -> None:  # noqa: ANN001
+        real(llm.engine, work, h)
+        seen.extend((list(w.request.all_ids), w.request.draft[0]) for w in work if w.request.draft)
+
+    llm.engine._draft = draft
+    llm.generate(PROMPTS, GREEDY)
+    assert len(seen) > 20
+    m, state = llm.model, llm.score_state()
+    for ids, d in seen[::4]:
+        b = Batch.build([0], [0], [len(ids) - 1], state)
+        with torch.inference_mode():
+            h = m(torch.tensor(ids[:-1]), b, state)
+            logits = m.mtp_logits(m.mtp_forward(h, torch.tensor(ids[1:]), b, state))[-1]
+        # the draft is the argmax (up to fp32 reordering between chunked and whole passes)
+        assert logits[d] >= logits.max() - 1e-4, (len(ids), d, int(logits.argmax()))
+
+
+def test_stop_and_logprobs_inside_accepted_drafts(model_dir: Path, plain: LLM) -> None:
+    # a stop token among the accepted drafts ends the output there (the rest is dropped), and
+    # each emitted token's logprob is the one plain decoding reports
+    base = plain.generate(PROMPTS[0], GREEDY)[0].token_ids
+    sp = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[base[5]], logprobs=2)
+    outs = plain.generate(PROMPTS, sp)
+    want = {tuple(o.prompt_token_ids): o.token_ids for o in outs}
+    llm = LLM(model_dir, speculative_config=spec(3), **KW)
+    _oracle(llm, {k: v + [1] * 12 for k, v in want.items()})
+    got = llm.generate(PROMPTS, sp)
+    for g, o in zip(got, outs):
+        assert (g.token_ids, g.finish_reason) == (o.token_ids, o.finish_reason)
+        assert [e["token_id"] for e in g.logprobs] == o.token_ids
+        for e, f in zip(g.logprobs, o.logprobs):
+            assert e["logprob"] == pytest.approx(f["logprob"], abs=1e-4)
+            assert [t for t, _ in e["top"]] == [t for t, _ in f["top"]]
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) == 6
+
+
+def test_random_sampling_with_drafts_runs(model_dir: Path) -> None:
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True, seed=3)
+    llm = LLM(model_dir, speculative_config=spec(2), **KW)
+    outs = llm.generate(PROMPTS, sp)
+    assert all(len(o.token_ids) == 10 and o.finish_reason == "length" for o in outs)
+    # seeded: the same tokens again
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("draft", [0, 2, 4])
+def test_verified_draw_is_distributed_as_p(draft: int) -> None:
+    # a draft accepted with probability p(draft), else a draw from p without it: every token is
+    # drawn with probability p, whatever the draft
+    p = torch.tensor([0.5, 0.05, 0.3, 0.15, 0.0])
+    n = 40000
+    logits = p.clamp(min=1e-30).log().expand(n, -1).contiguous()
+    params = [SamplingParams(temperature=1.0)] * n
+    torch.manual_seed(0)
+    out = Sampler(eos_token_id=99)(logits, params, [[]] * n, [[]] * n, [None] * n, [draft] * n)
+    freq = torch.bincount(out.token_ids, minlength=5).float() / n
+    assert torch.allclose(freq, p, atol=0.012), freq
+    assert float(out.accepted.float().mean()) == pytest.approx(float(p[draft]), abs=0.012)
+    assert bool((out.token_ids[out.accepted] == draft).all())
+    assert not bool((out.token_ids[~out.accepted] == draft).any())
+
+
+def test_greedy_verify_and_rows_without_draft() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    out = Sampler(eos_token_id=99)(
+        logits, [SamplingParams(temperature=0)] * 3, [[]] * 3, [[]] * 3, [None] * 3, [1, 2, -1]
+    )
+    assert out.token_ids.tolist() == [1, 1, 0] and out.accepted.tolist() == [True, False, False]
+
+
+def test_speculative_config_errors(tmp_path: Path) -> None:
+    assert speculative_tokens(None) == 0
+    assert speculative_tokens('{"method": "mtp", "num_speculative_tokens": 2}') == 2
+    for bad, msg in [
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        ({"method": "eagle", "num_speculative_tokens": 1}, "method must be 'mtp'"),
+        ({"method": "mtp"}, "num_speculative_tokens"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, r"\[1, 8\]"),
+        ({"method": "mtp", "num_speculative_tokens": 1, "draft": 2}, "unknown keys"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            speculative_tokens(bad)
+    no_mtp = make_tiny(tmp_path / "nomtp", tiny_args(vocab_size=300, n_mtp_layers=0))
+    with pytest.raises(ValueError, match="MTP layer"):
+        LLM(no_mtp, speculative_config=spec(1), **KW)
+
+
+def test_generate_cli_speculative(model_dir: Path, capsys) -> None:  # noqa: ANN001
+    flags = ["generate", "1 2 3", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "6"]
+    assert main(flags) == 0
+    one = capsys.readouterr().out
+    assert (
+        main([*flags, "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']) == 0
+    )
+    assert capsys.readouterr().out == one
