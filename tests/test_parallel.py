@@ -203,14 +203,18 @@ def test_gpu_two_ranks(tmp_path: Path) -> None:
     # against one GPU in fp32 (Triton kernels, packed weights): in bf16 the extra rounding of
     # the ranks' partial sums flips near-tied routing and top-k picks of a random tiny model
     # (checked on the CPU), so the exact comparison is in fp32
-    two = LLM(model_dir, dtype="float32", **kw)
+    # (and MTP speculative decoding: rank 0's drafts and verified tokens decide on both ranks)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    two = LLM(model_dir, dtype="float32", speculative_config=mtp, **kw)
     try:
         got = two.score(PROMPTS[0]).cpu()
+        spec = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
     finally:
         two.close()
     one = LLM(model_dir, device="cuda:0", dtype="float32", progress=False, max_seqs=4)
     want = one.score(PROMPTS[0]).cpu()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+    assert spec == [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.gpu

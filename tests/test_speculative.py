@@ -205,3 +205,77 @@ def test_generate_cli_speculative(model_dir: Path, capsys) -> None:  # noqa: ANN
         main([*flags, "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}']) == 0
     )
     assert capsys.readouterr().out == one
+
+
+def test_server_streams_and_counts_drafts(model_dir: Path, plain: LLM) -> None:
+    # `dsv4 serve --speculative-config`: a step may stream several tokens; /metrics counts the
+    # draft and accepted tokens under vLLM's names
+    import asyncio
+    import json
+
+    from tests.serving import in_process
+
+    out = plain.generate(PROMPTS[0], GREEDY)[0]
+    want = out.text
+    cfg = json.dumps(spec(2))
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256, speculative_config=cfg)
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    _oracle(server.llm, {tuple(PROMPTS[0]): out.token_ids})
+
+    async def go() -> tuple:
+        async with ac:
+            full = await ac.post("/v1/completions", json=body)
+            stream = await ac.post("/v1/completions", json={**body, "stream": True})
+            return full, stream, await ac.get("/metrics")
+
+    try:
+        full, stream, metrics = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert full.json()["choices"][0]["text"] == want
+    chunks = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in stream.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert "".join(chunks) == want and len(chunks) < 12  # accepted drafts: fewer chunks
+    got = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.text.splitlines()
+        if line.startswith("vllm:spec_decode")
+    }
+    drafted = got["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafted > 0 and got["vllm:spec_decode_num_accepted_tokens_total"] == drafted
+
+
+def test_two_ranks_speculative_equal_one(model_dir: Path, plain: LLM) -> None:
+    # tensor parallel: rank 0's drafts and verified tokens decide on every rank
+    want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    two = LLM(model_dir, tensor_parallel_size=2, speculative_config=spec(2), **KW)
+    try:
+        got = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
+        drafted = two.engine.stats().num_draft_tokens
+    finally:
+        two.close()
+    assert got == want and drafted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ops", ["ref", "triton"])
+def test_gpu_speculative_equals_plain(model_dir: Path, ops: str) -> None:
+    # fp32 on the GPU (Triton: packed weights too): random drafts (rejections) and oracle drafts
+    # (acceptances) give plain decoding's tokens; the bf16 defaults (graphs for plain steps) run
+    kw = dict(KW, device="cuda", dtype="float32", ops=ops, quantized=ops == "triton")
+    kw["cuda_graphs"] = False
+    plain = LLM(model_dir, **kw)
+    outs = plain.generate(PROMPTS, GREEDY)
+    want = [o.token_ids for o in outs]
+    llm = LLM(model_dir, speculative_config=spec(2), **kw)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    _oracle(llm, {tuple(o.prompt_token_ids): o.token_ids for o in outs}, wrong_at=1)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.engine.stats().num_accepted_tokens > 0
+    fast = LLM(model_dir, speculative_config=spec(2), progress=False, max_seqs=3)
+    assert fast.config.cuda_graphs and fast.config.dtype == "bfloat16"
+    assert all(len(o.token_ids) == 12 for o in fast.generate(PROMPTS, GREEDY))
