@@ -15,6 +15,11 @@ Capture needs a forward without host syncs: the Triton ops (the torch references
 experts and the compressor's store). Before a capture the step runs once eagerly (autotuning,
 lazy tables); running it twice is harmless, every state write of a decode step is idempotent
 (a slot's ring row is overwritten with the same value, the closed window's entry too).
+Speculative decoding verifies q = 1 + k tokens per sequence (the pending token and its drafts):
+those steps are graphs too, keyed by q as well, and keep the streams before hc_head (`out_h`) for
+the MTP layer. A q-token step writes its ring rows after attention (a chunk's ring slots still
+hold its earlier tokens' windows), so it is not idempotent: the rows it writes are saved before
+the eager run and put back before the capture.
 Graphs share one memory pool and replay one at a time. Each graph ends by copying its logits into
 one buffer outside the pool (`out`, [max_batch, vocab] fp32), so the pool keeps no output per
 graph: with four bounds an octave a long generation captures dozens of graphs per bucket, and a
@@ -57,70 +62,99 @@ def graph_key(n: int, last_pos: int, max_seq_len: int) -> tuple[int, int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of `model` over `state`, keyed by (batch bucket, position bound)."""
+    """Captured decode steps of `model` over `state`, keyed by (batch bucket, position bound,
+    tokens per sequence)."""
 
-    def __init__(self, model: Transformer, state: DecodeState, max_batch: int) -> None:
+    def __init__(
+        self, model: Transformer, state: DecodeState, max_batch: int, tokens_per_seq: int = 1
+    ) -> None:
         if state.block_table.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and state on a CUDA device")
         self.model, self.state = model, state
         self.max_batch = _pow2_at_least(max_batch)
+        rows = self.max_batch * tokens_per_seq
         dev = state.block_table.device
         self.slots = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
         self.starts = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.ids = torch.zeros(self.max_batch, dtype=torch.long, device=dev)
-        self.out = torch.empty(
-            self.max_batch, model.head.weight.shape[0], dtype=torch.float32, device=dev
-        )
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.out = torch.empty(rows, model.head.weight.shape[0], dtype=torch.float32, device=dev)
+        self.out_h = None  # verify steps (tokens_per_seq > 1): the streams for the MTP layer
+        if tokens_per_seq > 1:
+            a = model.args
+            self.out_h = torch.empty(rows, a.hc_mult, a.dim, dtype=model.dtype, device=dev)
         # the eager run before each capture: one stream for all (cuBLAS keeps a 32 MiB workspace
         # per stream it has run on, so a new stream per capture kept 32 MiB per graph)
         self.side = torch.cuda.Stream(dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.failed: set[tuple[int, int]] = set()
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.failed: set[tuple[int, int, int]] = set()
         self.pool = None
 
-    def key(self, n: int, last_pos: int) -> tuple[int, int]:
-        return graph_key(n, last_pos, self.state.max_seq_len)
+    def key(self, n: int, last_pos: int, q: int = 1) -> tuple[int, int, int]:
+        return (*graph_key(n, last_pos, self.state.max_seq_len), q)
 
-    def run(self, slots: list[int], starts: list[int], ids: list[int]) -> torch.Tensor | None:
-        """fp32 logits [n, vocab] of one decode token per sequence (a view of `out`: valid until the
-        next run), or None where no graph serves this step (more sequences than the largest
-        bucket, or a capture that failed): the caller runs it eagerly."""
-        n = len(slots)
-        key = self.key(n, max(starts))
-        if not 0 < n <= self.max_batch or key in self.failed:
+    def run(
+        self, slots: list[int], starts: list[int], ids: list[list[int]]
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """The step's q tokens per sequence (ids[i]: tokens at starts[i] ..) -> (streams before
+        hc_head [n*q, hc, D] for q > 1, else None; fp32 logits [n*q, vocab]), views valid until
+        the next run; or None where no graph serves this step (more sequences than the largest
+        bucket, more tokens than it was built for, or a capture that failed): the caller runs it
+        eagerly."""
+        n, q = len(slots), len(ids[0])
+        if not 0 < n <= self.max_batch or q * self.max_batch > self.ids.shape[0]:
+            return None
+        key = self.key(n, max(starts) + q - 1, q)
+        if key in self.failed:
             return None
         B = key[0]
         pad = B - n
-        host = torch.tensor(
-            [slots + slots[:1] * pad, starts + starts[:1] * pad, ids + ids[:1] * pad],
-            dtype=torch.long,
-            pin_memory=True,
-        )
-        self.slots[:B].copy_(host[0], non_blocking=True)
-        self.starts[:B].copy_(host[1], non_blocking=True)
-        self.ids[:B].copy_(host[2], non_blocking=True)
-        graph = self.graphs.get(key) or self._capture(key)
+        slots, starts, ids = slots + slots[:1] * pad, starts + starts[:1] * pad, ids + ids[:1] * pad
+        flat = [t for x in ids for t in x]
+        host = torch.tensor(slots + starts + flat, dtype=torch.long, pin_memory=True)
+        self.slots[:B].copy_(host[:B], non_blocking=True)
+        self.starts[:B].copy_(host[B : 2 * B], non_blocking=True)
+        self.ids[: B * q].copy_(host[2 * B :], non_blocking=True)
+        graph = self.graphs.get(key) or self._capture(key, slots, starts)
         if graph is None:
             return None
         graph.replay()
-        return self.out[:n]
+        return (None if q == 1 else self.out_h[: n * q]), self.out[: n * q]
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
-        B, bound = key
-        batch = Batch.build_static(self.slots[:B], self.starts[:B], self.state, bound)
-        return self.model.logits(self.model(self.ids[:B], batch, self.state))
+    def _forward(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        B, bound, q = key
+        batch = Batch.build_static(self.slots[:B], self.starts[:B], self.state, bound, q)
+        h = self.model(self.ids[: B * q], batch, self.state)
+        return h, self.model.logits(h)
 
-    def _capture(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
+    def _capture(
+        self, key: tuple[int, int, int], slots: list[int], starts: list[int]
+    ) -> torch.cuda.CUDAGraph | None:
+        B, _, q = key
+        # a q-token step is not idempotent: the eager run's ring writes are put back
+        saved = (
+            self.state.save_rows(
+                range(self.model.args.n_layers),
+                [s for s in slots for _ in range(q)],
+                [p + j for p in starts for j in range(q)],
+            )
+            if q > 1
+            else []
+        )
         try:
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 self._forward(key)  # eager once: autotuning and lazy tables outside the capture
             torch.cuda.current_stream().wait_stream(self.side)
+            self.state.restore_rows(saved, [True] * (B * q if saved else 0))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.out[: key[0]].copy_(self._forward(key))
+                h, logits = self._forward(key)
+                self.out[: B * q].copy_(logits)
+                if q > 1:
+                    self.out_h[: B * q].copy_(h)
         except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
             torch.cuda.synchronize()
+            self.state.restore_rows(saved, [True] * (B * q if saved else 0))
             log.warning("decode step %s not captured, running eagerly: %s", key, e, exc_info=True)
             graph = None
         # tensor parallel: a graph pads the batch, so every rank must replay or every rank run
@@ -130,5 +164,5 @@ class DecodeGraphs:
             return None
         self.pool = graph.pool()
         self.graphs[key] = graph
-        log.info("captured decode step: batch %d, positions < %d", *key)
+        log.info("captured decode step: batch %d, positions < %d, %d token(s) each", *key)
         return graph

@@ -91,7 +91,6 @@ class Engine:
         num_speculative_tokens: int = 0,
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
-        self.graphs = DecodeGraphs(model, state, max_running) if cuda_graphs else None
         # speculative decoding: the MTP layer drafts this many tokens after each sampled one,
         # and the next step verifies them in the same pass as that token (`_sample`, `_draft`)
         if num_speculative_tokens < 0:
@@ -102,6 +101,11 @@ class Engine:
                 "none (num_nextn_predict_layers = 0, or no mtp.* tensors)"
             )
         self.num_speculative_tokens = num_speculative_tokens
+        self.graphs = (
+            DecodeGraphs(model, state, max_running, 1 + num_speculative_tokens)
+            if cuda_graphs
+            else None
+        )
         self.num_draft_tokens = self.num_accepted_tokens = 0  # totals, for metrics
         self.args = model.args
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
@@ -217,19 +221,18 @@ class Engine:
     def _run(self, work: list[Work]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The model over the step's tokens -> (streams [T, n, D] before hc_head, or None from a
         graph; fp32 logits of each sampling work's last known token and its drafts, in order)."""
-        if (
-            self.graphs is not None
-            and not self.num_speculative_tokens  # (the MTP layer reads the streams)
-            and all(w.n == 1 and w.samples for w in work)
+        k = self.num_speculative_tokens
+        if self.graphs is not None and all(
+            w.n == 1 and w.samples and len(w.draft) == k for w in work
         ):
-            # one new token per sequence: a captured decode step, where one serves
-            logits = self.graphs.run(
+            # one new token per sequence (and its k drafts): a captured step, where one serves
+            out = self.graphs.run(
                 [w.request.slot for w in work],
                 [w.start for w in work],
-                [w.request.all_ids[w.start] for w in work],
+                [[w.request.all_ids[w.start], *w.draft] for w in work],
             )
-            if logits is not None:
-                return None, logits
+            if out is not None:
+                return out
         dev = self.state.block_table.device
         batch = Batch.build(
             [w.request.slot for w in work],

@@ -277,7 +277,9 @@ class LLM:
             self.generate([[tok] * n], one)
         top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)
         batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
-        three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        # (speculative decoding: long enough for a step that verifies all k drafts)
+        n = 3 + self.engine.num_speculative_tokens
+        three = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for b in batches:  # prefill of b, then decode steps of b sequences
             self.generate([[tok] * 4] * b, three)
         took = time.perf_counter() - t0

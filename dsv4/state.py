@@ -313,27 +313,38 @@ class Batch:
 
     @classmethod
     def build_static(
-        cls, slots: torch.Tensor, start_pos: torch.Tensor, state: DecodeState, graph_len: int
+        cls,
+        slots: torch.Tensor,
+        start_pos: torch.Tensor,
+        state: DecodeState,
+        graph_len: int,
+        q: int = 1,
     ) -> Batch:
-        """One decode token per sequence, from device tensors [B] (read, not copied), with index
-        lists shaped only by B and graph_len (> every position): what a CUDA graph captures and
-        replays with new slots / positions written into the same tensors. Build it inside the
-        capture so the page-table gather is replayed too."""
+        """q tokens per sequence at start_pos .. start_pos + q - 1 (one decode token, or a
+        speculative step's pending token and drafts), from device tensors [B] (read, not copied),
+        with index lists shaped only by B, q and graph_len (> every position): what a CUDA graph
+        captures and replays with new slots / positions written into the same tensors. Build it
+        inside the capture so the page-table gather is replayed too."""
         B, device = slots.shape[0], slots.device
         if graph_len <= 0 or graph_len > state.max_seq_len:
             raise ValueError(f"graph_len={graph_len} must be in [1, {state.max_seq_len}]")
+        a = state.args
+        rings = [a.window_size] + [m * (1 + (k == CSA)) for k, m in ((CSA, a.csa_ratio), (HCA, a.hca_ratio)) if k in a.layer_types]  # fmt: skip
+        if not 1 <= q <= min(rings):
+            raise ValueError(f"q={q} tokens per sequence must be in [1, {min(rings)}] (the rings)")
         ar = torch.arange(B + 1, device=device)
+        token_seq = ar[:B].repeat_interleave(q)
         return cls(
             slots=slots,
             start_pos=start_pos,
-            lens=torch.ones(B, dtype=torch.long, device=device),
-            positions=start_pos,
-            token_seq=ar[:B],
-            cu_lens=ar,
+            lens=torch.full((B,), q, dtype=torch.long, device=device),
+            positions=start_pos[token_seq] + torch.arange(q, device=device).repeat(B),
+            token_seq=token_seq,
+            cu_lens=ar * q,
             block_table=state.block_table[slots],
             block_size=state.block_size,
             max_seqs=state.max_seqs,
-            decode=True,
+            decode=q == 1,
             graph_len=graph_len,
         )
 
@@ -351,7 +362,7 @@ class Batch:
         hca = args.hca_ratio if HCA in args.layer_types else None
         # rows before the entries: the window rings (+ the new tokens' K=V)
         base = self.max_seqs * args.window_size + (0 if self.decode else self.num_tokens)
-        if decode_lists.FUSED and self.graph_len and self.positions.is_cuda:
+        if decode_lists.FUSED and self.graph_len and self.decode and self.positions.is_cuda:
             self.file_lists(decode_lists.fill(self, args.window_size, csa, hca, base), base)
             return
         self.window_idxs(args.window_size, ring_only=self.decode)
@@ -463,8 +474,8 @@ class Batch:
         """(tokens, rows): the last `ring` tokens of each sequence and their ring rows."""
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            if self.decode:  # every token is its sequence's last
-                tok = torch.arange(self.num_tokens, device=self.positions.device)
+            if self.decode or self.graph_len:  # every token is among its sequence's last
+                tok = torch.arange(self.num_tokens, device=self.positions.device)  # (q <= ring)
                 return tok, self._tok("slot") * ring + self.positions.remainder(ring)
             tok = self._host_tokens(lambda start, n: range(max(0, n - ring), n))
             return tok, self._tok("slot")[tok] * ring + self.positions[tok].remainder(ring)

@@ -67,6 +67,36 @@ def test_static_step_matches_eager(model_and_state, slots, starts, graph_len) ->
     assert changed > 0  # the step wrote state (the comparison above is not vacuous)
 
 
+@pytest.mark.parametrize(
+    "slots,starts,q",
+    [
+        ([0, 2, 1], [45, 100, 126], 3),  # 47: both close (token 2); 127: both close (token 1)
+        ([3], [60], 4),  # 63 closes both at the last token
+        ([1, 3], [0, 250], 2),  # a sequence's first tokens, and one near the bound
+    ],
+)
+def test_static_verify_step_matches_eager(model_and_state, slots, starts, q) -> None:  # noqa: ANN001
+    # speculative decoding's verify step: q tokens per sequence, static like a decode step
+    model, state0 = model_and_state
+    n = len(slots)
+    ids = torch.arange(7, 7 + n * q)
+    eager_state, static_state = copy.deepcopy(state0), copy.deepcopy(state0)
+    with torch.inference_mode():
+        b = Batch.build(slots, starts, [q] * n, eager_state)
+        want = model.logits(model(ids, b, eager_state))
+        pad = torch.cat([ids, ids[:q]])  # one padding sequence, a copy of sequence 0
+        sb = Batch.build_static(
+            torch.tensor(slots + slots[:1]), torch.tensor(starts + starts[:1]), static_state, 256, q
+        )
+        got = model.logits(model(pad, sb, static_state))
+    torch.testing.assert_close(got[: n * q], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[n * q :], want[:q], rtol=1e-5, atol=1e-5)
+    for a, c in zip(_state_tensors(static_state), _state_tensors(eager_state)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)  # (GEMMs of another row count)
+    with pytest.raises(ValueError, match="tokens per sequence"):
+        Batch.build_static(torch.tensor([0]), torch.tensor([3]), state0, 256, 9)
+
+
 def test_static_rejects_a_bad_bound(model_and_state) -> None:  # noqa: ANN001
     _, state = model_and_state
     with pytest.raises(ValueError, match="graph_len"):
@@ -154,9 +184,9 @@ def test_graphs_keep_no_logits_each(tmp_path, monkeypatch) -> None:  # noqa: ANN
     grown = []
     capture = DecodeGraphs._capture
 
-    def measured(self, key):  # noqa: ANN001, ANN202
+    def measured(self, key, *rest):  # noqa: ANN001, ANN002, ANN202
         before = torch.cuda.memory_allocated()
-        graph = capture(self, key)
+        graph = capture(self, key, *rest)
         grown.append((key, torch.cuda.memory_allocated() - before))
         return graph
 
@@ -165,5 +195,5 @@ def test_graphs_keep_no_logits_each(tmp_path, monkeypatch) -> None:  # noqa: ANN
     llm = LLM(tiny, cuda_graphs=True, max_seq_len=512, progress=False, **kw)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     llm.generate([list(range(2, 250))], sp)  # decode steps cross position 256: bounds 256, 320
-    assert [k for k, _ in grown] == [(1, 256), (1, 320)] and not llm.engine.graphs.failed
+    assert [k for k, _ in grown] == [(1, 256, 1), (1, 320, 1)] and not llm.engine.graphs.failed
     assert grown[1][1] < vocab * 4 // 2, grown

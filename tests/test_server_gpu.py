@@ -25,7 +25,7 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
     c = server.llm.config
     assert (c.device, c.dtype, c.ops, c.cuda_graphs) == ("cuda", "bfloat16", "triton", True)
     # warmed up before serving: a graph for every batch bucket at the first position bound
-    assert set(server.llm.engine.graphs.graphs) == {(1, 256), (2, 256), (4, 256)}
+    assert set(server.llm.engine.graphs.graphs) == {(1, 256, 1), (2, 256, 1), (4, 256, 1)}
     prompts = ["Once upon a time", "hi", "The quick brown fox jumps", "a"]
     body = {"model": "m", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 

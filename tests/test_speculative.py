@@ -266,8 +266,9 @@ def test_two_ranks_speculative_equal_one(model_dir: Path, plain: LLM) -> None:
 def test_gpu_speculative_equals_plain(model_dir: Path, ops: str) -> None:
     # fp32 on the GPU (Triton: packed weights too): random drafts (rejections) and oracle drafts
     # (acceptances) give plain decoding's tokens; the bf16 defaults (graphs for plain steps) run
+    # Triton: the verify steps replay CUDA graphs (3 tokens a sequence)
     kw = dict(KW, device="cuda", dtype="float32", ops=ops, quantized=ops == "triton")
-    kw["cuda_graphs"] = False
+    kw["cuda_graphs"] = ops == "triton"
     plain = LLM(model_dir, **kw)
     outs = plain.generate(PROMPTS, GREEDY)
     want = [o.token_ids for o in outs]
@@ -276,6 +277,10 @@ def test_gpu_speculative_equals_plain(model_dir: Path, ops: str) -> None:
     _oracle(llm, {tuple(o.prompt_token_ids): o.token_ids for o in outs}, wrong_at=1)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     assert llm.engine.stats().num_accepted_tokens > 0
+    if ops == "triton":
+        g = llm.engine.graphs
+        assert {q for _, _, q in g.graphs} == {3} and not g.failed
     fast = LLM(model_dir, speculative_config=spec(2), progress=False, max_seqs=3)
     assert fast.config.cuda_graphs and fast.config.dtype == "bfloat16"
     assert all(len(o.token_ids) == 12 for o in fast.generate(PROMPTS, GREEDY))
+    assert fast.engine.graphs.graphs and not fast.engine.graphs.failed
