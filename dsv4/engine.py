@@ -285,7 +285,8 @@ class Engine:
         # every rank computed the same logits; rank 0's draws decide, so the ranks never diverge
         if self.par.world_size > 1 and work:
             dev = logits.device
-            t = torch.full((len(work), first[-1]), -1, dtype=torch.long, device=dev)
+            most = 1 + max(len(w.draft) for w in work)
+            t = torch.full((len(work), most), -1, dtype=torch.long, device=dev)
             for i, toks in enumerate(tokens):
                 t[i, : len(toks)] = torch.tensor(toks)
             tokens = [[x for x in row if x >= 0] for row in self.par.broadcast(t).tolist()]
