@@ -145,7 +145,7 @@ class DecodeGraphs:
             with torch.cuda.stream(self.side):
                 self._forward(key)  # eager once: autotuning and lazy tables outside the capture
             torch.cuda.current_stream().wait_stream(self.side)
-            self.state.restore_rows(saved, [True] * (B * q if saved else 0))
+            self.state.restore_rows(saved, [True] * (B * q))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 h, logits = self._forward(key)
@@ -154,7 +154,7 @@ class DecodeGraphs:
                     self.out_h[: B * q].copy_(h)
         except Exception as e:  # noqa: BLE001  (a host sync in the forward: run eagerly)
             torch.cuda.synchronize()
-            self.state.restore_rows(saved, [True] * (B * q if saved else 0))
+            self.state.restore_rows(saved, [True] * (B * q))
             log.warning("decode step %s not captured, running eagerly: %s", key, e, exc_info=True)
             graph = None
         # tensor parallel: a graph pads the batch, so every rank must replay or every rank run

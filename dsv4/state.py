@@ -210,6 +210,8 @@ class DecodeState:
         (token i: positions[i] of slots[i]). Speculative decoding puts back the rows that
         rejected drafts overwrote (`restore_rows`): a rejected token past the first overwrites
         an older token that the next step still reads."""
+        if not slots:
+            return []
         dev = self.block_table.device
         s = torch.tensor(slots, dtype=torch.long, device=dev)
         p = torch.tensor(positions, dtype=torch.long, device=dev)
@@ -224,10 +226,10 @@ class DecodeState:
         saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], which: list[bool]
     ) -> None:
         """Put back the saved rows of the tokens marked in `which`."""
-        if not any(which):
+        if not saved or not any(which):
             return
+        pick = torch.tensor(which, device=saved[0][1].device)
         for t, rows, values in saved:
-            pick = torch.tensor(which, device=rows.device)
             t[rows[pick]] = values[pick]
 
     def nbytes(self) -> int:
