@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -68,6 +68,13 @@ for part in $PARTS; do
         --json "$OUT/bench_step.json" 2>&1 | tee "$OUT/bench_step.txt"
       python3 -m dsv4.cli roofline --preset flash --batch 16 --context 131072 --gpu H200 \
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
+    spec_step)  # speculative decoding: the verify step of K drafts beside the decode step
+      # (K = 0), graphs at Flash width, 4K; ratio = the accepted tokens a step must average
+      for k in ${DRAFTS:-0 1 2}; do
+        python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
+          --batch ${SPEC_BATCH:-1,16,64} --context 4096 --prefill 0 --repeat 3 --graph \
+          --draft-tokens "$k" --json "$OUT/spec_step$k.json" 2>&1 | tee "$OUT/spec_step$k.txt"
+      done ;;
     sort_ab)  # decode step at 4K and 128K: the model's unsorted top-k against SORT_ALWAYS
       step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 4096 sort4k_
       step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 131072 sort128k_ ;;

@@ -236,12 +236,15 @@ def test_flash_width_on_gpu(tmp_path):  # noqa: ANN001
 
 
 @pytest.mark.gpu
-def test_graph_step_on_gpu(tmp_path, capsys):  # noqa: ANN001
-    # the decode step captured as CUDA graphs: device time without the host's launch cost, so
-    # shorter than the eager step (every layer and the whole step each captured)
+@pytest.mark.parametrize("draft", ["0", "2"])
+def test_graph_step_on_gpu(tmp_path, capsys, draft):  # noqa: ANN001
+    # the decode step (and the verify step of 2 drafts) captured as CUDA graphs: device time
+    # without the host's launch cost, so shorter than the eager step (every layer and the whole
+    # step each captured)
     path = tmp_path / "graph.json"
     argv = ["--preset", "tiny", "--ops", "triton", "--batch", "1,4", "--context", "64",
-            "--prefill", "0", "--repeat", "2", "--graph", "--json", str(path)]  # fmt: skip
+            "--prefill", "0", "--repeat", "2", "--graph", "--draft-tokens", draft,
+            "--json", str(path)]  # fmt: skip
     assert step.main(argv) == 0
     assert "decode step as CUDA graphs" in capsys.readouterr().out
     for run in json.loads(path.read_text())["runs"]:
@@ -250,6 +253,29 @@ def test_graph_step_on_gpu(tmp_path, capsys):  # noqa: ANN001
         assert all(v["median_s"] > 0 for v in g["layers"].values())
         assert 0 < g["step"]["median_s"] < run["step"]["median_s"]
         assert 0 < g["projected_s"] < run["projected_s"]
+
+
+def test_verify_step_of_draft_tokens(tmp_path, capsys):  # noqa: ANN001
+    # speculative decoding's verify step: 1 + K tokens a sequence, against the floor of as many
+    # tokens; tok/s counts one token a sequence
+    path = tmp_path / "v.json"
+    argv = BASE + ["--batch", "2", "--context", "40", "--prefill", "0", "--draft-tokens", "2",
+                   "--json", str(path)]  # fmt: skip
+    assert step.main(argv) == 0
+    assert "verify steps (speculative decoding): 3 tokens a sequence" in capsys.readouterr().out
+    res = json.loads(path.read_text())
+    (run,) = res["runs"]
+    assert run["tokens_per_seq"] == 3 and res["config"]["draft_tokens"] == 2
+    # the floor of a plain step of 6 sequences whose new tokens make 43
+    plain = tmp_path / "p.json"
+    argv = BASE + ["--batch", "6", "--context", "42", "--prefill", "0", "--json", str(plain)]
+    assert step.main(argv) == 0
+    (six,) = json.loads(plain.read_text())["runs"]
+    assert run["floor"]["floor_s"] == pytest.approx(six["floor"]["floor_s"])
+    assert run["tok_per_s"] == pytest.approx(2 / run["projected_s"])
+    with pytest.raises(SystemExit):
+        step.main(BASE + ["--draft-tokens", "1", "--hf"])
+    assert "no --hf" in capsys.readouterr().err
 
 
 def test_graph_is_skipped_on_the_cpu(tmp_path):  # noqa: ANN001

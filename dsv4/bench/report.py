@@ -118,8 +118,15 @@ def print_report(res: dict) -> None:
         if run.get("breakdown"):
             _print_breakdown(run, keys)
     hf = cfg["hf"]
+    k = cfg.get("draft_tokens", 0)
     print(
         f"\ndecode step, ms (median of {cfg['repeat']}); floor: dsv4 roofline on {cfg['floor_gpu']}"
+        + (
+            f"\nverify steps (speculative decoding): {1 + k} tokens a sequence; tok/s counts one "
+            f"a sequence (each accepted draft adds one); floor of batch x {1 + k} tokens"
+            if k
+            else ""
+        )
     )
     w = {k: max(10, len(k) + 2) for k in cols}
     head = (

@@ -11,6 +11,9 @@ the full model is rest + sum over the target schedule (Flash: 43 layers) of the 
 layer's type. MoE: layers are top-k routed unless asked for as `name:hash`; a target layer whose
 exact (type, MoE) was not measured uses the same type with the other MoE (listed in the JSON).
 Prefill: one sequence, chunked like the engine (--chunk, default 512; 0 = one chunk).
+Speculative decoding (--draft-tokens K): each sequence runs 1 + K tokens a step, the pending
+token and K drafts, as the engine's verify step; tok/s counts one token a sequence (no draft
+accepted: each accepted draft adds one), and the floor is that of batch x (1 + K) tokens.
 
 JSON (--json); times in seconds, STATS = {median_s, min_s, max_s, samples}:
   schema "dsv4.bench.step/1"; env {git_sha, date, device, device_name, torch, triton, transformers}
@@ -176,6 +179,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="profiled steps per (batch, context), averaged",
     )
+    p.add_argument(
+        "--draft-tokens",
+        type=_int_at_least("--draft-tokens", 0),
+        default=0,
+        help="speculative decoding's verify step: 1 + K tokens per sequence (default 0: decode)",
+    )
     p.add_argument("--hf", action="store_true", help="also time transformers' DeepseekV4")
     p.add_argument(
         "--hf-max-gb",
@@ -196,6 +205,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.tensor_parallel_size > 1 and (a.hf or a.profile or a.trace):
         p.error("--tensor-parallel-size times our step only: no --hf, --profile or --trace")
+    if a.draft_tokens and a.hf:
+        p.error("--draft-tokens times our verify step only: no --hf")
     batch, context, prefill = PRESET_DEFAULTS[a.preset]
     a.batch = a.batch or _int_list("batch sizes", 1)(batch)
     a.context = a.context or _int_list("contexts", 1)(context)
@@ -258,12 +269,14 @@ def decode_stepper(
     context: int,
     ids: torch.Tensor,
     clock: Clock,
+    q: int = 1,
 ):  # noqa: ANN201
+    """One step of `batch` sequences, q tokens each (1: decode; more: a verify step)."""
     args, checked = model.args, []
 
     def step(j: int) -> None:
         clock.mark("start")
-        b = Batch.build(list(range(batch)), [context + j] * batch, [1] * batch, state)
+        b = Batch.build(list(range(batch)), [context + j] * batch, [q] * batch, state)
         b.prepare(args)  # the shared index lists: their cost lands in 'rest'
         clock.mark("batch")
         logits = model.logits(model(ids, b, state))
@@ -372,26 +385,34 @@ class Bench:
         from dsv4.roofline import GPUS, roofline
 
         a, on_device = self.a, self.device.type == "cuda"
+        q = 1 + a.draft_tokens  # tokens per sequence
         run: dict = {
             "batch": batch,
             "context": context,
             "positions": [context, context + a.cycle - 1],
+            "tokens_per_seq": q,
         }
         state = DecodeState(
-            self.args, batch, context + a.cycle, self.dtype, self.device, kv_format=a.kv_cache_dtype
-        )
+            self.args, batch, context + a.cycle + q - 1, self.dtype, self.device,
+            kv_format=a.kv_cache_dtype,
+        )  # fmt: skip
         fill_state_(state, a.seed)
-        ids = torch.randint(0, self.args.vocab_size, (batch,), device=self.device, generator=self.g)
-        step = decode_stepper(self.model, state, batch, context, ids, self.clock)
+        n = batch * q
+        ids = torch.randint(0, self.args.vocab_size, (n,), device=self.device, generator=self.g)
+        step = decode_stepper(self.model, state, batch, context, ids, self.clock, q)
         t = measure(step, self.clock, self.keys, a.warmup, a.repeat, a.cycle)
         run.update(with_projection(t, self.counts, batch))
         run["distinct_experts"] = distinct_experts(self.model, step, self.keys)
         # fp8: 584-B entries and 132-B FP8 indexer keys, as the state
         state_dtype = "fp8" if a.kv_cache_dtype == "fp8" else "bf16"
         fl = roofline(
-            self.full, batch, context + 1, GPUS[FLOOR_GPU], state_dtype=state_dtype,
+            self.full,
+            n,
+            context + q,
+            GPUS[FLOOR_GPU],
+            state_dtype=state_dtype,
             tp=self.par.world_size,
-        )  # fmt: skip
+        )  # fmt: skip (a verify step: as many independent tokens, their state counted each)
         proj = run["projected_s"]
         run["floor"] = {
             "gpu": FLOOR_GPU,
@@ -401,7 +422,7 @@ class Bench:
         }
         run["roofline"] = {"step_s": proj}  # what `dsv4 roofline --bench` reads
         if a.graph:
-            run["graph"] = self.decode_graph(state, batch, context, ids, fl.floor_s)
+            run["graph"] = self.decode_graph(state, batch, context, ids, fl.floor_s, q)
         if a.profile:
 
             def profiled(j: int) -> None:
@@ -424,7 +445,13 @@ class Bench:
         return run
 
     def decode_graph(
-        self, state: DecodeState, batch: int, context: int, ids: torch.Tensor, floor_s: float
+        self,
+        state: DecodeState,
+        batch: int,
+        context: int,
+        ids: torch.Tensor,
+        floor_s: float,
+        q: int = 1,
     ) -> dict:
         """The step at position `context` as CUDA graphs: device time without launch cost."""
         from dsv4.bench.graph import graph_measure
@@ -435,13 +462,13 @@ class Bench:
         # the engine's static batch (cuda_graphs.DecodeGraphs), its lists built in the graph
         slots = torch.arange(batch, device=self.device)
         starts = torch.full((batch,), context, device=self.device)
-        bound = graph_key(batch, context, state.max_seq_len)[1]
+        bound = graph_key(batch, context + q - 1, state.max_seq_len)[1]
         self.clock.paused = True
         try:
             t = graph_measure(
                 self.model,
                 state,
-                lambda: Batch.build_static(slots, starts, state, bound),
+                lambda: Batch.build_static(slots, starts, state, bound, q),
                 ids,
                 self.keys,
                 self.a.repeat,
@@ -575,6 +602,7 @@ def _config(a: argparse.Namespace, bench: Bench) -> dict:
         "hf_max_gb",
         "seed",
         "tensor_parallel_size",
+        "draft_tokens",
     )
     return {k: getattr(a, k) for k in keep} | {
         "layer_keys": bench.keys,
