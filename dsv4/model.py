@@ -681,14 +681,16 @@ class Transformer(nn.Module):
         """MTP layer `depth` on main streams h [T, n, D] (before hc_head) and the next tokens
         [T] -> its streams [T, n, D]; `mtp_logits` of those predict the token after the next.
 
-        Position convention (UNCONFIRMED upstream): the MTP block runs at the positions of `h`.
+        Position convention (UNCONFIRMED upstream; vLLM's): the MTP block runs at the positions of
+        `h`, and the next token's embedding is masked at position 0.
         """
         batch.prepare(self.args)
         mtp = self.mtp[depth]
         inv = self.freqs_main
+        e = self.embed(next_ids)
         x = mtp(
             h,
-            self.embed(next_ids),
+            torch.where((batch.positions == 0)[:, None], 0.0, e),
             next_ids,
             batch,
             state.layers[self.args.n_layers + depth],
