@@ -53,6 +53,13 @@ class EngineStats:
     num_preemptions: int
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     num_accepted_tokens: int = 0
+    num_drafts: int = 0  # verifications (a sequence's drafts of one step)
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        """Tokens a verification yields on average: the accepted drafts and the sampled token
+        (SGLang's "accept length"); None before any."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def state_usage(self) -> float:  # fraction of state pages held by requests, 0..1
@@ -106,7 +113,7 @@ class Engine:
             if cuda_graphs
             else None
         )
-        self.num_draft_tokens = self.num_accepted_tokens = 0  # totals, for metrics
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
         self.args = model.args
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
         self.sampler = Sampler(self.args.eos_token_id)
@@ -172,6 +179,7 @@ class Engine:
             s.num_preemptions,
             self.num_draft_tokens,
             self.num_accepted_tokens,
+            self.num_drafts,
         )
 
     def tell(self, what: str, *args: object) -> None:
@@ -292,6 +300,7 @@ class Engine:
             tokens = [[x for x in row if x >= 0] for row in self.par.broadcast(t).tolist()]
         for w, toks in zip(work, tokens):
             w.accepted = len(toks) - 1
+            self.num_drafts += bool(w.draft)
             self.num_draft_tokens += len(w.draft)
             self.num_accepted_tokens += w.accepted
         return tokens, entries

@@ -10,7 +10,8 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
   counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
               vllm:request_success_total{finished_reason=stop|length|abort},
               vllm:num_preemptions_total,
-              vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total
+              vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+              vllm:spec_decode_num_accepted_tokens_total
                                                     (MTP speculative decoding; acceptance rate =
                                                     accepted / draft tokens)
 Every series carries model_name. Updates happen on the event loop, so nothing is locked.
@@ -124,6 +125,12 @@ class ServerMetrics:
                 "vllm:num_preemptions_total",
                 "Preemptions (recompute).",
                 stats.num_preemptions,
+            )
+            scalar(
+                "counter",
+                "vllm:spec_decode_num_drafts_total",
+                "Speculative verifications (a sequence's drafts of one step).",
+                stats.num_drafts,
             )
             scalar(
                 "counter",

@@ -262,6 +262,17 @@ def build_app(server: Server) -> FastAPI:
         stats = server.engine.stats() if server.engine is not None else None
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE)
 
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        """SGLang's: the settings (no API key) and internal_states[0], where its benchmark reads
+        avg_spec_accept_length (tokens a verification yields, with speculative decoding)."""
+        info = {k: v for k, v in dataclasses.asdict(server.config).items() if k != "api_key"}
+        state: dict = {}
+        stats = server.engine.stats() if server.engine is not None else None
+        if stats is not None and stats.mean_accept_length is not None:
+            state["avg_spec_accept_length"] = stats.mean_accept_length
+        return info | {"version": __version__, "internal_states": [state]}
+
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")

@@ -553,17 +553,21 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
 
 
 def test_health_503_while_loading():
-    _, ac = in_process(None)
+    _, ac = in_process(None, api_key="secret")
+    auth = {"Authorization": "Bearer secret"}
 
     async def go() -> list[httpx.Response]:
         async with ac:
             return [
                 await ac.get("/health"),
-                await ac.post(C, json={"prompt": "hi"}),
+                await ac.post(C, json={"prompt": "hi"}, headers=auth),
                 await ac.get("/metrics"),
+                await ac.get("/get_server_info"),
             ]
 
-    health, completion, metrics = asyncio.run(go())
+    health, completion, metrics, info = asyncio.run(go())
+    # SGLang's server info: the settings without the key; no engine state yet
+    assert info.json()["internal_states"] == [{}] and "api_key" not in info.json()
     assert health.status_code == 503 and health.json()["error"]["message"] == "the model is loading"
     assert completion.status_code == 503 and completion.json()["error"]["code"] == 503
     assert metrics.status_code == 200 and "vllm:prompt_tokens_total" in metrics.text

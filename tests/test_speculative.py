@@ -226,10 +226,10 @@ def test_server_streams_and_counts_drafts(model_dir: Path, plain: LLM) -> None:
         async with ac:
             full = await ac.post("/v1/completions", json=body)
             stream = await ac.post("/v1/completions", json={**body, "stream": True})
-            return full, stream, await ac.get("/metrics")
+            return full, stream, await ac.get("/metrics"), await ac.get("/get_server_info")
 
     try:
-        full, stream, metrics = asyncio.run(go())
+        full, stream, metrics, info = asyncio.run(go())
     finally:
         server.shutdown()
     assert full.json()["choices"][0]["text"] == want
@@ -246,6 +246,12 @@ def test_server_streams_and_counts_drafts(model_dir: Path, plain: LLM) -> None:
     }
     drafted = got["vllm:spec_decode_num_draft_tokens_total"]
     assert drafted > 0 and got["vllm:spec_decode_num_accepted_tokens_total"] == drafted
+    # every draft right: a verification yields its 2 drafts and 1 token (SGLang's accept length)
+    n = got["vllm:spec_decode_num_drafts_total"]
+    assert 0 < n and drafted <= 2 * n
+    info = info.json()
+    assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(1 + drafted / n)
+    assert info["speculative_config"] == cfg and "api_key" not in info
 
 
 def test_two_ranks_speculative_equal_one(model_dir: Path, plain: LLM) -> None:
