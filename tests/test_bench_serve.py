@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dsv4.bench.serve import RequestResult, _stats, main, summarize
+from dsv4.bench.serve import SPEC, RequestResult, _stats, main, speculative, summarize
 from dsv4.tiny import make_tiny, tiny_args
 from tests.serving import ServerProcess, scrape
 
@@ -21,6 +21,11 @@ def test_summary_arithmetic():
     assert (s["completed"], s["failed"]) == (2, 1)
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (16, 8)
     assert s["output_throughput"] == 4.0 and s["request_throughput"] == 1.0
+    assert speculative(dict.fromkeys(SPEC, 0.0), dict.fromkeys(SPEC, 0.0)) is None
+    sp = speculative(
+        dict.fromkeys(SPEC, 1.0), {"drafts": 5, "draft_tokens": 9, "accepted_tokens": 5}
+    )
+    assert sp["acceptance_rate"] == 0.5 and sp["accept_length"] == 2.0
     assert s["total_token_throughput"] == 12.0
     assert s["tpot"]["mean_ms"] == pytest.approx(1e3 * (0.1 + 0.1) / 2)
     assert s["ttft"]["median_ms"] == pytest.approx(150.0)
@@ -29,7 +34,9 @@ def test_summary_arithmetic():
 
 def test_bench_serve_against_the_server(tmp_path, capsys):  # noqa: ANN001
     d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
-    srv = ServerProcess(d, tmp_path / "server.log", "--max-seqs", "4", "--max-seq-len", "256")
+    # (with MTP speculative decoding: the bench reports its acceptance)
+    mtp = ("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+    srv = ServerProcess(d, tmp_path / "server.log", "--max-seqs", "4", "--max-seq-len", "256", *mtp)
     try:
         out = tmp_path / "bench.json"
         argv = ["--base-url", srv.url, "--num-prompts", "6", "--concurrency", "3"]
@@ -52,6 +59,10 @@ def test_bench_serve_against_the_server(tmp_path, capsys):  # noqa: ANN001
     assert m['vllm:prompt_tokens_total{model_name="m"}'] == 8 * 8
     assert m['vllm:generation_tokens_total{model_name="m"}'] == 8 * 4
     assert "output tokens/s" in table and "TTFT (ms)" in table
+    sp = s["speculative"]
+    assert sp["drafts"] > 0 and sp["draft_tokens"] <= 2 * sp["drafts"]
+    assert 0 <= sp["acceptance_rate"] <= 1 and sp["accept_length"] >= 1
+    assert "spec. accept length" in table
     with pytest.raises(SystemExit):
         main(["--concurrency", "0"])
     assert main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2

@@ -10,7 +10,9 @@ bound; the decode graphs of later bounds are captured on first use).
 
 Per request: TTFT (send to the first streamed token chunk), ITL (gaps between token chunks), E2E
 latency, and TPOT = (E2E - TTFT) / (output tokens - 1) with the token count from the stream's usage
-chunk. Printed as a short table; `--json` writes the summary and the per-request rows.
+chunk. With speculative decoding on the server, the run's acceptance rate and accept length
+(from its /metrics counters). Printed as a short table; `--json` writes the summary and the
+per-request rows.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class Client:
         return conn, conn.getresponse()
 
     def json(self, method: str, path: str, body: dict | None = None) -> dict:
+        return json.loads(self.text(method, path, body))
+
+    def text(self, method: str, path: str, body: dict | None = None) -> str:
         try:
             conn, resp = self.open(method, path, body)
         except (OSError, http.client.HTTPException) as e:
@@ -74,7 +79,31 @@ class Client:
             conn.close()
         if resp.status != 200:
             raise BenchError(f"{method} {path}: HTTP {resp.status}: {text[:300]}")
-        return json.loads(text)
+        return text
+
+
+SPEC = ("drafts", "draft_tokens", "accepted_tokens")
+
+
+def spec_counters(client: Client) -> dict[str, float]:
+    """The server's speculative-decoding counters (vLLM's /metrics names; 0 where absent)."""
+    got = dict.fromkeys(SPEC, 0.0)
+    for line in client.text("GET", "/metrics").splitlines():
+        for name in SPEC:
+            if line.startswith(f"vllm:spec_decode_num_{name}_total"):
+                got[name] += float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def speculative(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The run's drafts as vLLM's bench reports them, or None without speculative decoding."""
+    d = {k: after[k] - before[k] for k in SPEC}
+    if not d["drafts"]:
+        return None
+    return d | {
+        "acceptance_rate": d["accepted_tokens"] / d["draft_tokens"],
+        "accept_length": 1 + d["accepted_tokens"] / d["drafts"],  # tokens a verification yields
+    }
 
 
 def make_prompts(client: Client, model: str, n: int, input_len: int, seed: int) -> list[list[int]]:
@@ -222,6 +251,13 @@ def report(s: dict, args: argparse.Namespace) -> str:
         lines.append(
             f"{name + ' (ms)':<28}{v['mean_ms']:>10.2f}{v['median_ms']:>10.2f}{v['p99_ms']:>10.2f}"
         )
+    sp = s.get("speculative")
+    if sp:
+        lines += [
+            f"{'spec. acceptance rate':<28}{100 * sp['acceptance_rate']:.1f}% "
+            f"({sp['accepted_tokens']:.0f} of {sp['draft_tokens']:.0f} draft tokens)",
+            f"{'spec. accept length':<28}{sp['accept_length']:.2f} tokens a verification",
+        ]
     return "\n".join(lines)
 
 
@@ -268,9 +304,15 @@ def main(argv: list[str]) -> int:
         if bad:
             print(f"error: warm-up requests failed: {bad[0]}", file=sys.stderr)
             return 2
-    results, duration = run(client, args.model_name, prompts[warmup:], args.output_len,
-                            args.concurrency, args.request_rate, args.seed)  # fmt: skip
-    summary = summarize(results, duration)
+    try:
+        before = spec_counters(client)
+        results, duration = run(client, args.model_name, prompts[warmup:], args.output_len,
+                                args.concurrency, args.request_rate, args.seed)  # fmt: skip
+        after = spec_counters(client)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = summarize(results, duration) | {"speculative": speculative(before, after)}
     print(report(summary, args))
     errors = sorted({r.error for r in results if not r.ok})
     for e in errors[:5]:
