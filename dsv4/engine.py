@@ -227,8 +227,9 @@ class Engine:
         return outs
 
     def _run(self, work: list[Work]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The model over the step's tokens -> (streams [T, n, D] before hc_head, or None from a
-        graph; fp32 logits of each sampling work's last known token and its drafts, in order)."""
+        """The model over the step's tokens -> (streams [T, n, D] before hc_head, None from a
+        graph of plain decode steps; fp32 logits of each sampling work's last known token and
+        its drafts, in order)."""
         k = self.num_speculative_tokens
         if self.graphs is not None and all(
             w.n == 1 and w.samples and len(w.draft) == k for w in work
