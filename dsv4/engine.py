@@ -188,7 +188,7 @@ class Engine:
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)
-        parallel.send((self._outbox, what, args))
+        parallel.send(what, (self._outbox, args) if self._outbox or args else None)
         self._outbox = []
 
     def close(self) -> None:

@@ -179,7 +179,8 @@ class LLM:
         its order (`Engine.tell`), until it stops. Outputs stay here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
         while True:
-            cmds, what, args = parallel.receive()
+            what, payload = parallel.receive()
+            cmds, args = payload or ([], ())
             for kind, rid, *rest in cmds:
                 if kind == "abort":
                     self.engine.abort(rid)
@@ -192,10 +193,8 @@ class LLM:
             try:
                 if what == "step":
                     self.engine.step()
-                elif what == "score":
+                else:  # "score" (parallel.COMMANDS)
                     self.score(*args)
-                else:
-                    raise ValueError(f"unknown command {what!r} from rank 0")
             except Exception:  # rank 0 fails the same call and aborts what it ran
                 log.exception("rank %d: %s failed", self.config.parallel.rank, what)
 

@@ -139,20 +139,41 @@ CONTROL_TIMEOUT = timedelta(days=365)
 _CONTROL = None
 
 
-def send(obj: object) -> None:
-    """Rank 0: hand `obj` (picklable) to every other rank's `receive`."""
+COMMANDS = ("step", "score", "stop")  # what rank 0 tells the other ranks to do
+
+
+def send(what: str, payload: object = None) -> None:
+    """Rank 0: tell every other rank's `receive` `what` (one of COMMANDS), with an optional
+    picklable payload. One broadcast of two integers (the command, the payload's pickled size),
+    then the pickled bytes if any: a plain decode step pays one small host collective."""
+    import pickle
+
+    import torch
     import torch.distributed
 
-    torch.distributed.broadcast_object_list([obj], src=0, group=_CONTROL)
+    data = b"" if payload is None else pickle.dumps(payload)
+    head = torch.tensor([COMMANDS.index(what), len(data)], dtype=torch.int64)
+    torch.distributed.broadcast(head, 0, group=_CONTROL)
+    if data:
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        torch.distributed.broadcast(body, 0, group=_CONTROL)
 
 
-def receive() -> object:
-    """Ranks > 0: the next object rank 0 sends (blocks until it does)."""
+def receive() -> tuple[str, object]:
+    """Ranks > 0: the next (command, payload or None) rank 0 sends (blocks until it does)."""
+    import pickle
+
+    import torch
     import torch.distributed
 
-    box = [None]
-    torch.distributed.broadcast_object_list(box, src=0, group=_CONTROL)
-    return box[0]
+    head = torch.zeros(2, dtype=torch.int64)
+    torch.distributed.broadcast(head, 0, group=_CONTROL)
+    what, size = COMMANDS[int(head[0])], int(head[1])
+    if not size:
+        return what, None
+    body = torch.empty(size, dtype=torch.uint8)
+    torch.distributed.broadcast(body, 0, group=_CONTROL)
+    return what, pickle.loads(body.numpy().tobytes())  # rank 0's own objects (trusted)
 
 
 def _free_port() -> int:
