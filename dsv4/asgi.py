@@ -64,8 +64,13 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+# the routes that generate or change state: they need the API key when the server has one
+PROTECTED = ("/v1/", "/generate", "/abort_request", "/flush_cache", "/health_generate")
+
+
 class RequestGate:
-    """ASGI middleware: Bearer key on /v1/*, then the whole body read up front (413 if large)."""
+    """ASGI middleware: Bearer key on PROTECTED routes, then the whole body read up front (413
+    if large)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:  # noqa: ANN001
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -73,7 +78,7 @@ class RequestGate:
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
+        if self.api_key is not None and scope["path"].startswith(PROTECTED):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(

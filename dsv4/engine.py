@@ -33,6 +33,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # what stopped it (finish_reason "stop"): a stop token id or stop string; None for EOS
+    stop_reason: int | str | None = None
     logprobs: list[dict] | None = None
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
@@ -327,6 +329,7 @@ class Engine:
                 res.finish_reason = "length"
             if res.finish_reason is not None:
                 req.finish_reason = out.finish_reason = res.finish_reason
+                out.stop_reason = res.stop_reason
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             outs.append(out)

@@ -230,3 +230,69 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class NativeSamplingParams(BaseModel):
+    """`sampling_params` of SGLang's native POST /generate (its names and defaults)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    max_new_tokens: int = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(1, ge=1)
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native POST /generate, one prompt: `text` or `input_ids`. The response is
+    {text, output_ids, meta_info}; a stream sends that body after every step, text cumulative."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+
+    def check(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "send exactly one of text and input_ids", "text")
+        if self.return_logprob:
+            raise ApiError(400, "return_logprob is not supported on /generate", "return_logprob")
+        if self.sampling_params.n != 1:
+            raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
+
+    def params(self) -> SamplingParams:
+        p = self.sampling_params
+        try:
+            return SamplingParams(
+                temperature=p.temperature,
+                top_k=p.top_k,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                seed=p.sampling_seed,
+                max_tokens=p.max_new_tokens,
+                min_tokens=p.min_new_tokens,
+                stop=p.stop,
+                stop_token_ids=p.stop_token_ids,
+                ignore_eos=p.ignore_eos,
+                skip_special_tokens=p.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), "sampling_params") from e

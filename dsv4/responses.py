@@ -227,3 +227,36 @@ class ChatFormatter(Formatter):
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
         return self.envelope([choice], out, False)
+
+
+class NativeFormatter:
+    """SGLang's /generate bodies: {text, output_ids, meta_info} with the text so far (a stream
+    repeats the whole body after every step, as SGLang does by default)."""
+
+    def __init__(self, request_id: str, eos_token_id: int) -> None:
+        self.id, self.eos_token_id = request_id, eos_token_id
+
+    def _finish(self, out: RequestOutput) -> dict | None:
+        if out.finish_reason == "length":
+            return {"type": "length", "length": len(out.token_ids)}
+        if out.finish_reason == "stop":
+            matched = self.eos_token_id if out.stop_reason is None else out.stop_reason
+            return {"type": "stop", "matched": matched}
+        if out.finish_reason is not None:
+            return {"type": out.finish_reason}
+        return None
+
+    def response(self, out: RequestOutput) -> dict:
+        return {
+            "text": out.text,
+            "output_ids": list(out.token_ids),
+            "meta_info": {
+                "id": self.id,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(out.token_ids),
+                "cached_tokens": 0,
+                "finish_reason": self._finish(out),
+            },
+        }
+
+    chunk = response  # a stream chunk is the whole body so far

@@ -34,10 +34,11 @@ from dsv4.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    GenerateRequest,
     TokenizeRequest,
     error_body,
 )
-from dsv4.responses import ChatFormatter, CompletionFormatter, Formatter
+from dsv4.responses import ChatFormatter, CompletionFormatter, Formatter, NativeFormatter
 from dsv4.sampling import SamplingParams
 
 log = logging.getLogger("dsv4")
@@ -136,7 +137,7 @@ class Server:
         request: Request,
         ids: list[int],
         params: SamplingParams,
-        fmt: Formatter,
+        fmt: Formatter | NativeFormatter,
         stream: bool,
         include_usage: bool,
     ) -> Response:
@@ -179,7 +180,7 @@ async def _run_to_end(gen: AsyncIterator[RequestOutput], trace: RequestTrace) ->
 async def _events(
     gen: AsyncIterator[RequestOutput],
     out: RequestOutput,
-    fmt: Formatter,
+    fmt: Formatter | NativeFormatter,
     trace: RequestTrace,
     include_usage: bool,
 ) -> AsyncIterator[str]:
@@ -363,6 +364,52 @@ def build_app(server: Server) -> FastAPI:
             raise ApiError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
+    # ---- SGLang's native routes (its bench_serving's default backend posts to /generate) ----
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        body.check()
+        server.require_engine()
+        if body.text is not None:
+            server.tokenizer("text")
+            ids = server.llm.encode(body.text)
+        else:
+            ids = list(body.input_ids)
+        params = body.params()
+        server.check_room(ids, params.max_tokens, "text" if body.text is not None else "input_ids")
+        rid = body.rid or f"gen-{uuid.uuid4().hex}"
+        fmt = NativeFormatter(rid, server.llm.args.eos_token_id)
+        return await server.respond(request, ids, params, fmt, body.stream, False)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        path = str(server.llm.model_dir) if server.llm is not None else server.config.model
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True}
+
+    @app.post("/abort_request")
+    async def abort_request(body: dict) -> dict:
+        """Abort request `rid` (a /generate rid or a completion's id); unknown ids are a no-op."""
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise ApiError(400, "rid must be a string", "rid")
+        server.require_engine().abort(rid)
+        return {"rid": rid}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        return {"message": "nothing to flush: dsv4 keeps no prefix cache"}
+
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        """Liveness that generates one token (SGLang's deep health check)."""
+        one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        gen = server.require_engine().generate([server.llm.args.bos_token_id], one)
+        try:
+            async for _ in gen:
+                pass
+        except EngineError:
+            return error_response(503, "the engine failed to generate")
+        return JSONResponse({"status": "ok"})
+
     return RequestGate(app, server.config.api_key, server.config.max_body_bytes)
 
 
@@ -388,7 +435,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
     _engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and the native generating routes",
+    )
     p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)

@@ -111,6 +111,54 @@ def test_completion_string_and_token_prompts(server, client):  # noqa: ANN001
     assert text == "<｜begin▁of▁sentence｜>Hello"
 
 
+def test_native_generate_as_sglang(server, client):  # noqa: ANN001
+    # SGLang's POST /generate (what its bench_serving posts by default): text or input_ids,
+    # sampling_params by SGLang's names; {text, output_ids, meta_info}; a stream repeats the body
+    # with the text so far after every step, then [DONE]
+    want = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, **GREEDY)
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    r = httpx.post(server.url + "/generate", json={"text": "Hello", "sampling_params": sp})
+    body = r.json()
+    assert r.status_code == 200 and body["text"] == want.choices[0].text
+    meta = body["meta_info"]
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (want.usage.prompt_tokens, 6)
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and len(body["output_ids"]) == 6
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello"}).json()["tokens"]
+    stream = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": ids, "sampling_params": sp, "stream": True, "rid": "native-1"},
+    )
+    lines = [x[6:] for x in stream.text.splitlines() if x.startswith("data: ")]
+    chunks = [json.loads(x) for x in lines[:-1]]
+    assert lines[-1] == "[DONE]" and len(chunks) == 6
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 6]
+    assert (
+        chunks[-1]["text"] == want.choices[0].text and chunks[-1]["meta_info"]["id"] == "native-1"
+    )
+    assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(5))
+    assert chunks[0]["meta_info"]["finish_reason"] is None
+    # a stop token: finish_reason names it
+    stop = {**sp, "stop_token_ids": [body["output_ids"][2]], "ignore_eos": False}
+    got = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": stop})
+    m = got.json()["meta_info"]
+    assert m["finish_reason"] == {"type": "stop", "matched": body["output_ids"][2]}
+    assert m["completion_tokens"] <= 3
+    for bad, param in [
+        ({"sampling_params": sp}, "text"),
+        ({"text": "a", "input_ids": [1], "sampling_params": sp}, "text"),
+        ({"text": "a", "return_logprob": True}, "return_logprob"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"temperature": "hot"}}, "sampling_params"),
+    ]:
+        r = httpx.post(server.url + "/generate", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    info = httpx.get(server.url + "/get_model_info").json()
+    assert info["is_generation"] and info["model_path"].endswith(MODEL)
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
+    assert httpx.post(server.url + "/abort_request", json={"rid": "none"}).json() == {"rid": "none"}
+    assert httpx.get(server.url + "/health_generate").json() == {"status": "ok"}
+
+
 def test_chat_uses_the_deepseek_v4_prompt(server, client):  # noqa: ANN001
     r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, **GREEDY)
     (choice,) = r.choices
@@ -503,7 +551,9 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
             r = httpx.post(url + C, json={"prompt": "hi"}, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/v1/models", headers=key).json()["data"][0]["id"] == "m"
-        assert httpx.get(url + "/health").status_code == 200  # /v1/* only
+        for path in ("/generate", "/abort_request", "/flush_cache"):  # SGLang's native ones
+            assert httpx.post(url + path, json={}).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200  # not the generating routes
         assert httpx.get(url + "/metrics").status_code == 200
         good = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage
