@@ -99,6 +99,7 @@ class CompletionFormatter(Formatter):
             "text": text,
             "logprobs": self.new_logprobs(out),
             "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,  # vLLM's: the stop token id or string (None: EOS)
         }
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -203,6 +204,7 @@ class ChatFormatter(Formatter):
             "delta": delta,
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, self._called) if out.finished else None,
+            "stop_reason": out.stop_reason,
         }
         if self.return_token_ids:
             choice["token_ids"] = out.delta_token_ids
@@ -223,6 +225,7 @@ class ChatFormatter(Formatter):
             "message": message,
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, bool(parsed["tool_calls"])),
+            "stop_reason": out.stop_reason,
         }
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids

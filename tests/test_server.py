@@ -221,6 +221,7 @@ def test_stop_strings_and_stop_token_ids(client):  # noqa: ANN001
     stop = free.text[3:6]
     out = client.completions.create(max_tokens=12, stop=[stop], **kw).choices[0]
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
+    assert out.model_extra["stop_reason"] == stop  # vLLM's field: what stopped it
     chat = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=12, stop=stop, **GREEDY
     )
@@ -244,6 +245,7 @@ def test_stop_strings_and_stop_token_ids(client):  # noqa: ANN001
         extra_body={**extra, "stop_token_ids": [ids[k]]},
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].token_ids == ids[: k + 1]
+    assert r.choices[0].model_extra["stop_reason"] == ids[k]
     assert r.usage.completion_tokens == k + 1
 
 
