@@ -65,7 +65,15 @@ class SSEResponse(StreamingResponse):
 
 
 # the routes that generate or change state: they need the API key when the server has one
-PROTECTED = ("/v1/", "/generate", "/abort_request", "/flush_cache", "/health_generate")
+PROTECTED = (
+    "/v1/",
+    "/generate",
+    "/abort_request",
+    "/flush_cache",
+    "/health_generate",
+    "/start_profile",
+    "/stop_profile",
+)
 
 
 class RequestGate:

@@ -726,6 +726,7 @@ class ServerConfig:
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
     speculative_config: str | None = None
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
+    profile_dir: str | None = None  # where /start_profile writes traces unless it names one
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -17,6 +18,7 @@ from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
+from dsv4.profiler import ProfilerError, StepProfiler
 from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
 from dsv4.state import Batch, DecodeState
@@ -410,7 +412,9 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: deque[tuple] = deque()  # ("add", rid, ids, params) | ("abort", rid)
+        # ("add", rid, ids, params) | ("abort", rid) | ("profile", action, args, future)
+        self._inbox: deque[tuple] = deque()
+        self.profiler = StepProfiler(engine.par.rank)  # used on the engine thread only
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -433,6 +437,9 @@ class AsyncEngine:
                 self._wake.wait(0.05)  # a set() racing with clear() is harmless: we drain next
                 self._wake.clear()
                 continue
+            trace = self.profiler.step()
+            if trace is not None:
+                log.info("profile of the asked-for steps written to %s", trace)
             for out in outs:
                 # the engine rebinds token_ids / delta lists every step and never touches the
                 # prompt: only logprobs grows in place (no O(prompt) copy per token)
@@ -448,6 +455,9 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             kind, rid, *args = self._inbox.popleft()
+            if kind == "profile":
+                self._profile(rid, *args)
+                continue
             if kind == "abort":
                 self.engine.abort(rid)  # no-op when finished or unknown
                 continue
@@ -455,6 +465,22 @@ class AsyncEngine:
                 self.engine.add_request(*args, rid)
             except Exception as e:  # refused (ValueError): the caller's generate raises it
                 self._deliver(rid, e)
+
+    def profile(self, action: str, *args: object) -> concurrent.futures.Future:
+        """Start ("start", output_dir, num_steps, cuda) or stop ("stop") the torch profiler
+        between engine steps; the future gives the trace's path or the ProfilerError."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(("profile", action, args, done))
+        self._wake.set()
+        return done
+
+    def _profile(self, action: str, args: tuple, done: concurrent.futures.Future) -> None:
+        try:
+            path = self.profiler.start(*args) if action == "start" else self.profiler.stop()
+        except ProfilerError as e:
+            done.set_exception(e)
+        else:
+            done.set_result(path)
 
     def _fail_running(self, error: Exception) -> None:
         failed = EngineError(f"engine step failed: {error!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -17,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +31,7 @@ from dsv4.chat import encode_messages
 from dsv4.config import AUTO_FLAGS, ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
 from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics
+from dsv4.profiler import ProfilerError
 from dsv4.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -410,7 +413,39 @@ def build_app(server: Server) -> FastAPI:
             return error_response(503, "the engine failed to generate")
         return JSONResponse({"status": "ok"})
 
+    # ---- the torch profiler over engine steps (vLLM's and SGLang's benchmarks' --profile) ----
+    @app.post("/start_profile")
+    async def start_profile(body: dict | None = None) -> dict:
+        """Body (all optional): output_dir (default --profile-dir), num_steps (default: until
+        /stop_profile), activities (["CPU", "GPU"], SGLang's; default both on a GPU)."""
+        body = body or {}
+        steps, acts = body.get("num_steps"), body.get("activities") or ["CPU", "GPU"]
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)):
+            raise ApiError(400, f"num_steps must be an integer, got {steps!r}", "num_steps")
+        if not isinstance(acts, list) or not set(acts) <= {"CPU", "GPU", "CUDA"}:
+            raise ApiError(
+                400, f"activities must be a list of CPU, GPU; got {acts!r}", "activities"
+            )
+        engine = server.require_engine()
+        cuda = server.llm.config.device.startswith("cuda") and bool({"GPU", "CUDA"} & set(acts))
+        out = body.get("output_dir") or server.config.profile_dir
+        path = await _profiled(engine.profile("start", out, steps, cuda))
+        return {"message": "profiling started", "trace": str(path)}
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict:
+        path = await _profiled(server.require_engine().profile("stop"))
+        return {"message": "profile written", "trace": str(path)}
+
     return RequestGate(app, server.config.api_key, server.config.max_body_bytes)
+
+
+async def _profiled(done: concurrent.futures.Future) -> Path:
+    """The engine thread's answer to a profiler request; its refusals are 400s."""
+    try:
+        return await asyncio.wrap_future(done)
+    except ProfilerError as e:
+        raise ApiError(400, str(e)) from e
 
 
 def _encode_chat(tokenizer, messages: list[dict], opts: dict) -> list[int]:  # noqa: ANN001
@@ -443,6 +478,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="where POST /start_profile writes torch profiler traces (unless it sends output_dir)",
+    )
     p.add_argument(
         "--no-warmup",
         dest="warmup",

@@ -625,6 +625,56 @@ def test_health_503_while_loading():
     assert metrics.status_code == 200 and "vllm:prompt_tokens_total" in metrics.text
 
 
+def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
+    # POST /start_profile and /stop_profile (vLLM's and SGLang's benchmarks' --profile): a
+    # gzipped Chrome trace of the engine steps in between, or of num_steps steps
+    import gzip
+
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256, profile_dir=str(tmp_path))
+    body = {"prompt": [0, 5, 6], "max_tokens": 4, "ignore_eos": True}
+
+    async def go() -> tuple:
+        async with ac:
+            early = await ac.post("/stop_profile")
+            started = await ac.post("/start_profile", json={})
+            twice = await ac.post("/start_profile", json={})
+            await ac.post(C, json=body)
+            stopped = await ac.post("/stop_profile")
+            other = tmp_path / "steps"
+            counted = await ac.post(
+                "/start_profile", json={"num_steps": 2, "output_dir": str(other)}
+            )
+            await ac.post(C, json=body)  # 4 steps: the trace is written after the second
+            after = await ac.post("/stop_profile")
+            bad = await ac.post("/start_profile", json={"num_steps": "two"})
+            return early, started, twice, stopped, counted, after, bad
+
+    try:
+        early, started, twice, stopped, counted, after, bad = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert early.status_code == 400 and "not running" in early.json()["error"]["message"]
+    assert started.status_code == 200 and twice.status_code == 400
+    trace = Path(stopped.json()["trace"])
+    assert trace == Path(started.json()["trace"]) and trace.name.endswith("-TP-0.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the steps' ops
+    assert counted.status_code == 200 and Path(counted.json()["trace"]).exists()
+    assert after.status_code == 400  # it had stopped by itself after 2 steps
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_steps"
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)  # no --profile-dir
+
+    async def nowhere() -> httpx.Response:
+        async with ac:
+            return await ac.post("/start_profile", json={})
+
+    try:
+        r = asyncio.run(nowhere())
+    finally:
+        server.shutdown()
+    assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"]
+
+
 def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine

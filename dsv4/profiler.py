@@ -1,0 +1,72 @@
+"""The server's torch profiler over engine steps (`POST /start_profile`, `/stop_profile`, as vLLM
+and SGLang serve them for their benchmarks' `--profile`).
+
+It lives on the engine thread: `AsyncEngine` hands it start and stop requests through its inbox
+and calls `step()` after every engine step. A trace is one gzipped Chrome trace per run, named
+`<id>-TP-<rank>.trace.json.gz` like SGLang's, under the directory the request or `dsv4 serve
+--profile-dir` names. Opens in Perfetto or chrome://tracing. Rank 0 only: the other ranks of a
+tensor-parallel server are not profiled.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+class ProfilerError(ValueError):
+    """A start while profiling, a stop while not, or no directory to write to."""
+
+
+class StepProfiler:
+    """torch.profiler over a number of engine steps (or until stopped)."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._prof: torch.profiler.profile | None = None
+        self._path: Path | None = None
+        self._left: int | None = None  # steps until it stops by itself; None: until stop()
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def start(self, output_dir: str | None, num_steps: int | None, cuda: bool) -> Path:
+        """Start recording; returns the trace's path (written at stop)."""
+        if self.active:
+            raise ProfilerError("the profiler is already running; POST /stop_profile first")
+        if not output_dir:
+            raise ProfilerError(
+                "no directory for the trace: send output_dir, or start the server with "
+                "--profile-dir DIR"
+            )
+        if num_steps is not None and num_steps < 1:
+            raise ProfilerError(f"num_steps must be >= 1, got {num_steps}")
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self._path = Path(output_dir) / f"{int(time.time() * 1e3)}-TP-{self.rank}.trace.json.gz"
+        self._prof = torch.profiler.profile(activities=acts)
+        self._prof.start()
+        self._left = num_steps
+        return self._path
+
+    def step(self) -> Path | None:
+        """After an engine step: the trace's path if this step ended a num_steps run."""
+        if self._left is None:
+            return None
+        self._left -= 1
+        return self.stop() if self._left == 0 else None
+
+    def stop(self) -> Path:
+        """Stop recording and write the trace; returns its path."""
+        if not self.active:
+            raise ProfilerError("the profiler is not running; POST /start_profile first")
+        prof, path = self._prof, self._path
+        self._prof, self._path, self._left = None, None, None
+        prof.stop()
+        prof.export_chrome_trace(str(path))  # gzipped: the name ends in .gz
+        return path
