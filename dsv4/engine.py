@@ -454,10 +454,11 @@ class AsyncEngine:
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            kind, rid, *args = self._inbox.popleft()
-            if kind == "profile":
-                self._profile(rid, *args)
+            item = self._inbox.popleft()
+            if item[0] == "profile":
+                self._profile(*item[1:])
                 continue
+            kind, rid, *args = item
             if kind == "abort":
                 self.engine.abort(rid)  # no-op when finished or unknown
                 continue
