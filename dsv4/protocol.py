@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_CHOICES = 128  # choices a request may ask for: prompts x n
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -100,8 +101,8 @@ class GenerationRequest(BaseModel):
 
     def check_common(self) -> None:
         """Refusals that pydantic's field types cannot express."""
-        if self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported; only n=1", "n")
+        if self.n > MAX_CHOICES:
+            raise ApiError(400, f"n={self.n} exceeds {MAX_CHOICES}", "n")
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -154,13 +155,16 @@ class CompletionRequest(GenerationRequest):
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise ApiError(400, f"best_of={self.best_of} is not supported; only 1", "best_of")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) != 1:
-                raise ApiError(400, "one prompt per request is supported", "prompt")
+        if not self.prompt:
+            raise ApiError(400, "prompt is empty", "prompt")
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            msg = f"{len(self.prompts())} prompts x n={self.n} exceed {MAX_CHOICES} choices"
+            raise ApiError(400, msg, "prompt")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token list, or a list of them (choices prompt by prompt)."""
         p = self.prompt
-        return p[0] if isinstance(p, list) and p and isinstance(p[0], str | list) else p
+        return p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -14,6 +14,13 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
+def usage_of(outs: list[RequestOutput], n: int) -> dict:
+    """Usage of several choices, n per prompt (in order): each prompt counted once, as vLLM."""
+    n_in = sum(len(o.prompt_token_ids) for o in outs[::n])
+    n_out = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
 class Formatter:
     """What completion and chat responses share: ids, token texts, usage options."""
 
@@ -27,8 +34,10 @@ class Formatter:
         *,
         continuous_usage: bool = False,
         return_token_ids: bool = False,
+        index: int = 0,
     ) -> None:
         self.id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.index = index  # of this formatter's choice (n > 1 or several prompts: one each)
         self.created = int(time.time())
         self.continuous_usage = continuous_usage
         self.return_token_ids = return_token_ids
@@ -95,7 +104,7 @@ class CompletionFormatter(Formatter):
 
     def _choice(self, out: RequestOutput, text: str, token_ids: list[int]) -> dict:
         choice = {
-            "index": 0,
+            "index": self.index,
             "text": text,
             "logprobs": self.new_logprobs(out),
             "finish_reason": out.finish_reason,
@@ -109,8 +118,11 @@ class CompletionFormatter(Formatter):
         """One SSE chunk for one engine step of this request."""
         return self.envelope([self._choice(out, out.delta_text, out.delta_token_ids)], out, True)
 
+    def final_choice(self, out: RequestOutput) -> dict:
+        return self._choice(out, out.text, out.token_ids)
+
     def response(self, out: RequestOutput) -> dict:
-        return self.envelope([self._choice(out, out.text, out.token_ids)], out, False)
+        return self.envelope([self.final_choice(out)], out, False)
 
 
 class _ReasoningOnly:
@@ -200,7 +212,7 @@ class ChatFormatter(Formatter):
             delta.setdefault("content", "")
             self._first = False
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, self._called) if out.finished else None,
@@ -211,6 +223,9 @@ class ChatFormatter(Formatter):
         return self.envelope([choice], out, True)
 
     def response(self, out: RequestOutput) -> dict:
+        return self.envelope([self.final_choice(out)], out, False)
+
+    def final_choice(self, out: RequestOutput) -> dict:
         parser = _parser(self.thinking, self.tools)
         parsed = merge_deltas(parser.feed(out.text) + parser.finish())
         message = {
@@ -221,7 +236,7 @@ class ChatFormatter(Formatter):
         if parsed["tool_calls"]:
             message["tool_calls"] = parsed["tool_calls"]
         choice = {
-            "index": 0,
+            "index": self.index,
             "message": message,
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, bool(parsed["tool_calls"])),
@@ -229,7 +244,7 @@ class ChatFormatter(Formatter):
         }
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
-        return self.envelope([choice], out, False)
+        return choice
 
 
 class NativeFormatter:

@@ -41,7 +41,13 @@ from dsv4.protocol import (
     TokenizeRequest,
     error_body,
 )
-from dsv4.responses import ChatFormatter, CompletionFormatter, Formatter, NativeFormatter
+from dsv4.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    NativeFormatter,
+    usage_of,
+)
 from dsv4.sampling import SamplingParams
 
 log = logging.getLogger("dsv4")
@@ -138,25 +144,38 @@ class Server:
     async def respond(
         self,
         request: Request,
-        ids: list[int],
-        params: SamplingParams,
-        fmt: Formatter | NativeFormatter,
+        jobs: list[tuple[list[int], SamplingParams]],
+        fmts: list[Formatter | NativeFormatter],
+        n: int,
         stream: bool,
         include_usage: bool,
     ) -> Response:
-        """Run one request: JSON when it finishes, or SSE from its first token on."""
+        """Run a request's choices (`jobs`: prompt ids and params, n per prompt; `fmts`: one
+        formatter each): JSON when all finish, or SSE from the first token on, the choices'
+        chunks interleaved as their steps come."""
         engine = self.require_engine()
         cap = self.config.max_queue
         if cap is not None and engine.stats().num_waiting >= cap:
             raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
-        gen = engine.generate(ids, params, fmt.id)
-        trace = self.metrics.track()
+        one = len(jobs) == 1  # the engine's request id is the response id, else one per choice
+        gens = [
+            engine.generate(ids, params, fmt.id if one else f"{fmt.id}-{i}")
+            for i, ((ids, params), fmt) in enumerate(zip(jobs, fmts))
+        ]
+        traces = [self.metrics.track() for _ in gens]
+        outs = _merge(gens, traces)
+        streaming = False  # the SSE body owns `outs` from its first token on
         try:
             if not stream:
-                final = await until_disconnect(request, _run_to_end(gen, trace))
-                return JSONResponse(fmt.response(final))
-            first = await until_disconnect(request, anext(gen))
-            trace.observe(first)
+                finals = await until_disconnect(request, _run_to_end(outs, len(gens)))
+                if one:
+                    return JSONResponse(fmts[0].response(finals[0]))
+                body = fmts[0].envelope(
+                    [f.final_choice(o) for f, o in zip(fmts, finals)], None, False
+                )
+                return JSONResponse(body | {"usage": usage_of(finals, n)})
+            first = await until_disconnect(request, anext(outs))
+            streaming = True
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         except ValueError as e:  # the engine refused the request (add_request)
@@ -164,44 +183,110 @@ class Server:
         except EngineError as e:
             raise ApiError(500, "the engine failed while running this request") from e
         finally:
-            if not stream or trace.last is None:
-                await gen.aclose()
-                trace.close()
+            if not streaming:
+                await outs.aclose()
         return SSEResponse(
-            _events(gen, first, fmt, trace, include_usage),
+            _events(outs, first, fmts, n, include_usage),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
 
-async def _run_to_end(gen: AsyncIterator[RequestOutput], trace: RequestTrace) -> RequestOutput:
-    out = None
-    async for out in gen:
-        trace.observe(out)
-    return out
+async def _merge(
+    gens: list[AsyncIterator[RequestOutput]], traces: list[RequestTrace]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice, output) of every step of every choice, as they come; each choice's trace sees
+    its outputs. Closing it closes every choice's generator (their requests abort)."""
+    if len(gens) == 1:  # no task per choice for the common case
+        try:
+            async for out in gens[0]:
+                traces[0].observe(out)
+                yield 0, out
+        finally:
+            await gens[0].aclose()
+            traces[0].close()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in gens[i]:
+                await q.put((i, out))
+            await q.put((i, None))
+        except Exception as e:  # noqa: BLE001  (refused, or the engine failed: the caller raises)
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(gens))]
+    live = len(gens)
+    try:
+        while live:
+            i, item = await q.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            traces[i].observe(item)
+            yield i, item
+    finally:
+        # first what needs no await: a response cut off (client gone) is cancelled, and every
+        # await here raises at once. A pump's cancellation closes its generator (its abort)
+        for t in traces:
+            t.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_to_end(
+    outs: AsyncIterator[tuple[int, RequestOutput]], n: int
+) -> list[RequestOutput]:
+    last: list = [None] * n
+    async for i, out in outs:
+        last[i] = out
+    return last
 
 
 async def _events(
-    gen: AsyncIterator[RequestOutput],
-    out: RequestOutput,
-    fmt: Formatter | NativeFormatter,
-    trace: RequestTrace,
+    outs: AsyncIterator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
+    fmts: list[Formatter],
+    n: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """SSE body: one chunk per engine step (one token), [usage chunk], [DONE]."""
+    """SSE body: one chunk per engine step of a choice (one token, more with speculative
+    decoding), [usage chunk], [DONE]."""
+    last: list = [None] * len(fmts)
     try:
-        yield sse(fmt.chunk(out))
-        while not out.finished:
-            out = await anext(gen)
-            trace.observe(out)
-            yield sse(fmt.chunk(out))
+        i, out = first
+        while True:
+            last[i] = out
+            yield sse(fmts[i].chunk(out))
+            if all(o is not None and o.finished for o in last):
+                break
+            i, out = await anext(outs)
         if include_usage:
-            yield sse(fmt.usage_chunk(out))
+            yield sse({**fmts[0].envelope([], None, chunk=True), "usage": usage_of(last, n)})
     except EngineError:
         yield sse(error_body(500, "the engine failed while running this request"))
     finally:
-        await gen.aclose()
-        trace.close()
+        await outs.aclose()
     yield sse("[DONE]")
+
+
+def _choices(
+    prompts: list[list[int]], params: SamplingParams, n: int
+) -> list[tuple[list[int], SamplingParams]]:
+    """n choices per prompt, in order (choice index = prompt index * n + j). A seeded request's
+    choice j draws with seed + j, so its choices differ and each is reproducible."""
+
+    def seeded(j: int) -> SamplingParams:
+        return (
+            params
+            if params.seed is None or j == 0
+            else dataclasses.replace(params, seed=params.seed + j)
+        )
+
+    return [(ids, seeded(j)) for ids in prompts for j in range(n)]
 
 
 def _first_loc(errors: list[dict]) -> tuple[str | None, str]:
@@ -297,22 +382,28 @@ def build_app(server: Server) -> FastAPI:
         body.check()
         server.check_model(body.model)
         server.require_engine()
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            server.tokenizer("prompt")
-            ids = server.llm.encode(prompt)
-        else:
-            ids = list(prompt)
-        server.check_room(ids, body.max_tokens, "prompt")
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                server.tokenizer("prompt")
+                prompt = server.llm.encode(prompt)
+            server.check_room(list(prompt), body.max_tokens, "prompt")
+            prompts.append(list(prompt))
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        fmt = CompletionFormatter(
-            f"cmpl-{uuid.uuid4().hex}",
-            server.config.model_name,
-            server.llm.tokenizer,
-            continuous_usage=body.continuous_usage,
-            return_token_ids=body.return_token_ids,
-        )
-        return await server.respond(request, ids, params, fmt, body.stream, body.include_usage)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmts = [
+            CompletionFormatter(
+                rid,
+                server.config.model_name,
+                server.llm.tokenizer,
+                continuous_usage=body.continuous_usage,
+                return_token_ids=body.return_token_ids,
+                index=i,
+            )
+            for i in range(len(prompts) * body.n)
+        ]
+        jobs = _choices(prompts, params, body.n)
+        return await server.respond(request, jobs, fmts, body.n, body.stream, body.include_usage)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -326,16 +417,22 @@ def build_app(server: Server) -> FastAPI:
         params = body.sampling_params(
             max_tokens, (body.top_logprobs or 0) if body.logprobs else None
         )
-        fmt = ChatFormatter(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            server.config.model_name,
-            tokenizer,
-            thinking=opts["thinking"],
-            tools=opts["tools"],
-            continuous_usage=body.continuous_usage,
-            return_token_ids=body.return_token_ids,
-        )
-        return await server.respond(request, ids, params, fmt, body.stream, body.include_usage)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmts = [
+            ChatFormatter(
+                rid,
+                server.config.model_name,
+                tokenizer,
+                thinking=opts["thinking"],
+                tools=opts["tools"],
+                continuous_usage=body.continuous_usage,
+                return_token_ids=body.return_token_ids,
+                index=i,
+            )
+            for i in range(body.n)
+        ]
+        jobs = _choices([ids], params, body.n)
+        return await server.respond(request, jobs, fmts, body.n, body.stream, body.include_usage)
 
     app.include_router(v1)
 
@@ -381,7 +478,7 @@ def build_app(server: Server) -> FastAPI:
         server.check_room(ids, params.max_tokens, "text" if body.text is not None else "input_ids")
         rid = body.rid or f"gen-{uuid.uuid4().hex}"
         fmt = NativeFormatter(rid, server.llm.args.eos_token_id)
-        return await server.respond(request, ids, params, fmt, body.stream, False)
+        return await server.respond(request, [(ids, params)], [fmt], 1, body.stream, False)
 
     @app.get("/get_model_info")
     async def model_info() -> dict:

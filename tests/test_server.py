@@ -111,6 +111,46 @@ def test_completion_string_and_token_prompts(server, client):  # noqa: ANN001
     assert text == "<｜begin▁of▁sentence｜>Hello"
 
 
+def test_n_choices_and_prompt_lists(server, client):  # noqa: ANN001
+    # n choices per prompt and lists of prompts, as vLLM: choice index = prompt * n + j, usage
+    # counting each prompt once; a seeded request's choice j draws with seed + j
+    prompts = ["Hello", "The weather today"]
+    single = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY) for p in prompts
+    ]
+    r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [single[i // 2].choices[0].text for i in range(4)]
+    assert r.usage.prompt_tokens == sum(x.usage.prompt_tokens for x in single)
+    assert r.usage.completion_tokens == 20
+    kw = {"model": MODEL, "prompt": "Once", "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    a = client.completions.create(n=3, **kw)
+    assert a.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert len({c.text for c in a.choices}) > 1  # the choices differ
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == [
+        c.text for c in a.choices
+    ]
+    # streamed: the choices' chunks interleave; each index adds up to its text; usage at the end
+    events = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    )  # fmt: skip
+    texts, finished, usage = ["", "", "", ""], set(), None
+    for e in events:
+        if e.usage is not None:
+            usage = e.usage
+            continue
+        (c,) = e.choices
+        texts[c.index] += c.text
+        if c.finish_reason:
+            finished.add(c.index)
+    assert texts == [c.text for c in r.choices] and finished == {0, 1, 2, 3}
+    assert usage.completion_tokens == 20 and usage.prompt_tokens == r.usage.prompt_tokens
+    chat = client.chat.completions.create(model=MODEL, messages=HI, n=2, max_tokens=4, **GREEDY)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_native_generate_as_sglang(server, client):  # noqa: ANN001
     # SGLang's POST /generate (what its bench_serving posts by default): text or input_ids,
     # sampling_params by SGLang's names; {text, output_ids, meta_info}; a stream repeats the body
@@ -321,7 +361,8 @@ BAD = [
     ("temperature-negative", "POST", C, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("top-p-too-big", "POST", C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("top-k-invalid", "POST", C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
-    ("n-above-1", "POST", C, {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n-too-many", "POST", C, {"prompt": "hi", "n": 129}, 400, "n"),
+    ("choices-too-many", "POST", C, {"prompt": ["a", "b", "c"], "n": 50}, 400, "prompt"),
     ("logprobs-too-many", "POST", C, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("stop-wrong-type", "POST", C, {"prompt": "hi", "stop": 7}, 400, "stop"),
     ("seed-float", "POST", C, {"prompt": "hi", "seed": 1.5}, 400, "seed"),
@@ -426,7 +467,7 @@ def test_still_serving_after_bad_input(server, client):  # noqa: ANN001
     r = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY)
     assert r.usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError) as e:  # the SDK sees the envelope too
-        client.completions.create(model=MODEL, prompt="ok", max_tokens=2, n=3)
+        client.completions.create(model=MODEL, prompt="ok", max_tokens=2, n=129)
     assert e.value.body["param"] == "n"
     wait_idle(server.url)
 
@@ -434,7 +475,8 @@ def test_still_serving_after_bad_input(server, client):  # noqa: ANN001
 # ---- disconnects, concurrency, metrics ----------------------------------------------------------
 
 
-def test_disconnect_mid_stream_frees_state(server):  # noqa: ANN001
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_mid_stream_frees_state(server, n):  # noqa: ANN001
     before = scrape(server.url)
     idle_usage = gauge(wait_idle(server.url), "vllm:kv_cache_usage_perc")
     body = {
@@ -442,6 +484,7 @@ def test_disconnect_mid_stream_frees_state(server):  # noqa: ANN001
         "max_tokens": 1900,
         "ignore_eos": True,
         "stream": True,
+        "n": n,  # (n > 1: every choice's request is aborted)
     }
     with httpx.stream("POST", server.url + C, json=body, timeout=30) as r:
         lines = r.iter_lines()  # held: dropping the iterator would close the connection here
@@ -449,7 +492,7 @@ def test_disconnect_mid_stream_frees_state(server):  # noqa: ANN001
         while len(events) < 3:
             events += sse_events([next(lines)])
         m = scrape(server.url)
-        assert gauge(m, "vllm:num_requests_running") == 1
+        assert gauge(m, "vllm:num_requests_running") == n
         assert gauge(m, "vllm:kv_cache_usage_perc") > idle_usage
     # the connection is gone: the request is aborted and its slot and pages are free again
     after = wait_idle(server.url)
@@ -457,20 +500,22 @@ def test_disconnect_mid_stream_frees_state(server):  # noqa: ANN001
     aborts = [
         gauge(x, "vllm:request_success_total", finished_reason="abort") for x in (before, after)
     ]
-    assert aborts[1] == aborts[0] + 1
+    assert aborts[1] == aborts[0] + n
     assert gauge(after, "vllm:generation_tokens_total") < gauge(before, "vllm:generation_tokens_total") + 1900  # fmt: skip
 
 
-def test_disconnect_before_the_response_frees_state(server):  # noqa: ANN001
+@pytest.mark.parametrize("n", [1, 2])
+def test_disconnect_before_the_response_frees_state(server, n):  # noqa: ANN001
     before = scrape(server.url)
-    body = {"prompt": "Tell me a long story", "max_tokens": 1900, "ignore_eos": True}
+    body = {"prompt": "Tell me a long story", "max_tokens": 1900, "ignore_eos": True, "n": n}
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up while it runs
         httpx.post(server.url + C, json=body, timeout=httpx.Timeout(30, read=1.0))
     after = wait_idle(server.url)
+    assert gauge(after, "vllm:kv_cache_usage_perc") == 0
     aborts = [
         gauge(x, "vllm:request_success_total", finished_reason="abort") for x in (before, after)
     ]
-    assert aborts[1] == aborts[0] + 1
+    assert aborts[1] == aborts[0] + n
 
 
 def test_64_concurrent_streams(server):  # noqa: ANN001
