@@ -38,6 +38,9 @@ class RequestOutput:
     # what stopped it (finish_reason "stop"): a stop token id or stop string; None for EOS
     stop_reason: int | str | None = None
     logprobs: list[dict] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), set once
+    # the prompt is in
+    prompt_logprobs: list[dict | None] | None = None
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
 
@@ -221,6 +224,8 @@ class Engine:
             [w.start + j for w, j in ahead],
         )
         h, logits = self._run(work)
+        if any(w.request.params.prompt_logprobs is not None for w in work):
+            self._prompt_logprobs(work, h)
         sampled = [w for w in work if w.samples]
         tokens, logprobs = self._sample(sampled, logits)
         self.state.restore_rows(saved, [j > w.accepted + 1 for w, j in ahead])
@@ -264,7 +269,38 @@ class Engine:
             if w.samples:
                 rows += range(off + w.n - 1, off + w.n + len(w.draft))
             off += w.n + len(w.draft)
-        return h, self.model.logits(h[torch.tensor(rows, device=dev)])
+        return h, self.model.logits(h[torch.tensor(rows, dtype=torch.long, device=dev)])
+
+    def _prompt_logprobs(self, work: list[Work], h: torch.Tensor) -> None:
+        """SamplingParams.prompt_logprobs: each prompt token's logprob given the ones before
+        it, from the logits of the token before (this step's rows of the prompt; a prefill step
+        is eager, so `h` is here), and the top n; collected on the request."""
+        rows, nxt, whose = [], [], []
+        off = 0
+        for w in work:
+            r, n_prompt = w.request, len(w.request.prompt_ids)
+            if r.params.prompt_logprobs is not None and w.start < n_prompt - 1:
+                if w.start == 0:  # (again after a preemption)
+                    r.extra["prompt_logprobs"] = [None]
+                for i in range(w.n):
+                    if w.start + i + 1 < n_prompt:
+                        rows.append(off + i)
+                        nxt.append(r.prompt_ids[w.start + i + 1])
+                        whose.append(r)
+            off += w.n + len(w.draft)
+        if not rows:
+            return
+        dev = h.device
+        lp = self.model.logits(h[torch.tensor(rows, dtype=torch.long, device=dev)]).log_softmax(-1)
+        chosen = lp.gather(-1, torch.tensor(nxt, device=dev)[:, None]).squeeze(-1).tolist()
+        k = max(r.params.prompt_logprobs for r in whose)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+        for j, (r, tok) in enumerate(zip(whose, nxt)):
+            entry = {"token_id": tok, "logprob": chosen[j]}
+            n = r.params.prompt_logprobs
+            if n:
+                entry["top"] = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
+            r.extra["prompt_logprobs"].append(entry)
 
     def _sample(
         self, work: list[Work], logits: torch.Tensor
@@ -325,6 +361,8 @@ class Engine:
             out.token_ids = list(req.output_ids)
             out.delta_text = res.delta
             out.text += res.delta
+            if req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = req.extra.get("prompt_logprobs", [None])
             if out.logprobs is not None:
                 out.logprobs += lps[: len(toks)]
             if res.finish_reason is None and len(req.output_ids) >= req.max_tokens:
@@ -356,7 +394,10 @@ class Engine:
             [w.request.slot for w in work], [w.start for w in work], lens, self.state
         )
         x = self.model.mtp_forward(
-            h[torch.tensor(rows, device=dev)], torch.tensor(nxt, device=dev), batch, self.state
+            h[torch.tensor(rows, dtype=torch.long, device=dev)],
+            torch.tensor(nxt, device=dev),
+            batch,
+            self.state,
         )
         for w in work:
             w.request.draft = []

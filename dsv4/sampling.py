@@ -40,6 +40,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalized to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs; 0 = only the chosen token's
+    # each prompt token's logprob (and the top n) given the tokens before it; the first: None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -97,10 +99,9 @@ class SamplingParams:
             all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
             f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}",
         )
-        _check(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            f"logprobs must be >= 0, got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and v >= 0), f"{name} must be >= 0, got {v!r}")
 
     @property
     def greedy(self) -> bool:

@@ -52,6 +52,15 @@ def test_batch_of_8_equals_transformers_greedy(ckpt, prompts, expected):  # noqa
     _assert_idle(llm)
 
 
+def test_steps_that_sample_nothing(ckpt, prompts, expected):  # noqa: ANN001
+    # one sequence at a time in chunks of 3: its first steps are prefill chunks alone, with no
+    # logits to take
+    llm = LLM(ckpt, progress=False, max_seqs=1, chunk_size=3, block_size=16)
+    assert len(prompts[-1]) > 3
+    assert llm.generate(prompts[-1], GREEDY)[0].token_ids == expected[-1]
+    _assert_idle(llm)
+
+
 def test_preemption_gives_the_same_outputs(ckpt, prompts):  # noqa: ANN001
     from dsv4.state import bytes_per_seq, bytes_per_token
 
@@ -154,3 +163,27 @@ def test_chat_cli(ckpt, monkeypatch, capsys):  # noqa: ANN001
     monkeypatch.setattr("builtins.input", lambda _: next(lines))
     assert main(["chat", "--model", str(ckpt), "--max-tokens", "3"]) == 0
     assert "assistant>" in capsys.readouterr().out
+
+
+def test_prompt_logprobs_equal_teacher_forcing(tmp_path):  # noqa: ANN001
+    # SamplingParams.prompt_logprobs: each prompt token's logprob given the ones before it, over
+    # chunked prefill and a batch, equals the teacher-forced logits of LLM.score
+    from dsv4 import LLM, SamplingParams
+    from dsv4.tiny import make_tiny, tiny_args
+
+    llm = LLM(make_tiny(tmp_path / "m", tiny_args(vocab_size=300)), device="cpu",
+              progress=False, chunk_size=5)  # fmt: skip
+    prompts = [list(range(3, 20)), [7, 8], [9]]
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    outs = llm.generate(prompts, sp)
+    for p, o in zip(prompts, outs):
+        assert len(o.prompt_logprobs) == len(p) and o.prompt_logprobs[0] is None
+        if len(p) == 1:
+            continue
+        want = llm.score(p).log_softmax(-1)
+        for i, e in enumerate(o.prompt_logprobs[1:]):
+            assert e["token_id"] == p[i + 1]
+            assert e["logprob"] == pytest.approx(float(want[i, p[i + 1]]), abs=1e-4)
+            top = want[i].topk(3)
+            assert [t for t, _ in e["top"]] == top.indices.tolist()
+    assert llm.generate(prompts[0], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
