@@ -149,8 +149,6 @@ class CompletionRequest(GenerationRequest):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
         if self.best_of not in (None, 1):

@@ -81,9 +81,10 @@ class CompletionFormatter(Formatter):
 
     object_name = "text_completion"
 
-    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, echo: str | None = None, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self._offset = 0  # chars of completion text before the next logprob entry
+        self.echo = echo  # echo=true: the prompt's text, put before the first text sent
 
     def _logprobs(self, entries: list[dict]) -> dict:
         tokens, offsets = [], []
@@ -103,16 +104,31 @@ class CompletionFormatter(Formatter):
         }
 
     def _choice(self, out: RequestOutput, text: str, token_ids: list[int]) -> dict:
+        logprobs = self.new_logprobs(out)
+        if self.echo is not None:  # the first text sent: the prompt's comes before it
+            text, self.echo = self.echo + text, None
+            if logprobs is not None:
+                logprobs = self._with_prompt(out, logprobs)
         choice = {
             "index": self.index,
             "text": text,
-            "logprobs": self.new_logprobs(out),
+            "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,  # vLLM's: the stop token id or string (None: EOS)
         }
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
+
+    def _with_prompt(self, out: RequestOutput, logprobs: dict) -> dict:
+        """echo with logprobs: the prompt tokens' entries (the first has no logprob) first."""
+        self._offset = 0
+        first = {"token_id": out.prompt_token_ids[0], "logprob": None}
+        prompt = self._logprobs([first, *(out.prompt_logprobs or [None])[1:]])
+        shift = self._offset  # the completion's offsets come after the prompt's text
+        logprobs["text_offset"] = [o + shift for o in logprobs["text_offset"]]
+        self._offset += sum(len(t) for t in logprobs["tokens"])
+        return {k: prompt[k] + logprobs[k] for k in prompt}
 
     def chunk(self, out: RequestOutput) -> dict:
         """One SSE chunk for one engine step of this request."""

@@ -382,14 +382,20 @@ def build_app(server: Server) -> FastAPI:
         body.check()
         server.check_model(body.model)
         server.require_engine()
-        prompts = []
+        prompts, texts = [], []
         for prompt in body.prompts():
             if isinstance(prompt, str):
                 server.tokenizer("prompt")
+                texts.append(prompt)
                 prompt = server.llm.encode(prompt)
+            else:  # echo: the token prompt's text
+                tok = server.llm.tokenizer
+                texts.append(tok.decode(prompt, skip_special_tokens=False) if tok else "")
             server.check_room(list(prompt), body.max_tokens, "prompt")
             prompts.append(list(prompt))
         params = body.sampling_params(body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:  # the prompt tokens' logprobs too
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmts = [
             CompletionFormatter(
@@ -399,6 +405,7 @@ def build_app(server: Server) -> FastAPI:
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,
                 index=i,
+                echo=texts[i // body.n] if body.echo else None,
             )
             for i in range(len(prompts) * body.n)
         ]

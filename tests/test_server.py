@@ -325,6 +325,30 @@ def test_logprobs(client):  # noqa: ANN001
     assert plain.choices[0].logprobs is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_prompt_logprobs(server, client, stream):  # noqa: ANN001
+    # echo=true (what lm-eval's loglikelihood sends, with logprobs and max_tokens=1): the prompt
+    # text first, and its tokens' logprobs (the first has none) before the completion's
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "The weather today"}).json()
+    ids = ids["tokens"]
+    plain = client.completions.create(
+        model=MODEL, prompt="The weather today", max_tokens=1, logprobs=2, **GREEDY
+    ).choices[0]
+    kw = dict(model=MODEL, prompt="The weather today", max_tokens=1, logprobs=2, echo=True)
+    if stream:
+        (c,) = [e.choices[0] for e in client.completions.create(stream=True, **kw, **GREEDY)]
+    else:
+        c = client.completions.create(**kw, **GREEDY).choices[0]
+    assert c.text == "The weather today" + plain.text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(lp.top_logprobs[1:])
+    assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-5)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.tokens[-1] == plain.logprobs.tokens[0]
+
+
 def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
     thinking = {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}
     kw = {"model": MODEL, "messages": HI, "max_tokens": 6, "temperature": 0}
@@ -383,7 +407,6 @@ BAD = [
         400,
         "stream_options",
     ),  # fmt: skip
-    ("echo-unsupported", "POST", C, {"prompt": "hi", "echo": True}, 400, "echo"),
     ("empty-token-prompt", "POST", C, {"prompt": []}, 400, "prompt"),
     ("token-out-of-vocab", "POST", C, {"prompt": [0, 999999]}, 400, "prompt"),
     ("prompt-over-context", "POST", C, {"prompt": [5] * MAX_LEN}, 400, "prompt"),
