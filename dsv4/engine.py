@@ -401,37 +401,50 @@ class Engine:
         )
         for w in work:
             w.request.draft = []
-        # (the requests that sampled this step: one token after their state)
-        drafting = [
-            (w, i) for i, w in enumerate(work) if w.request.num_computed == w.request.num_tokens - 1
-        ]
+        # the requests that sampled this step (one token after their state), as many drafts as
+        # fit before max_tokens with the token after them
+        k, dev = self.num_speculative_tokens, h.device
+        last = list(itertools.accumulate(lens))
+        drafting, want = [], []
+        for i, w in enumerate(work):
+            r = w.request
+            n = min(k, r.max_tokens - len(r.output_ids) - 1)
+            if r.num_computed == r.num_tokens - 1 and n > 0:
+                drafting.append(i)
+                want.append(n)
         if not drafting:
             return
-        last = list(itertools.accumulate(lens))
-        x = x[torch.tensor([last[i] - 1 for _, i in drafting], device=dev)]
-        reqs = [w.request for w, _ in drafting]
-        drafts = []
+        x = x[torch.tensor([last[i] - 1 for i in drafting], dtype=torch.long, device=dev)]
+        reqs = [work[i].request for i in drafting]
+        drafts: list[list[int]] = [[] for _ in reqs]
         # the drafts after the first run the MTP layer at positions the next step runs again
         # from its kept state: their ring rows are put back afterwards
-        k = self.num_speculative_tokens
         mtp = range(self.args.n_layers, self.args.n_layers + 1)
-        ahead = [(r, d) for r in reqs for d in range(k - 1)]
+        ahead = [(r, d) for r, n in zip(reqs, want) for d in range(n - 1)]
         saved = self.state.save_rows(
             mtp, [r.slot for r, _ in ahead], [r.num_computed + d for r, d in ahead]
         )
-        for depth in range(self.num_speculative_tokens):
+        live, depth = list(range(len(reqs))), 0
+        while True:
             d = self.par.broadcast(self.model.mtp_logits(x).argmax(-1))  # rank 0's, as tokens
-            drafts.append(d.tolist())
-            if depth + 1 == self.num_speculative_tokens:
+            for i, t in zip(live, d.tolist()):
+                drafts[i].append(t)
+            more = [j for j, i in enumerate(live) if want[i] > depth + 1]
+            if not more:
                 break
-            # one position on: the MTP layer's own streams in place of the main model's
-            pos = [r.num_computed + depth for r in reqs]
-            batch = Batch.build([r.slot for r in reqs], pos, [1] * len(reqs), self.state)
-            x = self.model.mtp_forward(x, d, batch, self.state)
+            # one position on: the MTP layer's own streams in place of the main model's. Only
+            # its window ring is written, so the position's page need not be allocated yet
+            live = [live[j] for j in more]
+            pick = torch.tensor(more, dtype=torch.long, device=dev)
+            pos = [reqs[i].num_computed + depth for i in live]
+            batch = Batch.build(
+                [reqs[i].slot for i in live], pos, [1] * len(live), self.state, need_pages=False
+            )
+            x = self.model.mtp_forward(x[pick], d[pick], batch, self.state)
+            depth += 1
         self.state.restore_rows(saved, [True] * len(ahead))
-        for i, r in enumerate(reqs):
-            room = r.max_tokens - len(r.output_ids) - 1  # the token after the drafts fits too
-            r.draft = [d[i] for d in drafts][: max(room, 0)]
+        for r, ds in zip(reqs, drafts):
+            r.draft = ds
 
 
 def _logprob_entry(sample: SampleOutput, k: int, tok: int, n: int) -> dict:

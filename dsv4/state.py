@@ -274,7 +274,11 @@ class Batch:
         start_pos: list[int],
         lens: list[int],
         state: DecodeState,
+        need_pages: bool = True,
     ) -> Batch:
+        """The step's tokens: lens[i] of slots[i] from start_pos[i]. need_pages=False: a batch
+        for the MTP layer alone (window ring only), whose positions may lie past the pages
+        allocated so far."""
         max_seqs, device = state.max_seqs, state.block_table.device
         if not (len(slots) == len(start_pos) == len(lens)) or not slots:
             raise ValueError(
@@ -291,7 +295,7 @@ class Batch:
         block_table = state.block_table[slots_t]
         # one check per step (not per layer): every position's page must be allocated
         last_t = torch.tensor(last_page, dtype=torch.long, device=device)
-        if bool((block_table.gather(1, last_t[:, None]) < 0).any()):
+        if need_pages and bool((block_table.gather(1, last_t[:, None]) < 0).any()):
             raise RuntimeError(f"slots {slots}: a position of this step has no page allocated")
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         start_t = torch.tensor(start_pos, dtype=torch.long, device=device)

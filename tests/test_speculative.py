@@ -290,3 +290,36 @@ def test_gpu_speculative_equals_plain(model_dir: Path, ops: str) -> None:
     assert fast.config.cuda_graphs and fast.config.dtype == "bfloat16"
     assert all(len(o.token_ids) == 12 for o in fast.generate(PROMPTS, GREEDY))
     assert fast.engine.graphs.graphs and not fast.engine.graphs.failed
+
+
+def test_preemption_under_speculative_decoding(model_dir: Path) -> None:
+    # a pool too small for every sequence: the newest are preempted (drafts dropped, state
+    # recomputed, the MTP layer's included) and the tokens still equal plain decoding's
+    from dsv4.state import bytes_per_seq, bytes_per_token
+
+    args = LLM(model_dir, **KW).args
+    per_page = int(bytes_per_token(args, torch.float32) * 16)
+    kw = dict(KW, max_seqs=3, block_size=16, chunk_size=64)
+    kw["max_memory"] = 3 * bytes_per_seq(args, torch.float32) + 4 * per_page
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(model_dir, **kw)
+    want = {tuple(o.prompt_token_ids): o.token_ids for o in plain.generate(PROMPTS, long)}
+    llm = LLM(model_dir, speculative_config=spec(2), **kw)
+    _oracle(llm, want, wrong_at=1)  # some drafts accepted: steps of several tokens
+    outs = llm.generate(PROMPTS, long)
+    assert {tuple(o.prompt_token_ids): o.token_ids for o in outs} == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.stats().num_accepted_tokens
+
+
+def test_drafts_stop_at_the_context_limit(model_dir: Path, plain: LLM) -> None:
+    # generation up to max_seq_len: drafts (and the MTP passes that make them) never reach past
+    # the last position a request may hold; small pages: the drafts cross page boundaries
+    kw = dict(KW, max_seq_len=48, block_size=16)
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 60))]
+    want = [o.token_ids for o in LLM(model_dir, **kw).generate(prompts, sp)]
+    assert [len(t) for t in want] == [48 - 37, 48 - 10]
+    for k in (1, 5):
+        llm = LLM(model_dir, speculative_config=spec(k), **kw)
+        _oracle(llm, {tuple(p): t for p, t in zip(prompts, want)})
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want
