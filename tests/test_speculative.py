@@ -59,12 +59,13 @@ def _oracle(llm: LLM, want: dict[tuple, list[int]], wrong_at: int | None = None)
     return made
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_greedy_equals_plain_decoding(model_dir: Path, plain: LLM, k: int) -> None:
+@pytest.mark.parametrize(("k", "budget"), [(1, 2048), (2, 2048), (3, 5)])
+def test_greedy_equals_plain_decoding(model_dir: Path, plain: LLM, k: int, budget: int) -> None:
     # random MTP weights: nearly every draft is rejected, so each step rewrites the rejected
-    # position's window, compressor and entry rows; the tokens must not change
+    # position's window, compressor and entry rows; the tokens must not change. (A step budget
+    # of 5 tokens: drafts cut to what fits)
     want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    llm = LLM(model_dir, speculative_config=spec(k), **KW)
+    llm = LLM(model_dir, speculative_config=spec(k), max_step_tokens=budget, **KW)
     assert llm.engine.num_speculative_tokens == k
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     st = llm.engine.stats()
