@@ -292,11 +292,13 @@ class Engine:
             return
         dev = h.device
         lp = self.model.logits(h[torch.tensor(rows, dtype=torch.long, device=dev)]).log_softmax(-1)
-        chosen = lp.gather(-1, torch.tensor(nxt, device=dev)[:, None]).squeeze(-1).tolist()
+        chosen = lp.gather(-1, torch.tensor(nxt, dtype=torch.long, device=dev)[:, None])
+        rank = ((lp > chosen).sum(-1) + 1).tolist()  # 1 = the most likely token (vLLM's rank)
+        chosen = chosen.squeeze(-1).tolist()
         k = max(r.params.prompt_logprobs for r in whose)
         top_lp, top_ids = lp.topk(k, dim=-1) if k else (None, None)
         for j, (r, tok) in enumerate(zip(whose, nxt)):
-            entry = {"token_id": tok, "logprob": chosen[j]}
+            entry = {"token_id": tok, "logprob": chosen[j], "rank": rank[j]}
             n = r.params.prompt_logprobs
             if n:
                 entry["top"] = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))

@@ -143,6 +143,8 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's completions default
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extension: each prompt token's logprob, rank and the top n, on each choice
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)
@@ -155,6 +157,14 @@ class CompletionRequest(GenerationRequest):
             raise ApiError(400, f"best_of={self.best_of} is not supported; only 1", "best_of")
         if not self.prompt:
             raise ApiError(400, "prompt is empty", "prompt")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ApiError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
+        echoed = self.logprobs if self.echo else None
+        if None not in (echoed, self.prompt_logprobs) and echoed != self.prompt_logprobs:
+            msg = (
+                "prompt_logprobs and logprobs with echo ask for the prompt's top n: make them equal"
+            )
+            raise ApiError(400, msg, "prompt_logprobs")
         if len(self.prompts()) * self.n > MAX_CHOICES:
             msg = f"{len(self.prompts())} prompts x n={self.n} exceed {MAX_CHOICES} choices"
             raise ApiError(400, msg, "prompt")

@@ -81,10 +81,17 @@ class CompletionFormatter(Formatter):
 
     object_name = "text_completion"
 
-    def __init__(self, *args, echo: str | None = None, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(
+        self,
+        *args,  # noqa: ANN002
+        echo: str | None = None,
+        prompt_logprobs: bool = False,
+        **kwargs,  # noqa: ANN003
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._offset = 0  # chars of completion text before the next logprob entry
         self.echo = echo  # echo=true: the prompt's text, put before the first text sent
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field on the (non-streamed) choice
 
     def _logprobs(self, entries: list[dict]) -> dict:
         tokens, offsets = [], []
@@ -135,7 +142,26 @@ class CompletionFormatter(Formatter):
         return self.envelope([self._choice(out, out.delta_text, out.delta_token_ids)], out, True)
 
     def final_choice(self, out: RequestOutput) -> dict:
-        return self._choice(out, out.text, out.token_ids)
+        choice = self._choice(out, out.text, out.token_ids)
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        return choice
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's form: per prompt token {token id: {logprob, rank, decoded_token}} for the
+        token itself and the top n; None for the first."""
+        rows: list[dict | None] = [None]
+        for e in (out.prompt_logprobs or [None])[1:]:
+            row = {e["token_id"]: (e["logprob"], e["rank"])}
+            for r, (t, lp) in enumerate(e.get("top", []), 1):
+                row.setdefault(t, (lp, r))
+            rows.append(
+                {
+                    str(t): {"logprob": lp, "rank": r, "decoded_token": self.token_text(t)}
+                    for t, (lp, r) in row.items()
+                }
+            )
+        return rows
 
     def response(self, out: RequestOutput) -> dict:
         return self.envelope([self.final_choice(out)], out, False)

@@ -394,8 +394,11 @@ def build_app(server: Server) -> FastAPI:
             server.check_room(list(prompt), body.max_tokens, "prompt")
             prompts.append(list(prompt))
         params = body.sampling_params(body.max_tokens, body.logprobs)
+        n_prompt = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # the prompt tokens' logprobs too
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+            n_prompt = body.logprobs
+        if n_prompt is not None:
+            params = dataclasses.replace(params, prompt_logprobs=n_prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmts = [
             CompletionFormatter(
@@ -406,6 +409,7 @@ def build_app(server: Server) -> FastAPI:
                 return_token_ids=body.return_token_ids,
                 index=i,
                 echo=texts[i // body.n] if body.echo else None,
+                prompt_logprobs=body.prompt_logprobs is not None,
             )
             for i in range(len(prompts) * body.n)
         ]

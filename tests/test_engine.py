@@ -184,6 +184,7 @@ def test_prompt_logprobs_equal_teacher_forcing(tmp_path):  # noqa: ANN001
         for i, e in enumerate(o.prompt_logprobs[1:]):
             assert e["token_id"] == p[i + 1]
             assert e["logprob"] == pytest.approx(float(want[i, p[i + 1]]), abs=1e-4)
+            assert e["rank"] == int((want[i] > want[i, p[i + 1]]).sum()) + 1
             top = want[i].topk(3)
             assert [t for t, _ in e["top"]] == top.indices.tolist()
     assert llm.generate(prompts[0], SamplingParams(max_tokens=1))[0].prompt_logprobs is None

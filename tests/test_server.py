@@ -347,6 +347,23 @@ def test_echo_with_prompt_logprobs(server, client, stream):  # noqa: ANN001
     assert lp.token_logprobs[-1] == pytest.approx(plain.logprobs.token_logprobs[0], abs=1e-5)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert lp.tokens[-1] == plain.logprobs.tokens[0]
+    if stream:
+        return
+    # vLLM's prompt_logprobs field: the same logprobs, with ranks, keyed by token id
+    ex = {"ignore_eos": True, "prompt_logprobs": 2}
+    v = client.completions.create(
+        model=MODEL, prompt="The weather today", max_tokens=1, temperature=0, extra_body=ex
+    ).choices[0]
+    pl = v.model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for i in range(1, len(ids)):
+        mine = pl[i][str(ids[i])]
+        assert mine["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-5)
+        assert mine["rank"] >= 1 and sorted(x["rank"] for x in pl[i].values())[:2] == [1, 2]
+    bad = {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}
+    assert httpx.post(server.url + C, json=bad).json()["error"]["param"] == "prompt_logprobs"
+    bad = {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "echo": True, "logprobs": 2}
+    assert httpx.post(server.url + C, json=bad).json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
