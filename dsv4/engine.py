@@ -253,11 +253,9 @@ class Engine:
                 return out
         dev = self.state.block_table.device
         batch = Batch.build(
-            [w.request.slot for w in work],
-            [w.start for w in work],
-            [w.n + len(w.draft) for w in work],
+            [w.request.slot for w in work], [w.start for w in work], [w.length for w in work],
             self.state,
-        )
+        )  # fmt: skip
         flat = torch.tensor(
             [t for w in work for t in w.request.all_ids[w.start : w.start + w.n] + w.draft],
             dtype=torch.long,
@@ -267,8 +265,8 @@ class Engine:
         rows, off = [], 0
         for w in work:
             if w.samples:
-                rows += range(off + w.n - 1, off + w.n + len(w.draft))
-            off += w.n + len(w.draft)
+                rows += range(off + w.n - 1, off + w.length)
+            off += w.length
         return h, self.model.logits(h[torch.tensor(rows, dtype=torch.long, device=dev)])
 
     def _prompt_logprobs(self, work: list[Work], h: torch.Tensor) -> None:
@@ -287,7 +285,7 @@ class Engine:
                         rows.append(off + i)
                         nxt.append(r.prompt_ids[w.start + i + 1])
                         whose.append(r)
-            off += w.n + len(w.draft)
+            off += w.length
         if not rows:
             return
         dev = h.device
@@ -335,11 +333,11 @@ class Engine:
             active, j = [i for k, i in enumerate(active) if accepted[k]], j + 1
         # every rank computed the same logits; rank 0's draws decide, so the ranks never diverge
         if self.par.world_size > 1 and work:
-            dev = logits.device
             most = 1 + max(len(w.draft) for w in work)
-            t = torch.full((len(work), most), -1, dtype=torch.long, device=dev)
-            for i, toks in enumerate(tokens):
-                t[i, : len(toks)] = torch.tensor(toks)
+            rows = [
+                toks + [-1] * (most - len(toks)) for toks in tokens
+            ]  # one upload, not one a row
+            t = torch.tensor(rows, dtype=torch.long, device=logits.device)
             tokens = [[x for x in row if x >= 0] for row in self.par.broadcast(t).tolist()]
         for w, toks in zip(work, tokens):
             w.accepted = len(toks) - 1
@@ -386,7 +384,7 @@ class Engine:
         if not work:
             return
         dev = h.device
-        first = list(itertools.accumulate([w.n + len(w.draft) for w in work], initial=0))
+        first = list(itertools.accumulate([w.length for w in work], initial=0))
         lens = [w.n + w.accepted for w in work]
         rows = [r for w, f, n in zip(work, first, lens) for r in range(f, f + n)]
         nxt = [
@@ -405,7 +403,7 @@ class Engine:
             w.request.draft = []
         # the requests that sampled this step (one token after their state), as many drafts as
         # fit before max_tokens with the token after them
-        k, dev = self.num_speculative_tokens, h.device
+        k = self.num_speculative_tokens
         last = list(itertools.accumulate(lens))
         drafting, want = [], []
         for i, w in enumerate(work):

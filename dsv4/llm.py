@@ -278,9 +278,9 @@ class LLM:
         batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
         # (speculative decoding: long enough for a step that verifies all k drafts)
         n = 3 + self.engine.num_speculative_tokens
-        three = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        decode = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for b in batches:  # prefill of b, then decode steps of b sequences
-            self.generate([[tok] * 4] * b, three)
+            self.generate([[tok] * 4] * b, decode)
         took = time.perf_counter() - t0
         log.info(
             "warm-up: prefills of %d lengths (1..%d), decodes of %s sequences, %.1f s",

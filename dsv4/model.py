@@ -684,8 +684,7 @@ class Transformer(nn.Module):
         Position convention (UNCONFIRMED upstream; vLLM's): the MTP block runs at the positions of
         `h`, and the next token's embedding is masked at position 0.
         """
-        batch.prepare(self.args)
-        mtp = self.mtp[depth]
+        mtp = self.mtp[depth]  # (a sliding layer: it builds the window lists it reads itself)
         inv = self.freqs_main
         e = self.embed(next_ids)
         x = mtp(

@@ -8,14 +8,9 @@ from dsv4.engine import RequestOutput
 from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
 
 
-def usage(out: RequestOutput) -> dict:
-    # completion_tokens counts a stop token too: it was generated (as vLLM counts it)
-    n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-
-def usage_of(outs: list[RequestOutput], n: int) -> dict:
-    """Usage of several choices, n per prompt (in order): each prompt counted once, as vLLM."""
+def usage_of(outs: list[RequestOutput], n: int = 1) -> dict:
+    """Usage of one or several choices, n per prompt (in order): each prompt counted once, as
+    vLLM; completion_tokens counts a stop token too (it was generated, as vLLM counts it)."""
     n_in = sum(len(o.prompt_token_ids) for o in outs[::n])
     n_out = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
@@ -68,12 +63,18 @@ class Formatter:
             "choices": choices,
         }
         if out is not None and (not chunk or self.continuous_usage):
-            body["usage"] = usage(out)
+            body["usage"] = usage_of([out])
         return body
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
+    def usage_chunk(self, usage: dict) -> dict:
         """The final chunk of stream_options.include_usage: no choices, only usage."""
-        return {**self.envelope([], None, chunk=True), "usage": usage(out)}
+        return {**self.envelope([], None, chunk=True), "usage": usage}
+
+    def response(self, out: RequestOutput) -> dict:
+        return self.envelope([self.final_choice(out)], out, False)
+
+    def final_choice(self, out: RequestOutput) -> dict:
+        raise NotImplementedError
 
 
 class CompletionFormatter(Formatter):
@@ -162,9 +163,6 @@ class CompletionFormatter(Formatter):
                 }
             )
         return rows
-
-    def response(self, out: RequestOutput) -> dict:
-        return self.envelope([self.final_choice(out)], out, False)
 
 
 class _ReasoningOnly:
@@ -263,9 +261,6 @@ class ChatFormatter(Formatter):
         if self.return_token_ids:
             choice["token_ids"] = out.delta_token_ids
         return self.envelope([choice], out, True)
-
-    def response(self, out: RequestOutput) -> dict:
-        return self.envelope([self.final_choice(out)], out, False)
 
     def final_choice(self, out: RequestOutput) -> dict:
         parser = _parser(self.thinking, self.tools)

@@ -55,6 +55,10 @@ class Work:
     accepted: int = 0
 
     @property
+    def length(self) -> int:  # tokens this step runs for it: the known ones and the drafts
+        return self.n + len(self.draft)
+
+    @property
     def samples(self) -> bool:  # the chunk reaches the last known token: its logits give the next
         return self.start + self.n == self.request.num_tokens
 

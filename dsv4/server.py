@@ -196,15 +196,6 @@ async def _merge(
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice, output) of every step of every choice, as they come; each choice's trace sees
     its outputs. Closing it closes every choice's generator (their requests abort)."""
-    if len(gens) == 1:  # no task per choice for the common case
-        try:
-            async for out in gens[0]:
-                traces[0].observe(out)
-                yield 0, out
-        finally:
-            await gens[0].aclose()
-            traces[0].close()
-        return
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
@@ -265,7 +256,7 @@ async def _events(
                 break
             i, out = await anext(outs)
         if include_usage:
-            yield sse({**fmts[0].envelope([], None, chunk=True), "usage": usage_of(last, n)})
+            yield sse(fmts[0].usage_chunk(usage_of(last, n)))
     except EngineError:
         yield sse(error_body(500, "the engine failed while running this request"))
     finally:
@@ -382,13 +373,13 @@ def build_app(server: Server) -> FastAPI:
         body.check()
         server.check_model(body.model)
         server.require_engine()
-        prompts, texts = [], []
+        prompts, texts = [], []  # texts: what echo puts first
         for prompt in body.prompts():
             if isinstance(prompt, str):
                 server.tokenizer("prompt")
                 texts.append(prompt)
                 prompt = server.llm.encode(prompt)
-            else:  # echo: the token prompt's text
+            elif body.echo:  # a token prompt's text
                 tok = server.llm.tokenizer
                 texts.append(tok.decode(prompt, skip_special_tokens=False) if tok else "")
             server.check_room(list(prompt), body.max_tokens, "prompt")

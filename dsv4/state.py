@@ -334,10 +334,9 @@ class Batch:
         B, device = slots.shape[0], slots.device
         if graph_len <= 0 or graph_len > state.max_seq_len:
             raise ValueError(f"graph_len={graph_len} must be in [1, {state.max_seq_len}]")
-        a = state.args
-        rings = [a.window_size] + [m * (1 + (k == CSA)) for k, m in ((CSA, a.csa_ratio), (HCA, a.hca_ratio)) if k in a.layer_types]  # fmt: skip
-        if not 1 <= q <= min(rings):
-            raise ValueError(f"q={q} tokens per sequence must be in [1, {min(rings)}] (the rings)")
+        ring = min(size for _, size in state.rings(range(len(state.layers))))
+        if not 1 <= q <= ring:
+            raise ValueError(f"q={q} tokens per sequence must be in [1, {ring}] (the rings)")
         ar = torch.arange(B + 1, device=device)
         token_seq = ar[:B].repeat_interleave(q)
         return cls(
