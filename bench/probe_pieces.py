@@ -13,6 +13,8 @@ cleared), against the fixed cost of any launch measured the same way:
   - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles; moe_sm90: the
     Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64; moe_gemv: the GEMV
     form's tiles and register caps at batch 1;
+  - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
+    prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
     read, or warm) beside the batch-1 projections and experts and the issue's target cases.
 Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
@@ -1440,6 +1442,47 @@ def probe_linear_sm90() -> None:
     linear_sm90.CONFIG = default
 
 
+def probe_rows() -> None:
+    # verify steps of speculative decoding and small prefill chunks: 64-1024 rows. The FP8
+    # projections (the reference: dequantize + cuBLAS; the Triton tensor-core form; the Gluon
+    # sm_90 kernel in 64-row tiles) and the routed experts (tl.dot_scaled against the sm_90
+    # experts), GB/s on the weight bytes
+    from dsv4.bench.cases_linear import FLASH, _fp8_weight
+    from dsv4.ops import linear, linear_sm90, moe
+
+    limits = linear.MAX_ROWS, linear_sm90.MAX_ROWS
+    linear.MAX_ROWS = linear_sm90.MAX_ROWS = 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K, G in FLASH:
+        w, s = _fp8_weight(N, K, "cuda", g)
+        copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
+        for T in (64, 128, 192, 256, 512, 1024):
+            x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
+            want = ref.grouped_linear(x, w, "fp8", s).float()
+            forms = (
+                ("reference", lambda x=x: ref.grouped_linear(x, w, "fp8", s)),  # noqa: B023
+                ("dot", lambda x=x: linear._grouped(x, w, s, gemv=False, sm90=False)),  # noqa: B023
+                ("sm90", lambda x=x: linear._grouped(x, w, s, sm90=True)),
+            )  # noqa: B023
+            for form, fn in forms:
+                err = float((fn().float() - want).norm() / want.norm())
+                us(f"linear {name} T={T} {form}", fn, nbytes=N * K,
+                   note=f" of weight bytes, rel diff vs reference {err:.1e}")  # fmt: skip
+    linear.MAX_ROWS, linear_sm90.MAX_ROWS = limits
+    experts = _moe_experts()
+    for T in (64, 96, 128, 192, 256, 384, 512, 1024):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        for name, kw in (
+            ("dot_scaled", dict(dot_scaled=True, gemv=False)),
+            ("sm90", dict(sm90=True)),
+        ):
+            got = moe.moe_experts(x, weights, idx, experts, **kw)
+            err = float((got - want).norm() / want.norm())
+            us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
+               nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+
+
 @contextlib.contextmanager
 def _pdl(on: bool):  # noqa: ANN202
     # programmatic dependent launch on / off in the ops that use it (bench-only switch)
@@ -1852,7 +1895,7 @@ def main() -> None:
     ns = p.parse_args()
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
-             "combine": probe_combine, "linear": probe_linear, "pdl": probe_pdl,
+             "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):

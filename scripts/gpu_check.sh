@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -29,7 +29,7 @@ PARTS=${*:-tests ops step}
 step_run() {
   python3 -P -c "import sys; $1; import dsv4; print('dsv4:', dsv4.__file__); from dsv4.cli import main; sys.exit(main(sys.argv[1:]))" \
     bench step --preset flash --ops triton --layers sliding,csa,hca --batch "$2" \
-    --context "$3" --prefill 0 --repeat 3 --graph --json "$OUT/step_$4.json" 2>&1 \
+    --context "$3" --prefill 0 --repeat 3 --graph ${STEP_ARGS:-} --json "$OUT/step_$4.json" 2>&1 \
     | tee "$OUT/step_$4.txt"
 }
 # one step per value of a module constant: step_ab MODULE CONSTANT "VALUES" BATCHES CONTEXT TAG
@@ -74,6 +74,13 @@ for part in $PARTS; do
         python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
           --batch ${SPEC_BATCH:-1,16,64} --context 4096 --prefill 0 --repeat 3 --graph \
           --draft-tokens "$k" --json "$OUT/spec_step$k.json" 2>&1 | tee "$OUT/spec_step$k.txt"
+      done ;;
+    rows_ab)  # verify steps (K drafts) with the row limits of the FP8 and expert kernels as
+      # before (64 rows, 512 pairs: the reference and tl.dot_scaled above) and as now
+      for k in ${DRAFTS:-1 2}; do
+        STEP_ARGS="--draft-tokens $k" step_run "import dsv4.ops.linear as l, dsv4.ops.linear_sm90 as s, dsv4.ops.moe_sm90 as m; l.MAX_ROWS = s.MAX_ROWS = 64; m.MAX_PAIRS = 512" \
+          ${ROWS_BATCH:-32,64} 4096 rows_before_k$k
+        STEP_ARGS="--draft-tokens $k" step_run "pass" ${ROWS_BATCH:-32,64} 4096 rows_now_k$k
       done ;;
     sort_ab)  # decode step at 4K and 128K: the model's unsorted top-k against SORT_ALWAYS
       step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 4096 sort4k_

@@ -35,7 +35,14 @@ from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, split_r
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode, exp2i
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
-MAX_ROWS = 64  # rows (tokens) up to which the kernel runs; more take the reference
+# rows (tokens) up to which the Triton fp8 kernels run, in 64-row tiles; more take the sm90
+# kernel (to its MAX_ROWS) or the reference (the weight dequantized once, cuBLAS). H200
+# (bench/probe_pieces.py rows): the Triton form beat the reference on Flash's six projections up
+# to 512 rows (wq_b 237 vs 322 us), not at 1024 (463 vs 368); the reference's dequantization alone
+# takes ~290 us on a 32 MB weight. Verify steps of speculative decoding at batch 64 are 128-320
+# rows: up to the twenty-seventh session (64 rows) the reference took them
+MAX_ROWS = 512
+DENSE_MAX_ROWS = 64  # the same for bf16 weights (cuBLAS above)
 GEMV_MAX_ROWS = 1  # rows up to which the GEMV form runs (one fp32 fma per code)
 DENSE_MAX_BYTES = 16 << 20  # bf16 weights up to this size take the kernel on a GPU
 # the GEMV form's (output rows per program, scale blocks of K a step): from GEMV_TILES[0][0]
@@ -286,29 +293,36 @@ def _grouped(
 
 
 def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
-    # the Gluon kernel of `linear_sm90` by default: a weight of MIN_WEIGHT_BYTES or more, where it
-    # can run (an sm_90 GPU, bf16 x, the widths)
+    # the Gluon kernel of `linear_sm90` by default, where it can run (an sm_90 GPU, bf16 x, the
+    # widths): a weight of MIN_WEIGHT_BYTES or more, or rows past one 64-row tile (verify steps,
+    # prefill chunks: H200, bench/probe_pieces.py rows, at 128-1024 rows it is as fast as the
+    # Triton form on wkv and faster on the rest; wq_a at 1024 rows 28.5 against 53.9 us)
     if x.device.type != "cuda":  # the CPU path does not import Gluon
         return False
     from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only
 
-    return weight.numel() >= linear_sm90.MIN_WEIGHT_BYTES and linear_sm90.supported(
-        x, weight, groups
-    )
+    wide = x.shape[0] > linear_sm90.BLOCK_M_MAX
+    big = weight.numel() >= linear_sm90.MIN_WEIGHT_BYTES
+    return (wide or big) and linear_sm90.supported(x, weight, groups)
 
 
-def _kernel_serves(x: torch.Tensor, weight: torch.Tensor, fmt: str, rows: int) -> bool:
-    # fp8: bf16 activations; fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32
+def _kernel_serves(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> bool:
+    # x [rows, G, K]. fp8: bf16 activations, up to MAX_ROWS rows (past them, where the sm90
+    # kernel takes them); fp32 only in the interpreter (on sm_90 its FMA dot tiles spill: fp32
     # runs are for checking, the reference serves them). "dense": bf16 weights of at most
     # DENSE_MAX_BYTES (the compressors' wkv / wgate, the indexer's weights_proj; not the head) on a
     # GPU, chained like every kernel, where cuBLAS took a split-K GEMM and its reduce
-    if not 0 < rows <= MAX_ROWS:
+    rows = x.shape[0]
+    if rows == 0:
         return False
     if fmt == "dense":
         small = weight.numel() * weight.element_size() <= DENSE_MAX_BYTES
-        return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and small
+        bf16 = x.dtype == weight.dtype == torch.bfloat16
+        return x.is_cuda and bf16 and small and rows <= DENSE_MAX_ROWS
     dtypes = (torch.bfloat16,) if x.is_cuda else (torch.bfloat16, torch.float32)
-    return fmt == "fp8" and x.dtype in dtypes
+    if fmt != "fp8" or x.dtype not in dtypes:
+        return False
+    return rows <= MAX_ROWS or _sm90(x, weight, x.shape[1])
 
 
 def linear(
@@ -321,7 +335,7 @@ def linear(
     # x: [..., in] ; weight: [out, in] in `fmt` ; y: [..., out] in x.dtype
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
-    if not _kernel_serves(x, weight, fmt, rows):
+    if not _kernel_serves(x.reshape(rows, 1, K), weight, fmt):
         return ref.linear(x, weight, fmt, scale, scale2)
     y = _grouped(x.reshape(rows, 1, K), weight, scale)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -335,6 +349,6 @@ def grouped_linear(
     scale2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
-    if not _kernel_serves(x, weight, fmt, x.shape[0]):
+    if not _kernel_serves(x, weight, fmt):
         return ref.grouped_linear(x, weight, fmt, scale, scale2)
     return _grouped(x, weight, scale)

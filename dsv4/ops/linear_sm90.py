@@ -60,7 +60,12 @@ CONFIG = {"BLOCK_N": 64, "NUM_BUF": 4, "NUM_BUF_WIDE": 2, "maxnreg": 128}
 # w1 / w3). On the smaller ones (wq_a 4 MB, wkv 2 MB, w1 8 MB) the Triton forms were as fast or
 # faster: 1 launch of a few us where the copy is 1-2 us
 MIN_WEIGHT_BYTES = 1 << 24
-MAX_ROWS = 64  # rows of x it takes (wgmma N <= 64 here)
+BLOCK_M_MAX = 64  # rows of x a program takes (wgmma N <= 64 here)
+# rows of x it takes, in BLOCK_M_MAX-row tiles (each tile reads the weight again, mostly from
+# L2): verify steps of speculative decoding and prefill chunks. H200 (bench/probe_pieces.py rows),
+# at 1024 rows against the reference (dequantize + cuBLAS): wq_b 204 vs 368, wo_a 179 vs 357,
+# wo_b 171 vs 353, wq_a 28.5 vs 59.3 us (not measured past 1024)
+MAX_ROWS = 1024
 # the largest e8m0 scale s for which the factor 2^(s - 7) is a bf16 (below it, down to s = 0, one
 # rounding multiply gives the reference's bf16 weight, its rounded subnormals included); a step's
 # scale above is clamped to it and the rest applied by a second multiply
@@ -283,7 +288,7 @@ def fp8_grouped(
     M, G, K = x.shape
     R = weight.shape[0] // G
     bn = CONFIG["BLOCK_N"]
-    block_m = min(MAX_ROWS, max(8, triton.next_power_of_2(M)))
+    block_m = min(BLOCK_M_MAX, max(8, triton.next_power_of_2(M)))
     tiles_m = triton.cdiv(M, block_m)
     programs = R // bn * tiles_m * G
     sms = num_sms(x.device)

@@ -69,9 +69,12 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
           "maxnreg": (128, 128)}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
-# 61.7 us) to the largest measured decode batch (above: tl.dot_scaled, prefill)
+# 61.7 us) to 512 tokens (above: tl.dot_scaled). H200 (bench/probe_pieces.py rows), Flash's
+# routed experts against tl.dot_scaled at T = 128 / 256 / 512 / 1024: 1188 / 1439 / 2398 / 4127
+# against 2259 / 2390 / 3288 / 3390 us. Up to the twenty-seventh session the limit was 512 pairs
+# and a verify step at batch 64 (128+ tokens) took tl.dot_scaled
 MIN_PAIRS = 7
-MAX_PAIRS = 512
+MAX_PAIRS = 3072
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
 SCALE_MIN, SCALE_MAX = 58, 191

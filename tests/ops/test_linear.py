@@ -36,6 +36,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         ((3,), 200, 384),  # rows and K not multiples of the tiles (masks, partial scale block)
         ((2, 5), 128, 300),  # leading dims kept; K % 128 != 0
         ((17,), 48, 128),  # two row tiles
+        ((70,), 32, 128),  # rows past 64: two 64-row tiles (a verify step of speculative decoding)
     ],
 )
 def test_fp8_linear_matches_reference(lead, N, K, dtype) -> None:  # noqa: ANN001
@@ -135,11 +136,18 @@ def test_a_wrong_scale_or_dtype_is_named() -> None:
 
 def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None:  # noqa: ANN001
     calls = []
-    monkeypatch.setattr(linear, "_grouped", lambda *a: calls.append(a))
+    monkeypatch.setattr(
+        linear, "_grouped", lambda x, *a: calls.append(a) or x[:, 0, :1].expand(-1, 64)
+    )
     wq, s = _fp8(64, 128)
     linear.linear(torch.randn(linear.MAX_ROWS + 1, 128), wq, "fp8", s)
     linear.linear(torch.randn(2, 128), torch.randn(64, 128), "dense")  # the CPU: dense stays
     assert calls == []
+    linear.linear(torch.randn(linear.MAX_ROWS, 128), wq, "fp8", s)  # up to MAX_ROWS: the kernel
+    assert len(calls) == 1
+    w = torch.randn(64, 128).bfloat16()  # bf16 weights: up to DENSE_MAX_ROWS only (cuBLAS above)
+    x = torch.randn(linear.DENSE_MAX_ROWS + 1, 128).bfloat16()
+    assert not linear._kernel_serves(x[:, None], w, "dense")
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
@@ -173,7 +181,7 @@ def test_split_k_fixup_on_gpu_repeated() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 130, 320])
 @pytest.mark.parametrize(
     "N,K,G", [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)]
 )
@@ -201,9 +209,9 @@ def test_dense_bf16_on_gpu(T, N, K) -> None:  # noqa: ANN001
     g = torch.Generator(device="cuda").manual_seed(T)
     w = (torch.randn(N, K, device="cuda", generator=g) / K**0.5).bfloat16()
     x = torch.randn(T, K, device="cuda", generator=g).bfloat16()
-    assert linear._kernel_serves(x, w, "dense", T)
+    assert linear._kernel_serves(x[:, None], w, "dense")
     y = linear.linear(x, w, "dense")
     assert _rel(y, x.float() @ w.float().T) < 5e-3
     assert _rel(y, ref.linear(x, w, "dense")) < 1e-2
     head = torch.empty(linear.DENSE_MAX_BYTES // 2 + K, K // K, device="cuda").bfloat16()
-    assert not linear._kernel_serves(x[:, :1], head, "dense", T)  # the LM head stays on cuBLAS
+    assert not linear._kernel_serves(x[:, None, :1], head, "dense")  # the LM head stays on cuBLAS

@@ -126,7 +126,7 @@ def test_gpu_every_weight_read_back() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [2, 3, 8, 9, 16, 33, 64])
+@pytest.mark.parametrize("T", [2, 3, 8, 9, 16, 33, 64, 130, 256])
 @pytest.mark.parametrize(
     "N,K,G", [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)]
 )
@@ -156,9 +156,9 @@ def test_gpu_flash_shapes(T: int, N: int, K: int, G: int) -> None:
 
 @pytest.mark.gpu
 def test_gpu_dispatch_and_repeats() -> None:
-    # weights from MIN_WEIGHT_BYTES take the kernel by default at 1..64 rows, smaller ones the
-    # Triton forms; split launches back to back (a 4096-row weight: 64 row tiles, K split)
-    # reset their counts
+    # weights from MIN_WEIGHT_BYTES take the kernel by default at 1..MAX_ROWS rows, smaller ones the
+    # Triton forms up to 64 rows and the kernel past them; split launches back to back (a
+    # 4096-row weight: 64 row tiles, K split) reset their counts
     _needs_sm90()
     seen = []
     kernel = linear_sm90._fp8_linear_kernel
@@ -180,6 +180,19 @@ def test_gpu_dispatch_and_repeats() -> None:
         assert len(seen) == 2
         linear.linear(x, small, "fp8", s_small)
         assert len(seen) == 2
+        wide = torch.randn(130, 4096, device="cuda").to(torch.bfloat16)  # a verify step's rows
+        got = linear.linear(wide, wq, "fp8", s)
+        assert _rel(got, ref.linear(wide.float(), wq, "fp8", s)) < 5e-3
+        assert len(seen) == 3 and seen[2][1] == 3  # three 64-row tiles
+        # past one tile the small weights too; past the Triton form's rows still the kernel
+        got = linear.linear(wide, small, "fp8", s_small)
+        assert _rel(got, ref.linear(wide.float(), small, "fp8", s_small)) < 5e-3
+        more = torch.randn(linear.MAX_ROWS + 1, 4096, device="cuda").bfloat16()
+        linear.linear(more, wq, "fp8", s)
+        assert len(seen) == 5
+        most = torch.randn(linear_sm90.MAX_ROWS + 1, 4096, device="cuda").bfloat16()
+        linear.linear(most, wq, "fp8", s)
+        assert len(seen) == 5  # past its MAX_ROWS: the reference
         outs = [linear.linear(x, wq, "fp8", s) for _ in range(100)]
     finally:
         linear_sm90._fp8_linear_kernel = kernel

@@ -168,3 +168,28 @@ def test_gpu_dispatch_and_out_of_range_scales() -> None:
     y = moe.moe_experts(x, weights, idx, experts)
     want = ref.moe_experts(x, weights, idx, experts)
     assert _rel(y, want) < 1e-2, _rel(y, want)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: ANN001
+    # a verify step of speculative decoding at batch 64 (2-4 tokens a sequence, k=6: 768-1536
+    # pairs) takes the sm90 kernels by default, and they match the reference; past MAX_PAIRS
+    # the Triton kernels
+    D, I, E, k = 512, 256, 16, 6  # noqa: E741
+    experts = _experts(D, I, E, seed=5, device="cuda")
+    calls = []
+    kernel = moe_sm90.experts
+    monkeypatch.setattr(moe_sm90, "experts", lambda *a: calls.append(a) or kernel(*a))
+    for T in (128, moe_sm90.MAX_PAIRS // k):
+        weights, idx = _routing(T, k, E, False, seed=T)
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
+        y = moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
+        want = ref.moe_experts(x, weights.cuda(), idx.cuda(), experts)
+        assert _rel(y, want) < 1e-2, (T, _rel(y, want))
+    assert len(calls) == 2
+    T = moe_sm90.MAX_PAIRS // k + 1
+    weights, idx = _routing(T, k, E, False, seed=T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
+    moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
+    assert len(calls) == 2
