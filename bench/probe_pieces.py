@@ -1443,12 +1443,16 @@ def probe_linear_sm90() -> None:
 
 
 def probe_rows() -> None:
-    # verify steps of speculative decoding and small prefill chunks: 64-1024 rows. The FP8
-    # projections (the reference: dequantize + cuBLAS; the Triton tensor-core form; the Gluon
-    # sm_90 kernel in 64-row tiles) and the routed experts (tl.dot_scaled against the sm_90
-    # experts), GB/s on the weight bytes
+    # verify steps of speculative decoding and prefill chunks: 64-4096 rows. The FP8 projections
+    # (the reference: its dequantization + cuBLAS; `linear.dequant` + cuBLAS; the Triton
+    # tensor-core form; the Gluon sm_90 kernel in 64-row tiles) and the routed experts
+    # (tl.dot_scaled against the sm_90 experts), GB/s on the weight bytes
     from dsv4.bench.cases_linear import FLASH, _fp8_weight
     from dsv4.ops import linear, linear_sm90, moe
+
+    def dequantized(x, w, s):  # noqa: ANN001, ANN202
+        G, K = x.shape[1], x.shape[2]
+        return torch.einsum("tgk,grk->tgr", x, linear.dequant(w, s, x.dtype).view(G, -1, K))
 
     limits = linear.MAX_ROWS, linear_sm90.MAX_ROWS
     linear.MAX_ROWS = linear_sm90.MAX_ROWS = 1 << 20
@@ -1456,15 +1460,19 @@ def probe_rows() -> None:
     for name, N, K, G in FLASH:
         w, s = _fp8_weight(N, K, "cuda", g)
         copy_floor(f"copy_ of {name}'s bytes", 2 * N * K)
-        for T in (64, 128, 192, 256, 512, 1024):
+        us(f"dequant {name}", lambda: linear.dequant(w, s, torch.bfloat16), nbytes=3 * N * K,  # noqa: B023
+           note=" (1 B read + 2 B written an element)")  # fmt: skip
+        for T in (64, 128, 192, 256, 512, 1024, 2048, 4096):
             x = torch.randn(T, G, K, device="cuda", dtype=torch.bfloat16)
             want = ref.grouped_linear(x, w, "fp8", s).float()
-            forms = (
-                ("reference", lambda x=x: ref.grouped_linear(x, w, "fp8", s)),  # noqa: B023
-                ("dot", lambda x=x: linear._grouped(x, w, s, gemv=False, sm90=False)),  # noqa: B023
-                ("sm90", lambda x=x: linear._grouped(x, w, s, sm90=True)),
-            )  # noqa: B023
-            for form, fn in forms:
+            forms = {
+                "reference": lambda x=x: ref.grouped_linear(x, w, "fp8", s),  # noqa: B023
+                "dequant": lambda x=x: dequantized(x, w, s),  # noqa: B023
+                "sm90": lambda x=x: linear._grouped(x, w, s, sm90=True),  # noqa: B023
+            }
+            if T <= 1024:
+                forms["dot"] = lambda x=x: linear._grouped(x, w, s, gemv=False, sm90=False)  # noqa: B023
+            for form, fn in forms.items():
                 err = float((fn().float() - want).norm() / want.norm())
                 us(f"linear {name} T={T} {form}", fn, nbytes=N * K,
                    note=f" of weight bytes, rel diff vs reference {err:.1e}")  # fmt: skip

@@ -16,8 +16,9 @@ memory for a 16-row tile holding one real row.
 kernel with a group axis. Few output tiles (wq_a, wkv at batch 1) split the reduction over more
 programs: each writes an fp32 partial and counts itself in (an atomic per output tile); the last
 split of a tile sums the partials in split order (deterministic) and writes the outputs, so there
-is no second launch. Larger batches (prefill chunks) keep the reference: dequantized once per call
-and amortised over many rows by cuBLAS; so do fp32 activations on a GPU (checking runs).
+is no second launch. Past MAX_ROWS rows (prefill chunks) the weight is dequantized once per call
+(`dequant`: one pass, the reference's bits) for cuBLAS, amortised over many rows; so it is for fp32
+activations on a GPU (checking runs).
 
 On an sm_90 GPU the weights of 16 MB and more (wq_b, wo_a, wo_b, the shared expert's joined w1 /
 w3) take the Gluon kernel of `dsv4.ops.linear_sm90` at 1..64 rows instead: the codes decoded in
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from dsv4.ops import ref
 from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, split_reduction
-from dsv4.ops.kv_fp8 import decode_codes, decode_mode, exp2i
+from dsv4.ops.kv_fp8 import cast_rne, decode_codes, decode_mode, exp2i, rne_bf16
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
 # rows (tokens) up to which the Triton fp8 kernels run, in 64-row tiles; more take the sm90
@@ -292,6 +293,53 @@ def _grouped(
     return y
 
 
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, stride_o,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+                    RNE_BF16: tl.constexpr):  # fmt: skip
+    # read BLOCK_N x BLOCK_K e4m3 codes and their block scales ; write them times 2^(s - 127) in
+    # out's dtype (the fp32 product, rounded once: the reference's bits)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rows[:, None] < N) & (cols[None, :] < K)
+    codes = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0)
+    sb = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (cols // 128)[None, :], mask=ok,
+                 other=127).to(tl.int32)  # fmt: skip
+    v = decode_codes(codes, DECODE) * exp2i(sb - 127)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
+             cast_rne(v, out_ptr.dtype.element_ty, RNE_BF16), mask=ok)  # fmt: skip
+
+
+def dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 [N, K] with its 128x128 UE8M0 block scales -> dtype [N, K], the bits of
+    `quant.dequant_fp8` where the products are normal fp32 numbers (any checkpoint's scales) in one
+    pass: 3 bytes an element moved, where the reference's fp32 steps take ~290 us on a 32 MB weight
+    (H200)."""
+    N, K = weight.shape
+    exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1, (
+        f"fp8 weight must be float8_e4m3fn [out, in] rows (got {weight.dtype} {tuple(weight.shape)})"
+    )
+    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
+        f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
+    )
+    out = torch.empty((N, K), dtype=dtype, device=weight.device)
+    block_n, block_k = 32, 256
+    grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    _dequant_kernel[grid](
+        weight.view(torch.uint8), scale.view(torch.uint8), out, N, K,
+        weight.stride(0), scale.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        DECODE=decode_mode(weight.device), RNE_BF16=rne_bf16(out), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _dequantized(x: torch.Tensor, fmt: str) -> bool:
+    # past the kernels' rows: an fp8 weight dequantized by `dequant` for cuBLAS on a GPU (the
+    # reference's own steps on the CPU)
+    return fmt == "fp8" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     # the Gluon kernel of `linear_sm90` by default, where it can run (an sm_90 GPU, bf16 x, the
     # widths): a weight of MIN_WEIGHT_BYTES or more, or rows past one 64-row tile (verify steps,
@@ -336,6 +384,8 @@ def linear(
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
     if not _kernel_serves(x.reshape(rows, 1, K), weight, fmt):
+        if _dequantized(x, fmt):
+            return torch.nn.functional.linear(x, dequant(weight, scale, x.dtype))
         return ref.linear(x, weight, fmt, scale, scale2)
     y = _grouped(x.reshape(rows, 1, K), weight, scale)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -350,5 +400,8 @@ def grouped_linear(
 ) -> torch.Tensor:
     # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
     if not _kernel_serves(x, weight, fmt):
+        if _dequantized(x, fmt):
+            w = dequant(weight, scale, x.dtype)
+            return torch.einsum("tgk,grk->tgr", x, w.view(x.shape[1], -1, w.shape[-1]))
         return ref.grouped_linear(x, weight, fmt, scale, scale2)
     return _grouped(x, weight, scale)

@@ -150,6 +150,26 @@ def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None
     assert not linear._kernel_serves(x[:, None], w, "dense")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_is_the_reference_bits(dtype) -> None:  # noqa: ANN001
+    # partial scale blocks on both axes, scales from 2^-27 to 2^73, every e4m3 code (NaN cleared)
+    wq, s = _fp8(200, 300, seed=6)
+    b = torch.arange(200 * 300) % 256
+    wq = torch.where((b & 0x7F) == 0x7F, b & 0xF0, b).to(torch.uint8).view(200, 300)
+    wq = wq.view(torch.float8_e4m3fn)
+    s = torch.tensor([[100, 127, 200], [110, 150, 120]], dtype=torch.uint8).view(
+        torch.float8_e8m0fnu
+    )
+    got = linear.dequant(wq, s, dtype)
+    want = quant.dequant_fp8(wq, s, dtype)
+    assert got.dtype == dtype and torch.equal(
+        got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+    with pytest.raises(AssertionError, match="fp8 scale must be float8_e8m0fnu"):
+        linear.dequant(wq, s[:, :2], dtype)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_split_k_fixup(splits: int) -> None:
     # the last split of each output tile sums the partials: every tile written, the same bits on
@@ -181,7 +201,7 @@ def test_split_k_fixup_on_gpu_repeated() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 130, 320])
+@pytest.mark.parametrize("T", [1, 2, 4, 16, 64, 130, 320, 1100])
 @pytest.mark.parametrize(
     "N,K,G", [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (4096, 8192, 1), (8192, 4096, 8)]
 )
@@ -215,3 +235,24 @@ def test_dense_bf16_on_gpu(T, N, K) -> None:  # noqa: ANN001
     assert _rel(y, ref.linear(x, w, "dense")) < 1e-2
     head = torch.empty(linear.DENSE_MAX_BYTES // 2 + K, K // K, device="cuda").bfloat16()
     assert not linear._kernel_serves(x[:, None, :1], head, "dense")  # the LM head stays on cuBLAS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,G", [(32768, 1024, 1), (8192, 4096, 8)])
+def test_dequant_past_the_kernels_rows_on_gpu(N, K, G) -> None:  # noqa: ANN001
+    # past every kernel's rows (a prefill chunk): the weight dequantized in one pass, the
+    # reference's bits, then the reference's cuBLAS call: the reference's outputs exactly
+    from dsv4.ops import linear_sm90
+
+    wq, s = _fp8(N, K, device="cuda", seed=9)
+    assert torch.equal(
+        linear.dequant(wq, s, torch.bfloat16), quant.dequant_fp8(wq, s, torch.bfloat16)
+    )
+    T = max(linear.MAX_ROWS, linear_sm90.MAX_ROWS) + 5
+    x = torch.randn(T, G, K, device="cuda").to(torch.bfloat16)
+    if G == 1:
+        assert torch.equal(linear.linear(x[:, 0], wq, "fp8", s), ref.linear(x[:, 0], wq, "fp8", s))
+    else:
+        assert torch.equal(
+            linear.grouped_linear(x, wq, "fp8", s), ref.grouped_linear(x, wq, "fp8", s)
+        )
