@@ -296,15 +296,17 @@ def _grouped(
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_w, stride_s, stride_o,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
-                    RNE_BF16: tl.constexpr):  # fmt: skip
+                    RNE_BF16: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     # read BLOCK_N x BLOCK_K e4m3 codes and their block scales ; write them times 2^(s - 127) in
-    # out's dtype (the fp32 product, rounded once: the reference's bits)
+    # out's dtype (the fp32 product, rounded once: the reference's bits). The weight loads go
+    # ahead of the chain's wait (no kernel writes weights)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (rows[:, None] < N) & (cols[None, :] < K)
     codes = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=ok, other=0)
     sb = tl.load(s_ptr + (rows // 128)[:, None] * stride_s + (cols // 128)[None, :], mask=ok,
                  other=127).to(tl.int32)  # fmt: skip
+    chain_start(PDL)
     v = decode_codes(codes, DECODE) * exp2i(sb - 127)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :],
              cast_rne(v, out_ptr.dtype.element_ty, RNE_BF16), mask=ok)  # fmt: skip
@@ -330,6 +332,7 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
         weight.view(torch.uint8), scale.view(torch.uint8), out, N, K,
         weight.stride(0), scale.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         DECODE=decode_mode(weight.device), RNE_BF16=rne_bf16(out), num_warps=4,
+        **chain(weight.device),
     )  # fmt: skip
     return out
 
