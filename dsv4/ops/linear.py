@@ -36,13 +36,12 @@ from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, split_r
 from dsv4.ops.kv_fp8 import cast_rne, decode_codes, decode_mode, exp2i, rne_bf16
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
-# rows (tokens) up to which the Triton fp8 kernels run, in 64-row tiles; more take the sm90
-# kernel (to its MAX_ROWS) or the reference (the weight dequantized once, cuBLAS). H200
-# (bench/probe_pieces.py rows): the Triton form beat the reference on Flash's six projections up
-# to 512 rows (wq_b 237 vs 322 us), not at 1024 (463 vs 368); the reference's dequantization alone
-# takes ~290 us on a 32 MB weight. Verify steps of speculative decoding at batch 64 are 128-320
-# rows: up to the twenty-seventh session (64 rows) the reference took them
-MAX_ROWS = 512
+# rows (tokens) up to which the Triton fp8 kernels run; more take the sm90 kernel (to its
+# MAX_ROWS) or the weight dequantized once by `dequant` for cuBLAS. H200 (bench/probe_pieces.py
+# rows): at 128 rows dequant + cuBLAS beat the Triton form on five of Flash's six projections
+# (wq_b 53.2 vs 64.8 us, wkv 11.6 vs 10.4 the exception), from 192 rows on all six. The
+# reference's own dequantization takes ~290 us on a 32 MB weight, `dequant` 29 us
+MAX_ROWS = 64
 DENSE_MAX_ROWS = 64  # the same for bf16 weights (cuBLAS above)
 GEMV_MAX_ROWS = 1  # rows up to which the GEMV form runs (one fp32 fma per code)
 DENSE_MAX_BYTES = 16 << 20  # bf16 weights up to this size take the kernel on a GPU
@@ -345,9 +344,9 @@ def _dequantized(x: torch.Tensor, fmt: str) -> bool:
 
 def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
     # the Gluon kernel of `linear_sm90` by default, where it can run (an sm_90 GPU, bf16 x, the
-    # widths): a weight of MIN_WEIGHT_BYTES or more, or rows past one 64-row tile (verify steps,
-    # prefill chunks: H200, bench/probe_pieces.py rows, at 128-1024 rows it is as fast as the
-    # Triton form on wkv and faster on the rest; wq_a at 1024 rows 28.5 against 53.9 us)
+    # widths, up to its MAX_ROWS): a weight of MIN_WEIGHT_BYTES or more, or rows past one 64-row
+    # tile (verify steps: H200, bench/probe_pieces.py rows, at 128-256 rows within 2 us of dequant
+    # + cuBLAS on the small weights, ahead of the Triton form from 128 rows but on wkv)
     if x.device.type != "cuda":  # the CPU path does not import Gluon
         return False
     from dsv4.ops import linear_sm90  # Gluon (no interpreter): Hopper GPUs only

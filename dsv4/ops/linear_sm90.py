@@ -62,10 +62,11 @@ CONFIG = {"BLOCK_N": 64, "NUM_BUF": 4, "NUM_BUF_WIDE": 2, "maxnreg": 128}
 MIN_WEIGHT_BYTES = 1 << 24
 BLOCK_M_MAX = 64  # rows of x a program takes (wgmma N <= 64 here)
 # rows of x it takes, in BLOCK_M_MAX-row tiles (each tile reads the weight again, mostly from
-# L2): verify steps of speculative decoding and prefill chunks. H200 (bench/probe_pieces.py rows),
-# at 1024 rows against the reference (dequantize + cuBLAS): wq_b 204 vs 368, wo_a 179 vs 357,
-# wo_b 171 vs 353, wq_a 28.5 vs 59.3 us (not measured past 1024)
-MAX_ROWS = 1024
+# L2): verify steps of speculative decoding (batch 64 with 1-3 drafts: 128-256 rows). Past them
+# `linear.dequant` + cuBLAS is faster. H200 (bench/probe_pieces.py rows), wq_b / wo_a / wo_b at
+# 256 rows 55.1 / 46.2 / 48.3 us against 57.9 / 60.6 / 63.8, at 512 rows 105.0 / 90.7 / 86.3
+# against 79.7 / 75.5 / 73.6
+MAX_ROWS = 256
 # the largest e8m0 scale s for which the factor 2^(s - 7) is a bf16 (below it, down to s = 0, one
 # rounding multiply gives the reference's bf16 weight, its rounded subnormals included); a step's
 # scale above is clamped to it and the rest applied by a second multiply

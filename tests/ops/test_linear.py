@@ -36,7 +36,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         ((3,), 200, 384),  # rows and K not multiples of the tiles (masks, partial scale block)
         ((2, 5), 128, 300),  # leading dims kept; K % 128 != 0
         ((17,), 48, 128),  # two row tiles
-        ((70,), 32, 128),  # rows past 64: two 64-row tiles (a verify step of speculative decoding)
     ],
 )
 def test_fp8_linear_matches_reference(lead, N, K, dtype) -> None:  # noqa: ANN001
@@ -148,6 +147,14 @@ def test_large_batches_and_other_formats_take_the_reference(monkeypatch) -> None
     w = torch.randn(64, 128).bfloat16()  # bf16 weights: up to DENSE_MAX_ROWS only (cuBLAS above)
     x = torch.randn(linear.DENSE_MAX_ROWS + 1, 128).bfloat16()
     assert not linear._kernel_serves(x[:, None], w, "dense")
+
+
+def test_rows_past_one_tile() -> None:
+    # 70 rows: two 64-row tiles of the tensor-core form (its launches take any row count)
+    wq, s = _fp8(32, 128, seed=8)
+    x = torch.randn(70, 1, 128, generator=torch.Generator().manual_seed(8))
+    y = linear._grouped(x, wq, s, gemv=False)
+    assert _rel(y[:, 0], ref.linear(x[:, 0], wq, "fp8", s)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -184,15 +184,15 @@ def test_gpu_dispatch_and_repeats() -> None:
         got = linear.linear(wide, wq, "fp8", s)
         assert _rel(got, ref.linear(wide.float(), wq, "fp8", s)) < 5e-3
         assert len(seen) == 3 and seen[2][1] == 3  # three 64-row tiles
-        # past one tile the small weights too; past the Triton form's rows still the kernel
+        # past one tile (the Triton form's MAX_ROWS) the small weights too, up to its MAX_ROWS
         got = linear.linear(wide, small, "fp8", s_small)
         assert _rel(got, ref.linear(wide.float(), small, "fp8", s_small)) < 5e-3
-        more = torch.randn(linear.MAX_ROWS + 1, 4096, device="cuda").bfloat16()
-        linear.linear(more, wq, "fp8", s)
-        assert len(seen) == 5
-        most = torch.randn(linear_sm90.MAX_ROWS + 1, 4096, device="cuda").bfloat16()
+        assert linear.MAX_ROWS < 130 and len(seen) == 4
+        most = torch.randn(linear_sm90.MAX_ROWS, 4096, device="cuda").bfloat16()
         linear.linear(most, wq, "fp8", s)
-        assert len(seen) == 5  # past its MAX_ROWS: the reference
+        assert len(seen) == 5
+        linear.linear(torch.cat([most, most[:1]]), wq, "fp8", s)
+        assert len(seen) == 5  # past its MAX_ROWS: dequant + cuBLAS
         outs = [linear.linear(x, wq, "fp8", s) for _ in range(100)]
     finally:
         linear_sm90._fp8_linear_kernel = kernel
