@@ -78,7 +78,7 @@ for part in $PARTS; do
     rows_ab)  # verify steps (K drafts) with the row limits of the FP8 and expert kernels as
       # before (64 rows, 512 pairs: the reference and tl.dot_scaled above) and as now
       for k in ${DRAFTS:-1 2}; do
-        STEP_ARGS="--draft-tokens $k" step_run "import dsv4.ops.linear as l, dsv4.ops.linear_sm90 as s, dsv4.ops.moe_sm90 as m; l.MAX_ROWS = s.MAX_ROWS = 64; m.MAX_PAIRS = 512" \
+        STEP_ARGS="--draft-tokens $k" step_run "import dsv4.ops.linear as l, dsv4.ops.linear_sm90 as s, dsv4.ops.moe_sm90 as m; l.MAX_ROWS = s.MAX_ROWS = 64; m.MAX_PAIRS = 512; l._dequantized = lambda x, fmt: False" \
           ${ROWS_BATCH:-32,64} 4096 rows_before_k$k
         STEP_ARGS="--draft-tokens $k" step_run "pass" ${ROWS_BATCH:-32,64} 4096 rows_now_k$k
       done ;;
