@@ -13,6 +13,7 @@ cleared), against the fixed cost of any launch measured the same way:
   - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles; moe_sm90: the
     Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64; moe_gemv: the GEMV
     form's tiles and register caps at batch 1;
+  - moe_prefill: the sm90 experts at wider row-blocks against tl.dot_scaled, T = 512..4096;
   - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
     prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
@@ -1357,6 +1358,34 @@ def probe_moe_sm90() -> None:
     moe_sm90._experts_kernel = kernel
 
 
+def probe_moe_prefill() -> None:
+    # the routed experts at prefill-sized batches (T = 512..4096 tokens, k=6): the sm90 experts at
+    # wider row-blocks (BLOCK_M pairs: each block reads its expert's weights once) against
+    # tl.dot_scaled, error against the reference
+    from dsv4.ops import moe, moe_sm90
+
+    experts = _moe_experts()
+    default, block_m = dict(moe_sm90.CONFIG), moe_sm90.block_m
+    for T in (512, 1024, 2048, 4096):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        variants = [("dot_scaled", dict(dot_scaled=True, gemv=False), None)]
+        variants += [(f"sm90 BLOCK_M={bm}", dict(sm90=True), {**default, "BLOCK_M": bm})
+                     for bm in (8, 16, 32, 64)]  # fmt: skip
+        for name, kw, tile in variants:
+            moe_sm90.CONFIG = dict(tile or default)
+            moe_sm90.block_m = lambda pairs: moe_sm90.CONFIG["BLOCK_M"]  # noqa: ARG005
+            try:
+                got = moe.moe_experts(x, weights, idx, experts, **kw)
+                err = float((got - want).norm() / want.norm())
+                us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
+                   nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+            except Exception as e:  # noqa: BLE001  (a tile that does not compile / fit)
+                print(f"moe T={T} {name}: {type(e).__name__} {str(e)[:160]}", flush=True)
+            moe_sm90.block_m = block_m
+    moe_sm90.CONFIG = default
+
+
 def probe_moe_decode() -> None:
     # the sm90 experts at their default tiles, this tree's kernel against the previous one
     # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
@@ -1905,7 +1934,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

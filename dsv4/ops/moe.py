@@ -875,7 +875,7 @@ def moe_experts(
     if sm90:
         from dsv4.ops import moe_sm90  # Gluon (no interpreter): Hopper GPUs only
 
-        rows, blk = align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
+        rows, blk = align_rows(idx, E, moe_sm90.block_m(P))
         out = moe_sm90.experts(x, rw, rows, blk, table, k, I, float(e0.limit))
         return sum_slots(out, k, shared, out_dtype, idx)
     # the GEMV form loads the codes as 32-bit words: every expert's tensors 16-byte aligned

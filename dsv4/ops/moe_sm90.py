@@ -69,12 +69,28 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
           "maxnreg": (128, 128)}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
-# 61.7 us) to 512 tokens (above: tl.dot_scaled). H200 (bench/probe_pieces.py rows), Flash's
-# routed experts against tl.dot_scaled at T = 128 / 256 / 512 / 1024: 1188 / 1439 / 2398 / 4127
-# against 2259 / 2390 / 3288 / 3390 us. Up to the twenty-seventh session the limit was 512 pairs
-# and a verify step at batch 64 (128+ tokens) took tl.dot_scaled
+# 61.7 us) to 1024 tokens (above: tl.dot_scaled). Up to the twenty-seventh session the limit was
+# 512 pairs, and a verify step at batch 64 (128+ tokens) took tl.dot_scaled at half the speed
 MIN_PAIRS = 7
-MAX_PAIRS = 3072
+MAX_PAIRS = 6144
+# pairs per row-block by pair count (up to, BLOCK_M): CONFIG's at decode batches, wider blocks for
+# prefill chunks and wide verify steps, where each block reads its expert's weights once. H200
+# (bench/probe_pieces.py moe_sm90 / moe_prefill: Flash's routed experts, uniform random routing),
+# BLOCK_M 8 / 16 / 32 against tl.dot_scaled: T = 128 / 256: 1189 / 1433 us at 8 against 2252 /
+# 2391; T = 512: 2324 / 1713 / 2227 against 3285; T = 1024: 4090 / 3002 / 2590 against 3388;
+# T = 2048: tl.dot_scaled ahead (3756 against 4840 at 32)
+ROW_BLOCKS = ((2048, None), (3072, 16), (MAX_PAIRS, 32))
+
+
+def block_m(pairs: int) -> int:
+    """Pairs per row-block (BLOCK_M) for a call of `pairs` pairs: CONFIG's up to 2048, wider above
+    (`ROW_BLOCKS`); the caller aligns the rows to it (`moe.align_rows`)."""
+    for most, bm in ROW_BLOCKS:
+        if pairs <= most:
+            return bm or CONFIG["BLOCK_M"]
+    return ROW_BLOCKS[-1][1]
+
+
 # e8m0 scales S for which 2^(S - 64) is a normal bf16 and the 0.5 code's weight 2^(S - 191) is
 # exact in bf16: experts with a scale outside are left to the Triton kernels
 SCALE_MIN, SCALE_MAX = 58, 191
@@ -398,9 +414,12 @@ def _launch(
     limit: float,
 ) -> None:  # noqa: ANN001
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
-    bm, bn, bk = CONFIG["BLOCK_M"], CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
+    # pairs per row-block (BLOCK_M): as the rows were aligned (`block_m`)
+    bm, bn, bk = rows.numel() // max(blk.numel(), 1), CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
     N, K = out.shape[1], x.shape[1]
-    assert rows.numel() == blk.numel() * bm, f"rows {rows.numel()} for {blk.numel()} blocks of {bm}"
+    assert rows.numel() == blk.numel() * bm and bm in (8, 16, 32, 64), (
+        f"rows {rows.numel()} for {blk.numel()} blocks: not blocks of 8, 16, 32 or 64 pairs"
+    )
     # the kernel's x and weight offsets are 32-bit
     assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
     cap = CONFIG["maxnreg"][0 if gate_up else 1]
@@ -429,7 +448,7 @@ def experts(
     I: int,  # noqa: E741
     limit: float,
 ) -> torch.Tensor:
-    """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, CONFIG["BLOCK_M"])` ->
+    """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, block_m(P))` ->
     [P, D] bf16: each (token, slot) pair's expert output, the routing weight applied before w2."""
     h = torch.empty((rw.numel(), I), dtype=x.dtype, device=x.device)
     _launch(True, permute_columns(x, CONFIG["BLOCK_K"]), rw, rows, blk, table, h, topk, limit)

@@ -121,7 +121,7 @@ def test_gpu_down_reads_every_weight_back() -> None:
     table = moe.expert_table(experts)
     P = I  # pair p: expert p % E, one-hot at column p
     idx = (torch.arange(P, device="cuda") % E)[:, None]
-    rows, blk = moe.align_rows(idx, E, moe_sm90.CONFIG["BLOCK_M"])
+    rows, blk = moe.align_rows(idx, E, moe_sm90.block_m(idx.numel()))
     h = torch.eye(I, device="cuda", dtype=torch.bfloat16)
     out = moe_sm90.down(
         moe_sm90.permute_columns(h, moe_sm90.CONFIG["BLOCK_K"]), rows, blk, table, D
@@ -170,26 +170,36 @@ def test_gpu_dispatch_and_out_of_range_scales() -> None:
     assert _rel(y, want) < 1e-2, _rel(y, want)
 
 
+def test_row_blocks_by_pair_count() -> None:
+    # CONFIG's blocks at decode batches, wider ones for prefill chunks, up to MAX_PAIRS
+    assert moe_sm90.block_m(moe_sm90.MIN_PAIRS) == moe_sm90.CONFIG["BLOCK_M"] == 8
+    assert moe_sm90.block_m(2048) == 8 and moe_sm90.block_m(2049) == 16
+    assert moe_sm90.block_m(3072) == 16 and moe_sm90.block_m(3073) == 32
+    assert moe_sm90.block_m(moe_sm90.MAX_PAIRS) == 32
+
+
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: ANN001
-    # a verify step of speculative decoding at batch 64 (2-4 tokens a sequence, k=6: 768-1536
-    # pairs) takes the sm90 kernels by default, and they match the reference; past MAX_PAIRS
-    # the Triton kernels
+    # verify steps of speculative decoding (batch 64 with 1-3 drafts, k=6: 768-1536 pairs) and
+    # prefill chunks up to MAX_PAIRS take the sm90 kernels by default, in row-blocks of 8, 16 and
+    # 32 pairs, and match the reference; past MAX_PAIRS the Triton kernels
     D, I, E, k = 512, 256, 16, 6  # noqa: E741
     experts = _experts(D, I, E, seed=5, device="cuda")
     calls = []
     kernel = moe_sm90.experts
     monkeypatch.setattr(moe_sm90, "experts", lambda *a: calls.append(a) or kernel(*a))
-    for T in (128, moe_sm90.MAX_PAIRS // k):
+    sizes = (128, 3072 // k, moe_sm90.MAX_PAIRS // k)
+    for T in sizes:
         weights, idx = _routing(T, k, E, False, seed=T)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
         y = moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
         want = ref.moe_experts(x, weights.cuda(), idx.cuda(), experts)
         assert _rel(y, want) < 1e-2, (T, _rel(y, want))
-    assert len(calls) == 2
+    widths = [a[2].numel() // a[3].numel() for a in calls]  # rows / blocks
+    assert widths == [8, 16, 32]
     T = moe_sm90.MAX_PAIRS // k + 1
     weights, idx = _routing(T, k, E, False, seed=T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
     moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
-    assert len(calls) == 2
+    assert len(calls) == len(sizes)
