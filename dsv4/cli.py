@@ -22,6 +22,8 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "kv_cache_dtype",
     "tensor_parallel_size",
     "speculative_config",
+    "enable_prefix_caching",
+    "prefix_snapshots",
 )
 
 
@@ -148,6 +150,20 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM: \'{"method": "mtp", "num_speculative_tokens": 1}\' '
         "(the model's MTP layer drafts; the next step verifies)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefix caching, as vLLM's flag: a prompt starts from the state another left at a "
+        "block boundary (shared pages, a snapshot of the rings there)",
+    )
+    p.add_argument(
+        "--prefix-snapshots",
+        type=int,
+        default=None,
+        help="with prefix caching: ring snapshots kept (each one slot's fixed state; default 4 "
+        "per --max-seqs)",
     )
 
 

@@ -725,6 +725,8 @@ class ServerConfig:
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each); rank 0 serves HTTP
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
     speculative_config: str | None = None
+    enable_prefix_caching: bool = False  # vLLM's flag (`dsv4.prefix_cache`)
+    prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     profile_dir: str | None = None  # where /start_profile writes traces unless it names one
 

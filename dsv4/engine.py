@@ -18,6 +18,7 @@ from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
+from dsv4.prefix_cache import PrefixCache
 from dsv4.profiler import ProfilerError, StepProfiler
 from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
@@ -61,6 +62,8 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified, and accepted
     num_accepted_tokens: int = 0
     num_drafts: int = 0  # verifications (a sequence's drafts of one step)
+    prefix_cache_queries: int = 0  # prefix caching: prompt tokens looked up, and found
+    prefix_cache_hits: int = 0
 
     @property
     def mean_accept_length(self) -> float | None:
@@ -103,6 +106,7 @@ class Engine:
         chunk_size: int,
         cuda_graphs: bool = False,
         num_speculative_tokens: int = 0,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
         # speculative decoding: the MTP layer drafts this many tokens after each sampled one,
@@ -122,7 +126,11 @@ class Engine:
         )
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
         self.args = model.args
-        self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size)
+        # prefix caching: cached blocks' pages are shared, the state's snapshots hold the rings
+        cache = (
+            PrefixCache(state.block_size, state.num_snapshots) if enable_prefix_caching else None
+        )
+        self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size, cache)
         self.sampler = Sampler(self.args.eos_token_id)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -175,6 +183,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def flush_cache(self) -> int:
+        """Drop the cached prefixes no running request holds (every rank: the schedulers must
+        stay alike): how many blocks."""
+        if self.leads:
+            self._outbox.append(("flush", ""))
+        return self.scheduler.flush_cache()
+
     def stats(self) -> EngineStats:
         # read without the step lock: each count is one len() (atomic), the set may be mid-step
         s = self.scheduler
@@ -182,11 +197,13 @@ class Engine:
             len(s.running),
             len(s.waiting),
             s.state.num_blocks,
-            len(s.free_pages),
+            len(s.free_pages) + (s.cache.num_evictable if s.cache else 0),  # (cached, unheld)
             s.num_preemptions,
             self.num_draft_tokens,
             self.num_accepted_tokens,
             self.num_drafts,
+            s.cache.queries if s.cache else 0,
+            s.cache.hits if s.cache else 0,
         )
 
     def tell(self, what: str, *args: object) -> None:
@@ -233,6 +250,7 @@ class Engine:
         outs = self._postprocess(sampled, tokens, logprobs)
         if self.num_speculative_tokens:
             self._draft(work, h)
+        self.scheduler.cache_prefixes(work)  # (after the MTP pass: its ring is in the snapshot)
         return outs
 
     def _run(self, work: list[Work]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -466,7 +484,8 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        # ("add", rid, ids, params) | ("abort", rid) | ("profile", action, args, future)
+        # ("add", rid, ids, params) | ("abort", rid) | ("profile", action, args, future) |
+        # ("flush", future)
         self._inbox: deque[tuple] = deque()
         self.profiler = StepProfiler(engine.par.rank)  # used on the engine thread only
         self._wake = threading.Event()
@@ -512,6 +531,9 @@ class AsyncEngine:
             if item[0] == "profile":
                 self._profile(*item[1:])
                 continue
+            if item[0] == "flush":
+                item[1].set_result(self.engine.flush_cache())
+                continue
             kind, rid, *args = item
             if kind == "abort":
                 self.engine.abort(rid)  # no-op when finished or unknown
@@ -526,6 +548,13 @@ class AsyncEngine:
         between engine steps; the future gives the trace's path or the ProfilerError."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.append(("profile", action, args, done))
+        self._wake.set()
+        return done
+
+    def flush_cache(self) -> concurrent.futures.Future:
+        """Drop the unheld cached prefixes between engine steps; the future gives how many."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.append(("flush", done))
         self._wake.set()
         return done
 

@@ -59,6 +59,8 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_snapshots: int | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
@@ -82,8 +84,15 @@ class LLM:
                 " ".join(f"{k}={v}" for k, v in flags.items()),
                 f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
             )
+            # prefix caching: snapshots of the rings at cached block boundaries, each the size
+            # of a slot's fixed state (default: 4 a slot)
+            snapshots = 0
+            if enable_prefix_caching:
+                snapshots = 4 * max_seqs if prefix_snapshots is None else prefix_snapshots
+                if snapshots < 1:
+                    raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
             self._load(c, progress, block_size, max_memory, memory_fraction, max_step_tokens,
-                       chunk_size)  # fmt: skip
+                       chunk_size, snapshots)  # fmt: skip
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
@@ -104,6 +113,7 @@ class LLM:
         memory_fraction: float | None,
         max_step_tokens: int,
         chunk_size: int,
+        snapshots: int = 0,
     ) -> None:
         """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part)."""
         max_seqs, max_seq_len, kv_cache_dtype, par = (
@@ -135,8 +145,8 @@ class LLM:
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
-            num_blocks = DecodeState.blocks_for_budget(
-                args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype
+            num_blocks = DecodeState.blocks_for_budget(  # (a snapshot: one slot's rings)
+                args, max_seqs + snapshots, max_memory, tdt, block_size, kv_cache_dtype
             )
         # every rank the same pages (free memory differs a little between GPUs): the ranks'
         # schedulers must make the same choices, preemptions included
@@ -151,6 +161,7 @@ class LLM:
             num_blocks=num_blocks,
             block_size=block_size,
             kv_format=kv_cache_dtype,
+            num_snapshots=snapshots,
         )
         log.info(
             "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "
@@ -171,6 +182,7 @@ class LLM:
             chunk_size=chunk_size,
             cuda_graphs=c.cuda_graphs,
             num_speculative_tokens=c.num_speculative_tokens,
+            enable_prefix_caching=snapshots > 0,
         )
 
     # ---- tensor parallel -----------------------------------------------------------------------
@@ -184,6 +196,8 @@ class LLM:
             for kind, rid, *rest in cmds:
                 if kind == "abort":
                     self.engine.abort(rid)
+                elif kind == "flush":
+                    self.engine.flush_cache()
                 else:
                     self.engine.add_request(*rest, rid)
             if what == "stop":

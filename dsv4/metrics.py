@@ -9,7 +9,8 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:kv_cache_usage_perc              fraction (0..1) of decode-state pages in use
   counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
               vllm:request_success_total{finished_reason=stop|length|abort},
-              vllm:num_preemptions_total,
+              vllm:num_preemptions_total, vllm:prefix_cache_queries_total,
+              vllm:prefix_cache_hits_total,
               vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
               vllm:spec_decode_num_accepted_tokens_total
                                                     (MTP speculative decoding; acceptance rate =
@@ -125,6 +126,18 @@ class ServerMetrics:
                 "vllm:num_preemptions_total",
                 "Preemptions (recompute).",
                 stats.num_preemptions,
+            )
+            scalar(
+                "counter",
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            )
+            scalar(
+                "counter",
+                "vllm:prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache (not run again).",
+                stats.prefix_cache_hits,
             )
             scalar(
                 "counter",

@@ -7,6 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from dsv4.prefix_cache import Block, PrefixCache
 from dsv4.sampling import SamplingParams
 from dsv4.state import DecodeState
 
@@ -42,6 +45,10 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cacheable(self) -> bool:  # prompt logprobs need every prompt token run
+        return self.params.prompt_logprobs is None
+
 
 @dataclass
 class Work:
@@ -67,9 +74,14 @@ class Scheduler:
     """FCFS; decodes and unfinished prefills first, then new requests, within a token budget."""
 
     def __init__(
-        self, state: DecodeState, max_running: int, max_step_tokens: int, chunk_size: int
+        self,
+        state: DecodeState,
+        max_running: int,
+        max_step_tokens: int,
+        chunk_size: int,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.state = state
+        self.state, self.cache = state, prefix_cache
         self.max_running = min(max_running, state.max_seqs)
         self.max_step_tokens, self.chunk_size = max_step_tokens, chunk_size
         self.waiting: deque[Request] = deque()
@@ -98,7 +110,8 @@ class Scheduler:
         if req.slot is not None:
             self.state.block_table[req.slot].fill_(-1)
             self.free_slots.append(req.slot)
-        self.free_pages.extend(req.pages)
+        # a cached block's page stays with the cache; the request's own pages are freed
+        self.free_pages += [p for p in req.pages if not (self.cache and self.cache.release(p))]
         req.slot, req.pages, req.num_computed, req.draft = None, [], 0, []
 
     def finish(self, req: Request) -> None:
@@ -125,6 +138,10 @@ class Scheduler:
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         need = self._pages_for(n_tokens) - len(req.pages)
+        while (
+            need > len(self.free_pages) and self.cache and (page := self.cache.evict()) is not None
+        ):
+            self.free_pages.append(page)  # cached blocks no one holds go before any preemption
         if need > len(self.free_pages):
             return False
         for _ in range(need):
@@ -139,7 +156,8 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req not in self.running or budget == 0:
                 continue
-            n = min(req.num_tokens - req.num_computed, self.chunk_size, budget)
+            n = self._cut(req, req.num_computed, min(req.num_tokens - req.num_computed,
+                                                     self.chunk_size, budget))  # fmt: skip
             # a decode verifies its draft tokens in the same pass, as far as the budget reaches
             draft = req.draft[: budget - 1] if n == req.num_tokens - req.num_computed == 1 else []
             if draft and not self._grow(req, req.num_computed + n + len(draft)):
@@ -157,16 +175,72 @@ class Scheduler:
             self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens, self.chunk_size, budget)
-            if self._pages_for(n) > len(self.free_pages):
+            chain = self._match(req)  # a cached prefix: its pages and the rings after it
+            start = len(chain) * self.state.block_size
+            n = self._cut(req, start, min(req.num_tokens - start, self.chunk_size, budget))
+            spare = len(self.free_pages) + (self.cache.num_evictable if self.cache else 0)
+            if self._pages_for(start + n) - len(chain) > spare:
+                for b in chain:  # (not held after all)
+                    self.cache.release(b.page)
                 break
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
-            self._grow(req, n)
+            if self.cache and req.cacheable:
+                self._start_from(req, chain)
+            self._grow(req, start + n)
             self.running.append(req)
-            work.append(Work(req, 0, n))
+            work.append(Work(req, start, n))
             budget -= n
         return work
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def _match(self, req: Request) -> list[Block]:
+        # the cached prefix `req` starts from, held from here on ([] without caching)
+        if self.cache is None or not req.cacheable:
+            return []
+        chain = self.cache.match(req.all_ids)
+        self.cache.acquire(chain)
+        return chain
+
+    def _start_from(self, req: Request, chain: list[Block]) -> None:
+        # the new slot takes the prefix's pages and the rings after its last block
+        self.cache.count(req.num_tokens, len(chain) * self.state.block_size)
+        if not chain:
+            return
+        req.pages = [b.page for b in chain]
+        pages = torch.tensor(req.pages, dtype=torch.long)
+        self.state.block_table[req.slot, : len(chain)] = pages.to(self.state.block_table.device)
+        self.state.load_snapshot(chain[-1].snapshot, req.slot)
+        req.num_computed = len(chain) * self.state.block_size
+
+    def _cut(self, req: Request, start: int, n: int) -> int:
+        # with prefix caching a prompt's chunks end on its last block boundary before the last
+        # token, where the state is snapshotted (`cache_prefixes`)
+        if self.cache is None or not req.cacheable:
+            return n
+        bs = self.state.block_size
+        last = (req.num_tokens - 1) // bs * bs
+        return last - start if start < last < start + n else n
+
+    def cache_prefixes(self, work: list[Work]) -> None:
+        """After a step (its MTP pass included): cache the blocks of each prefill chunk that ended
+        on a block boundary, and snapshot the rings there."""
+        if self.cache is None:
+            return
+        bs = self.state.block_size
+        for w in work:
+            r, end = w.request, w.start + w.n
+            if r.slot is None or w.samples or not r.cacheable or end % bs or r.num_computed != end:
+                continue
+            last, fresh = self.cache.insert(r.all_ids, r.pages, end // bs)
+            if fresh:
+                self.state.save_snapshot(r.slot, self.cache.snapshot_slot(last))
+
+    def flush_cache(self) -> int:
+        """Drop every cached block no request holds (SGLang's /flush_cache): how many."""
+        pages = self.cache.flush() if self.cache else []
+        self.free_pages += pages
+        return len(pages)
 
     def advance(self, work: list[Work]) -> None:
         """The step's state is kept for the known tokens and the accepted drafts: a rejected

@@ -498,7 +498,12 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
-        return {"message": "nothing to flush: dsv4 keeps no prefix cache"}
+        """SGLang's: drop the cached prefixes no running request holds."""
+        engine = server.require_engine()
+        if engine.engine.scheduler.cache is None:
+            return {"message": "nothing to flush: prefix caching is off (--enable-prefix-caching)"}
+        n = await asyncio.wrap_future(engine.flush_cache())
+        return {"message": f"Cache flushed: {n} cached blocks dropped"}
 
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:

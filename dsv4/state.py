@@ -116,6 +116,7 @@ class DecodeState:
         num_blocks: int | None = None,
         block_size: int | None = None,
         kv_format: str = "auto",
+        num_snapshots: int = 0,
     ) -> None:
         block_size = block_size or default_block_size(args)
         width, kv_dtype = kv_row(args, dtype, kv_format)  # attention rows: values or FP8 entries
@@ -171,6 +172,11 @@ class DecodeState:
             if kind == CSA:
                 layer.indexer = comp(m, args.index_head_dim, True)
             self.layers.append(layer)
+        # prefix caching: copies of a slot's rings at a block boundary (`save_snapshot`), one
+        # per ring, num_snapshots slots' worth each
+        self.num_snapshots = num_snapshots
+        rings = self.rings(self.all_layers) if num_snapshots else []
+        self.snapshots = [t.new_zeros(num_snapshots * size, t.shape[1]) for t, size in rings]
 
     @staticmethod
     def blocks_for_budget(
@@ -202,6 +208,26 @@ class DecodeState:
                 if c is not None:
                     out += [(c.kv_state, c.ring), (c.score_state, c.ring)]
         return out
+
+    @property
+    def all_layers(self) -> range:
+        return range(len(self.layers))
+
+    def save_snapshot(self, slot: int, i: int) -> None:
+        """Copy slot's rings (every layer, MTP included) into snapshot i."""
+        rings = self.rings(self.all_layers)
+        src = [t[slot * size : (slot + 1) * size] for t, size in rings]
+        torch._foreach_copy_(
+            [sn[i * len(r) : (i + 1) * len(r)] for sn, r in zip(self.snapshots, src)], src
+        )
+
+    def load_snapshot(self, i: int, slot: int) -> None:
+        """Copy snapshot i into slot's rings: the slot continues from the snapshot's position."""
+        rings = self.rings(self.all_layers)
+        dst = [t[slot * size : (slot + 1) * size] for t, size in rings]
+        torch._foreach_copy_(
+            dst, [sn[i * len(r) : (i + 1) * len(r)] for sn, r in zip(self.snapshots, dst)]
+        )
 
     def save_rows(
         self, layers: range, slots: list[int], positions: list[int]
@@ -240,7 +266,7 @@ class DecodeState:
                 if c is not None:
                     total += c.kv_cache.nbytes + c.kv_state.nbytes + c.score_state.nbytes
                     total += 0 if c.kv_scale is None else c.kv_scale.nbytes
-        return total
+        return total + sum(t.nbytes for t in self.snapshots)
 
 
 @dataclass
@@ -334,7 +360,7 @@ class Batch:
         B, device = slots.shape[0], slots.device
         if graph_len <= 0 or graph_len > state.max_seq_len:
             raise ValueError(f"graph_len={graph_len} must be in [1, {state.max_seq_len}]")
-        ring = min(size for _, size in state.rings(range(len(state.layers))))
+        ring = min(size for _, size in state.rings(state.all_layers))
         if not 1 <= q <= ring:
             raise ValueError(f"q={q} tokens per sequence must be in [1, {ring}] (the rings)")
         ar = torch.arange(B + 1, device=device)

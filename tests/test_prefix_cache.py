@@ -1,0 +1,257 @@
+"""Prefix caching: a request that starts from a cached prefix (shared pages, the rings' snapshot)
+gives what it gives without the cache, for every attention kind, with speculative decoding, FP8
+state, under page pressure and on two ranks; and the cache's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.prefix_cache import PrefixCache
+from dsv4.state import bytes_per_seq, bytes_per_token
+from dsv4.tiny import make_tiny, tiny_args
+from tests.serving import in_process
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+# blocks of 16 tokens (the tiny model's ratios 4 and 16, window 8), prefill chunks of 32: the
+# rings are snapshotted every two blocks and where a prompt's last chunk is cut (its last block
+# boundary before the last token)
+KW = dict(device="cpu", progress=False, max_seqs=3, chunk_size=32, block_size=16)
+
+
+def _prompts() -> list[list[int]]:
+    # three that share 40 tokens (two blocks and a half), one of them twice, and one stranger
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, 300, (40,), generator=g).tolist()
+    tail = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (30, 9, 21)]
+    return [shared + tail[0], shared + tail[1], shared + tail[0], tail[2], shared[:33] + tail[1]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
+    return make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: Path) -> list:
+    # each prompt alone, no cache: the reference outputs
+    llm = LLM(model_dir, **KW)
+    return [llm.generate(p, GREEDY)[0] for p in _prompts()]
+
+
+def _one_by_one(llm: LLM) -> list:
+    return [llm.generate(p, GREEDY)[0] for p in _prompts()]
+
+
+def _same(outs: list, want: list) -> None:
+    for o, w in zip(outs, want):
+        assert o.token_ids == w.token_ids
+        got = torch.tensor([e["logprob"] for e in o.logprobs])
+        torch.testing.assert_close(got, torch.tensor([e["logprob"] for e in w.logprobs]))
+
+
+def test_hits_give_the_outputs_without_cache(model_dir: Path, plain: list) -> None:
+    llm = LLM(model_dir, enable_prefix_caching=True, **KW)
+    outs = _one_by_one(llm)
+    _same(outs, plain)
+    s = llm.engine.stats()
+    # hits: prompt 2 the 32 shared tokens (2 blocks, snapshot at 32), prompt 3 (= prompt 1, 70
+    # tokens) 64 (its last boundary), prompt 5 (33 shared) 32; prompts 1 and 4 nothing
+    lens = [len(p) for p in _prompts()]
+    assert s.prefix_cache_queries == sum(lens)
+    assert s.prefix_cache_hits == 32 + 64 + 32
+    # nothing held after the requests; the cached pages count as free
+    assert s.num_free_pages == s.num_pages
+    assert llm.engine.scheduler.cache.num_evictable == len(llm.engine.scheduler.cache.blocks)
+
+
+def test_without_the_snapshot_the_outputs_differ(model_dir: Path, plain: list) -> None:
+    # the check above can fail: starting from the shared pages with the rings of whatever the
+    # slot held before gives other outputs
+    llm = LLM(model_dir, enable_prefix_caching=True, **KW)
+    llm.state.load_snapshot = lambda i, slot: None
+    outs = _one_by_one(llm)
+    assert any(o.token_ids != w.token_ids or o.logprobs != w.logprobs for o, w in zip(outs, plain))
+
+
+def test_batched_hits_and_chunks(model_dir: Path, plain: list) -> None:
+    # all at once: later requests of one batch find what the first ones cached in earlier steps
+    # (or, prefilled side by side, keep their own pages: the second block stays private)
+    llm = LLM(model_dir, enable_prefix_caching=True, max_step_tokens=40, **KW)
+    prompts = _prompts()
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    _same(first + rest, plain)
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fp8_state_and_speculative_decoding(model_dir: Path, kv: str) -> None:
+    # the snapshot holds FP8 window rows, and the MTP layer's ring (its drafts read it)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw = dict(KW, kv_cache_dtype=kv, speculative_config=spec)
+    want = _one_by_one(LLM(model_dir, **kw))
+    llm = LLM(model_dir, enable_prefix_caching=True, **kw)
+    _same(_one_by_one(llm), want)
+    assert llm.engine.stats().prefix_cache_hits == 32 + 64 + 32
+    # drafts identical too: the same drafts accepted
+    assert llm.engine.stats().num_draft_tokens > 0
+
+
+def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list) -> None:
+    # a pool of 6 pages (a request of 70 + 6 tokens needs 5): cached blocks are dropped, least
+    # recently used leaves first, before any request is preempted, and snapshots recycled
+    args, snaps = tiny_args(vocab_size=300), 3
+    fixed = (KW["max_seqs"] + snaps) * bytes_per_seq(args, torch.float32)  # slots + snapshots
+    page = bytes_per_token(args, torch.float32) * KW["block_size"]
+    kw = dict(KW, max_memory=int(fixed + 6.5 * page))
+    g = torch.Generator().manual_seed(1)
+    strangers = [torch.randint(1, 300, (60,), generator=g).tolist() for _ in range(3)]
+    want = LLM(model_dir, **kw).generate(strangers, GREEDY)
+    llm = LLM(model_dir, enable_prefix_caching=True, prefix_snapshots=snaps, **kw)
+    assert llm.config.torch_dtype == torch.float32 and llm.state.num_blocks == 6
+    outs = _one_by_one(llm)
+    others = [llm.generate(p, GREEDY)[0] for p in strangers]
+    _same(outs + others + _one_by_one(llm), plain + want + plain)
+    cache = llm.engine.scheduler.cache
+    assert llm.engine.stats().num_preemptions == 0 and llm.engine.stats().prefix_cache_hits > 0
+    assert next(cache._ids) > 7  # more blocks were cached than there are pages: some evicted
+    assert len(cache.free_snapshots) + len(cache.with_snapshot) == snaps
+
+
+def test_prompt_logprobs_bypass_the_cache(model_dir: Path) -> None:
+    # their prompt tokens must run: no lookup, no insert
+    llm = LLM(model_dir, enable_prefix_caching=True, **KW)
+    p = _prompts()[0]
+    lp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    a = llm.generate(p, lp)[0]
+    b = llm.generate(p, lp)[0]
+    assert a.prompt_logprobs == b.prompt_logprobs and len(a.prompt_logprobs) == len(p)
+    assert llm.engine.stats().prefix_cache_queries == 0 and not llm.engine.scheduler.cache.blocks
+
+
+def test_flush_drops_unheld_blocks(model_dir: Path, plain: list) -> None:
+    llm = LLM(model_dir, enable_prefix_caching=True, **KW)
+    llm.generate(_prompts()[0], GREEDY)
+    cache = llm.engine.scheduler.cache
+    n = len(cache.blocks)
+    assert n == 4 and llm.engine.flush_cache() == n and not cache.blocks
+    assert len(llm.engine.scheduler.free_pages) == llm.state.num_blocks
+    _same(_one_by_one(llm), plain)
+
+
+def test_off_by_default_and_bad_snapshots(model_dir: Path) -> None:
+    llm = LLM(model_dir, **KW)
+    assert llm.engine.scheduler.cache is None and llm.state.snapshots == []
+    with pytest.raises(ValueError, match="prefix_snapshots must be >= 1"):
+        LLM(model_dir, enable_prefix_caching=True, prefix_snapshots=0, **KW)
+
+
+def test_two_ranks_with_cache_equal_one(model_dir: Path, plain: list) -> None:
+    # every rank's scheduler caches and evicts alike (a flush included): same outputs
+    two = LLM(model_dir, tensor_parallel_size=2, enable_prefix_caching=True, **KW)
+    try:
+        outs = _one_by_one(two)
+        assert two.engine.flush_cache() > 0
+        again = _one_by_one(two)
+    finally:
+        two.close()
+    assert [o.token_ids for o in outs] == [w.token_ids for w in plain]
+    assert [o.token_ids for o in again] == [w.token_ids for w in plain]
+
+
+def test_server_metrics_and_flush(model_dir: Path) -> None:
+    server, ac = in_process(model_dir, max_seqs=3, enable_prefix_caching=True)
+    prompt = list(range(1, 300))  # past a block of the default size (256)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    async def go() -> tuple:
+        async with ac:
+            done = [await ac.post("/v1/completions", json=body) for _ in range(2)]
+            return done, await ac.get("/metrics"), await ac.post("/flush_cache")
+
+    try:
+        done, metrics, flushed = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert [r.status_code for r in done] == [200, 200]
+    assert done[0].json()["choices"][0]["text"] == done[1].json()["choices"][0]["text"]
+    rows = dict(ln.rsplit(" ", 1) for ln in metrics.text.splitlines() if ln.startswith("vllm:pre"))
+    assert {k.split("{")[0]: float(v) for k, v in rows.items()} == {
+        "vllm:prefix_cache_queries_total": 2 * len(prompt),
+        "vllm:prefix_cache_hits_total": 256,
+    }
+    assert flushed.status_code == 200 and "1 cached blocks dropped" in flushed.json()["message"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gpu_hits_give_the_outputs_without_cache(model_dir: Path, kv: str) -> None:
+    # fp32 Triton kernels, CUDA graphs for decode steps, MTP drafts: the hits' outputs equal
+    # the uncached ones (the chunks differ where the cache cuts them: fp32 rounding only)
+    kw = dict(KW, device="cuda", dtype="float32", ops="triton", quantized=True, cuda_graphs=True,
+              kv_cache_dtype=kv, speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+    want = _one_by_one(LLM(model_dir, **kw))
+    llm = LLM(model_dir, enable_prefix_caching=True, **kw)
+    outs = _one_by_one(llm)
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+    for o, w in zip(outs, want):
+        got = torch.tensor([e["logprob"] for e in o.logprobs])
+        torch.testing.assert_close(got, torch.tensor([e["logprob"] for e in w.logprobs]),
+                                   rtol=1e-3, atol=1e-3)  # fmt: skip
+    assert llm.engine.stats().prefix_cache_hits == 32 + 64 + 32
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+
+
+# ---- the cache's bookkeeping ----------------------------------------------------------------
+
+
+def _filled(n_snap: int = 2) -> PrefixCache:
+    # blocks of 2 tokens: a chain [1,2] [3,4] [5,6] on pages 10, 11, 12, snapshot after the last
+    c = PrefixCache(2, n_snap)
+    last, fresh = c.insert([1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13], 3)
+    assert fresh and last.page == 12
+    c.snapshot_slot(last)
+    return c
+
+
+def test_match_needs_a_snapshot_and_leaves_a_token() -> None:
+    c = _filled()
+    assert [b.page for b in c.match([1, 2, 3, 4, 5, 6, 9])] == [10, 11, 12]
+    assert c.match([1, 2, 3, 4, 5, 6]) == []  # all cached, but a token must run: only to 4,
+    # and the block after [3, 4] has no snapshot
+    assert c.match([1, 2, 3, 9, 5, 6, 7]) == []  # different second block
+    assert c.match([2, 1, 3, 4, 5, 6, 7]) == []  # exact tokens, not a hash
+
+
+def test_release_and_leaves_first_eviction() -> None:
+    c = _filled()
+    for page in (10, 11, 12):  # the inserting request lets go
+        assert c.release(page)
+    assert not c.release(13)  # its own page: not the cache's
+    assert c.num_evictable == 3
+    chain = c.match([1, 2, 3, 4, 5, 6, 0])
+    c.acquire(chain)
+    assert c.num_evictable == 0 and c.evict() is None
+    for b in chain:
+        c.release(b.page)
+    assert [c.evict(), c.evict(), c.evict(), c.evict()] == [12, 11, 10, None]
+    assert not c.blocks and c.free_snapshots == [1, 0]
+
+
+def test_duplicate_blocks_stay_private_and_snapshots_recycle() -> None:
+    c = _filled(n_snap=1)
+    # another request prefilled the same first block into its own page: not cached
+    assert c.insert([1, 2, 3, 4], [20, 21], 2) == (None, False)
+    assert 20 not in c.by_page
+    # a second snapshot with one slot takes the least recently used one's
+    last, fresh = c.insert([1, 2, 8, 8, 0], [10, 22], 2)
+    assert fresh
+    assert c.snapshot_slot(last) == 0
+    assert c.match([1, 2, 3, 4, 5, 6, 7]) == []  # the first chain lost its snapshot
+    assert [b.page for b in c.match([1, 2, 8, 8, 0])] == [10, 22]
