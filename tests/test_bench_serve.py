@@ -67,3 +67,23 @@ def test_bench_serve_against_the_server(tmp_path, capsys):  # noqa: ANN001
         main(["--concurrency", "0"])
     assert main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
     assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_bench_serve_shared_prefix_hits(tmp_path, capsys):  # noqa: ANN001
+    # --prefix-len: one shared prefix before every prompt; with the server's prefix caching the
+    # bench reports the run's hits (the warm-up request cached the prefix's 256-token block)
+    d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
+    flags = ("--max-seqs", "2", "--max-seq-len", "1024", "--enable-prefix-caching")
+    srv = ServerProcess(d, tmp_path / "server.log", *flags)
+    try:
+        out = tmp_path / "bench.json"
+        argv = ["--base-url", srv.url, "--num-prompts", "3", "--concurrency", "1", "--warmup", "1"]
+        argv += ["--prefix-len", "260", "--input-len", "8", "--output-len", "2", "--json", str(out)]
+        assert main(argv) == 0
+        table = capsys.readouterr().out
+    finally:
+        srv.stop()
+    s = json.loads(out.read_text())["summary"]
+    assert s["total_input_tokens"] == 3 * 268
+    assert s["prefix_cache"] == {"queries": 3 * 268, "hits": 3 * 256, "hit_rate": 256 / 268}
+    assert "prefix cache hit rate" in table and "260 shared + 8 in" in table

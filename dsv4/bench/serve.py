@@ -10,8 +10,9 @@ bound; the decode graphs of later bounds are captured on first use).
 
 Per request: TTFT (send to the first streamed token chunk), ITL (gaps between token chunks), E2E
 latency, and TPOT = (E2E - TTFT) / (output tokens - 1) with the token count from the stream's usage
-chunk. With speculative decoding on the server, the run's acceptance rate and accept length
-(from its /metrics counters). Printed as a short table; `--json` writes the summary and the
+chunk. With speculative decoding on the server, the run's acceptance rate and accept length;
+with prefix caching, its hit rate (from its /metrics counters). `--prefix-len` puts one shared
+prefix before every prompt (vLLM's --random-prefix-len). Printed as a short table; `--json` writes the summary and the
 per-request rows.
 """
 
@@ -83,16 +84,30 @@ class Client:
 
 
 SPEC = ("drafts", "draft_tokens", "accepted_tokens")
+# the counters read before and after the run: key -> vLLM's /metrics name
+COUNTERS = {name: f"vllm:spec_decode_num_{name}_total" for name in SPEC} | {
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+}
 
 
-def spec_counters(client: Client) -> dict[str, float]:
-    """The server's speculative-decoding counters (vLLM's /metrics names; 0 where absent)."""
-    got = dict.fromkeys(SPEC, 0.0)
+def counters(client: Client) -> dict[str, float]:
+    """The server's speculative-decoding and prefix-cache counters (0 where absent)."""
+    got = dict.fromkeys(COUNTERS, 0.0)
     for line in client.text("GET", "/metrics").splitlines():
-        for name in SPEC:
-            if line.startswith(f"vllm:spec_decode_num_{name}_total"):
-                got[name] += float(line.rsplit(" ", 1)[1])
+        for key, name in COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                got[key] += float(line.rsplit(" ", 1)[1])
     return got
+
+
+def prefix_cache(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """The run's prefix-cache lookups (prompt tokens), or None where the server cached nothing."""
+    queries = after["prefix_queries"] - before["prefix_queries"]
+    if not queries:
+        return None
+    hits = after["prefix_hits"] - before["prefix_hits"]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries}
 
 
 def speculative(before: dict[str, float], after: dict[str, float]) -> dict | None:
@@ -106,19 +121,22 @@ def speculative(before: dict[str, float], after: dict[str, float]) -> dict | Non
     }
 
 
-def make_prompts(client: Client, model: str, n: int, input_len: int, seed: int) -> list[list[int]]:
-    """n prompts of exactly input_len token ids: windows of the server's tokenization of random
-    words (seeded)."""
+def make_prompts(
+    client: Client, model: str, n: int, input_len: int, seed: int, prefix_len: int = 0
+) -> list[list[int]]:
+    """n prompts of exactly prefix_len + input_len token ids: windows of the server's
+    tokenization of random words (seeded), each after one shared window of prefix_len."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words = [
-        "".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(4 * input_len)
-    ]
+    n_words = 4 * max(input_len, prefix_len)
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(n_words)]
     ids = client.json("POST", "/tokenize", {"model": model, "prompt": " ".join(words)})["tokens"]
-    if len(ids) < input_len + 1:
-        raise BenchError(f"the text tokenized to {len(ids)} ids, fewer than --input-len")
+    if len(ids) < max(input_len, prefix_len) + 1:
+        raise BenchError(f"the text tokenized to {len(ids)} ids, fewer than the lengths asked")
+    start = rng.randrange(0, len(ids) - prefix_len) if prefix_len else 0
+    prefix = ids[start : start + prefix_len]
     starts = [rng.randrange(0, len(ids) - input_len) for _ in range(n)]
-    return [ids[s : s + input_len] for s in starts]
+    return [prefix + ids[s : s + input_len] for s in starts]
 
 
 def one_request(client: Client, model: str, prompt: list[int], output_len: int) -> RequestResult:
@@ -236,7 +254,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 def report(s: dict, args: argparse.Namespace) -> str:
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
     lines = [
-        f"model {args.model_name}, {args.num_prompts} prompts x ({args.input_len} in, "
+        f"model {args.model_name}, {args.num_prompts} prompts x ("
+        + (f"{args.prefix_len} shared + " if args.prefix_len else "")
+        + f"{args.input_len} in, "
         f"{args.output_len} out), concurrency {args.concurrency}, request rate {rate}",
         f"{'completed / failed':<28}{s['completed']} / {s['failed']}",
         f"{'duration (s)':<28}{s['duration_s']:.2f}",
@@ -258,6 +278,12 @@ def report(s: dict, args: argparse.Namespace) -> str:
             f"({sp['accepted_tokens']:.0f} of {sp['draft_tokens']:.0f} draft tokens)",
             f"{'spec. accept length':<28}{sp['accept_length']:.2f} tokens a verification",
         ]
+    pc = s.get("prefix_cache")
+    if pc:
+        lines.append(
+            f"{'prefix cache hit rate':<28}{100 * pc['hit_rate']:.1f}% "
+            f"({pc['hits']:.0f} of {pc['queries']:.0f} prompt tokens)"
+        )
     return "\n".join(lines)
 
 
@@ -271,6 +297,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson, requests/s")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--prefix-len",
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="a shared prefix of this many tokens before every prompt (vLLM's --random-prefix-len)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="requests first (default: concurrency)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -281,6 +314,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if a.request_rate <= 0:
         p.error("--request-rate must be > 0")
+    if a.prefix_len < 0:
+        p.error("--prefix-len must be >= 0")
     return a
 
 
@@ -291,9 +326,8 @@ def main(argv: list[str]) -> int:
         if args.model_name is None:
             args.model_name = client.json("GET", "/v1/models")["data"][0]["id"]
         warmup = args.concurrency if args.warmup is None else args.warmup
-        prompts = make_prompts(
-            client, args.model_name, warmup + args.num_prompts, args.input_len, args.seed
-        )
+        prompts = make_prompts(client, args.model_name, warmup + args.num_prompts,
+                               args.input_len, args.seed, args.prefix_len)  # fmt: skip
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -305,14 +339,17 @@ def main(argv: list[str]) -> int:
             print(f"error: warm-up requests failed: {bad[0]}", file=sys.stderr)
             return 2
     try:
-        before = spec_counters(client)
+        before = counters(client)
         results, duration = run(client, args.model_name, prompts[warmup:], args.output_len,
                                 args.concurrency, args.request_rate, args.seed)  # fmt: skip
-        after = spec_counters(client)
+        after = counters(client)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = summarize(results, duration) | {"speculative": speculative(before, after)}
+    summary = summarize(results, duration) | {
+        "speculative": speculative(before, after),
+        "prefix_cache": prefix_cache(before, after),
+    }
     print(report(summary, args))
     errors = sorted({r.error for r in results if not r.ok})
     for e in errors[:5]:
