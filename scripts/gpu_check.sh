@@ -165,8 +165,11 @@ for part in $PARTS; do
     serve)  # `dsv4 bench serve` on a tiny model served on the GPU defaults and eagerly: the
       # serving stack's own ceiling (host, engine, HTTP), its model time negligible
       python3 -m dsv4.cli make-tiny /tmp/serve_tiny --tokenizer bytes --vocab-size 300 > /dev/null
-      for mode in graphs eager; do
-        flags=$([ $mode = eager ] && echo --enforce-eager)
+      # (SERVE_MODES="prefix": graphs and prefix caching, every prompt after one shared
+      # PREFIX_LEN-token prefix)
+      for mode in ${SERVE_MODES:-graphs eager}; do
+        case $mode in eager) flags=--enforce-eager ;; prefix) flags=--enable-prefix-caching ;; *) flags= ;; esac
+        shared=$([ $mode = prefix ] && echo --prefix-len ${PREFIX_LEN:-1024})
         python3 -m dsv4.cli serve --model /tmp/serve_tiny --port 8123 --max-seqs 64 $flags \
           > "$OUT/serve_$mode.log" 2>&1 &
         pid=$!
@@ -182,7 +185,7 @@ sys.exit(1)" 2>/dev/null; then
         for c in ${SERVE_CONCURRENCY:-1 16 64}; do
           echo "== $mode, concurrency $c" | tee -a "$OUT/serve_bench.txt"
           python3 -m dsv4.cli bench serve --base-url http://127.0.0.1:8123 --concurrency $c \
-            --num-prompts $((c * 4)) --input-len 256 --output-len 64 2>&1 | tee -a "$OUT/serve_bench.txt"
+            --num-prompts $((c * 4)) --input-len 256 --output-len 64 $shared 2>&1 | tee -a "$OUT/serve_bench.txt"
         done
         kill $pid; wait $pid
       done ;;
