@@ -1317,7 +1317,7 @@ def probe_moe_sm90() -> None:
     # the Gluon sm_90 experts (codes decoded into the wgmma register operand) against tl.dot_scaled
     # and the GEMV form, T = 1..64, at the default tiles and a few others; GB/s on the routed
     # experts' bytes, error against the reference
-    from dsv4.ops import moe, moe_sm90
+    from dsv4.ops import moe_sm90
 
     experts = _moe_experts()
     copy_floor("copy_ 128 MiB", 128 << 20)
@@ -1347,22 +1347,30 @@ def probe_moe_sm90() -> None:
         for name, kw, tile in variants:
             moe_sm90.CONFIG = dict(tile or default)
             moe_sm90._experts_kernel = moe_sm90.CONFIG.pop("prev", kernel)
-            try:
-                got = moe.moe_experts(x, weights, idx, experts, **kw)
-                err = float((got - want).norm() / want.norm())
-                us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
-                   nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
-            except Exception as e:  # noqa: BLE001  (a tile that does not compile / fit)
-                print(f"moe T={T} {name}: {type(e).__name__} {str(e)[:120]}", flush=True)
+            _moe_variant(f"moe T={T} {name}", (x, weights, idx, experts), kw, want, nbytes)
     moe_sm90.CONFIG = default
     moe_sm90._experts_kernel = kernel
+
+
+def _moe_variant(name: str, inputs: tuple, kw: dict, want: torch.Tensor, nbytes: int) -> None:
+    # one expert variant: its error against the reference, then its time (a tile that does not
+    # compile or fit is reported and skipped)
+    from dsv4.ops import moe
+
+    try:
+        got = moe.moe_experts(*inputs, **kw)
+        err = float((got - want).norm() / want.norm())
+        us(name, lambda: moe.moe_experts(*inputs, **kw), nbytes=nbytes,
+           note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        print(f"{name}: {type(e).__name__} {str(e)[:160]}", flush=True)
 
 
 def probe_moe_prefill() -> None:
     # the routed experts at prefill-sized batches (T = 512..4096 tokens, k=6): the sm90 experts at
     # wider row-blocks (BLOCK_M pairs: each block reads its expert's weights once) against
     # tl.dot_scaled, error against the reference
-    from dsv4.ops import moe, moe_sm90
+    from dsv4.ops import moe_sm90
 
     experts = _moe_experts()
     default, block_m = dict(moe_sm90.CONFIG), moe_sm90.block_m
@@ -1375,13 +1383,7 @@ def probe_moe_prefill() -> None:
         for name, kw, tile in variants:
             moe_sm90.CONFIG = dict(tile or default)
             moe_sm90.block_m = lambda pairs: moe_sm90.CONFIG["BLOCK_M"]  # noqa: ARG005
-            try:
-                got = moe.moe_experts(x, weights, idx, experts, **kw)
-                err = float((got - want).norm() / want.norm())
-                us(f"moe T={T} {name}", lambda kw=kw: moe.moe_experts(x, weights, idx, experts, **kw),  # noqa: B023
-                   nbytes=nbytes, note=f" of expert bytes, rel err vs ref {err:.1e}")  # fmt: skip
-            except Exception as e:  # noqa: BLE001  (a tile that does not compile / fit)
-                print(f"moe T={T} {name}: {type(e).__name__} {str(e)[:160]}", flush=True)
+            _moe_variant(f"moe T={T} {name}", (x, weights, idx, experts), kw, want, nbytes)
             moe_sm90.block_m = block_m
     moe_sm90.CONFIG = default
 
