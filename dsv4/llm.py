@@ -286,8 +286,9 @@ class LLM:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         k_max = longest.bit_length()
         lengths = sorted({min((1 << k) + e, longest) for k in range(k_max) for e in (0, 1)})
-        for n in lengths:  # one request a call: a step of exactly n tokens
-            self.generate([[tok] * n], one)
+        for n in lengths:  # one request a call: a step of exactly n tokens (prefix caching: the
+            self.generate([[tok] * n], one)  # steps a prompt of n tokens is cut into)
+            self._forget()
         top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)
         batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
         # (speculative decoding: long enough for a step that verifies all k drafts)
@@ -295,12 +296,20 @@ class LLM:
         decode = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for b in batches:  # prefill of b, then decode steps of b sequences
             self.generate([[tok] * 4] * b, decode)
+            self._forget()
+        if s.cache is not None:  # its counters start with the served requests
+            s.cache.queries = s.cache.hits = 0
         took = time.perf_counter() - t0
         log.info(
             "warm-up: prefills of %d lengths (1..%d), decodes of %s sequences, %.1f s",
             len(lengths), longest, batches, took,
         )  # fmt: skip
         return took
+
+    def _forget(self) -> None:
+        # warm-up: no prompt finds the last one's blocks (every rank drops them)
+        if self.engine.scheduler.cache is not None:
+            self.engine.flush_cache()
 
     def generate(
         self,

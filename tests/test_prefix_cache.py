@@ -144,6 +144,19 @@ def test_flush_drops_unheld_blocks(model_dir: Path, plain: list) -> None:
     _same(_one_by_one(llm), plain)
 
 
+def test_warmup_leaves_the_cache_empty(model_dir: Path, plain: list) -> None:
+    # the warm-up's prompts (one token repeated) find nothing of each other's: each prefill is
+    # cut only as a served prompt's would be; then nothing is cached and nothing counted
+    llm = LLM(model_dir, enable_prefix_caching=True, **KW)
+    flushes = []
+    real = llm.engine.flush_cache
+    llm.engine.flush_cache = lambda: flushes.append(real())
+    llm.warmup()
+    cache = llm.engine.scheduler.cache
+    assert not cache.blocks and cache.queries == cache.hits == 0 and sum(flushes) > 0
+    _same(_one_by_one(llm), plain)
+
+
 def test_off_by_default_and_bad_snapshots(model_dir: Path) -> None:
     llm = LLM(model_dir, **KW)
     assert llm.engine.scheduler.cache is None and llm.state.snapshots == []
