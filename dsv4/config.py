@@ -728,6 +728,7 @@ class ServerConfig:
     enable_prefix_caching: bool = False  # vLLM's flag (`dsv4.prefix_cache`)
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
+    disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)
     profile_dir: str | None = None  # where /start_profile writes traces unless it names one
 
     def __post_init__(self) -> None:

@@ -206,3 +206,46 @@ class RequestTrace:
         self.done = True
         self.metrics.finished[reason] += 1
         self.metrics.e2e.observe(now - self.arrival)
+
+
+class StatsLogger:
+    """vLLM's periodic engine line, from the server's token counters and the engine's stats:
+    "Engine 000: Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s,
+    Running: N reqs, Waiting: M reqs, GPU KV cache usage: Z%, Prefix cache hit rate: H%" (the
+    rates over the interval; prompt tokens: those of the requests that started in it), then,
+    with speculative decoding, a "SpecDecoding metrics" line. Nothing for an idle interval."""
+
+    def __init__(self, metrics: ServerMetrics, now: float | None = None) -> None:
+        self.metrics = metrics
+        self._at = time.monotonic() if now is None else now
+        self._tokens = (metrics.prompt_tokens, metrics.generation_tokens)
+        self._stats: EngineStats | None = None
+
+    def lines(self, stats: EngineStats, now: float) -> list[str]:
+        m, (p0, g0), prev = self.metrics, self._tokens, self._stats
+        dt = max(now - self._at, 1e-9)
+        p, g = m.prompt_tokens, m.generation_tokens
+        self._at, self._tokens, self._stats = now, (p, g), stats
+        if p == p0 and g == g0 and not stats.num_running and not stats.num_waiting:
+            return []
+
+        def delta(name: str) -> float:
+            return getattr(stats, name) - (getattr(prev, name) if prev is not None else 0)
+
+        queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
+        out = [
+            f"Engine 000: Avg prompt throughput: {(p - p0) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(g - g0) / dt:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"GPU KV cache usage: {100 * stats.state_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        ]
+        drafts, drafted = delta("num_drafts"), delta("num_draft_tokens")
+        if drafts:
+            accepted = delta("num_accepted_tokens")
+            out.append(
+                f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted: {accepted:.0f} tokens, Drafted: {drafted:.0f} tokens, "
+                f"Acceptance rate: {100 * accepted / drafted:.1f}%"
+            )
+        return out

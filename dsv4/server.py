@@ -30,7 +30,7 @@ from dsv4.asgi import ClientGone, RequestGate, SSEResponse, error_response, sse,
 from dsv4.chat import encode_messages
 from dsv4.config import AUTO_FLAGS, ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
-from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics
+from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics, StatsLogger
 from dsv4.profiler import ProfilerError
 from dsv4.protocol import (
     ApiError,
@@ -292,15 +292,30 @@ def _first_loc(errors: list[dict]) -> tuple[str | None, str]:
     return param, msg + more
 
 
+STATS_INTERVAL = 5.0  # seconds between the engine lines (vLLM's default)
+
+
+async def log_stats(server: Server) -> None:
+    """vLLM's periodic engine line while the server is busy (`StatsLogger`)."""
+    logger = StatsLogger(server.metrics)
+    while True:
+        await asyncio.sleep(STATS_INTERVAL)
+        if server.engine is not None:
+            for line in logger.lines(server.engine.stats(), time.monotonic()):
+                log.info("%s", line)
+
+
 def build_app(server: Server) -> FastAPI:
     """The ASGI app; `server` holds the model (loaded by the lifespan if not already)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         task = asyncio.create_task(server.load_in_background()) if server.engine is None else None
+        stats = None if server.config.disable_log_stats else asyncio.create_task(log_stats(server))
         yield
-        if task is not None:
-            task.cancel()
+        for t in (task, stats):
+            if t is not None:
+                t.cancel()
         server.shutdown()
 
     app = FastAPI(title="dsv4", version=__version__, lifespan=lifespan)
@@ -592,6 +607,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         dest="warmup",
         action="store_false",
         help="serve at once on a GPU: kernels compile and graphs capture on first use instead",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic engine line (throughputs, running / waiting, state use, cache hits)",
     )
     ns = p.parse_args(argv)
     # the engine flags' "auto" filled in now, so a bad --device fails before the server starts

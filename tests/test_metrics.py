@@ -1,0 +1,79 @@
+"""The periodic engine line (`StatsLogger`, vLLM's format) and the server task that logs it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from dsv4 import server as server_mod
+from dsv4.engine import EngineStats
+from dsv4.metrics import ServerMetrics, StatsLogger
+from dsv4.tiny import make_tiny, tiny_args
+from tests.serving import in_process
+
+
+def _stats(**kw) -> EngineStats:  # noqa: ANN003
+    base = dict(num_running=2, num_waiting=1, num_pages=10, num_free_pages=6, num_preemptions=0)
+    return EngineStats(**(base | kw))
+
+
+def test_the_line_from_counters_and_stats() -> None:
+    m = ServerMetrics("m")
+    logger = StatsLogger(m, now=0.0)
+    m.prompt_tokens, m.generation_tokens = 1000, 50
+    lines = logger.lines(
+        _stats(prefix_cache_queries=1000, prefix_cache_hits=250, num_drafts=10,
+               num_draft_tokens=20, num_accepted_tokens=5),
+        now=5.0,
+    )  # fmt: skip
+    assert lines == [
+        "Engine 000: Avg prompt throughput: 200.0 tokens/s, Avg generation throughput: 10.0 "
+        "tokens/s, Running: 2 reqs, Waiting: 1 reqs, GPU KV cache usage: 40.0%, Prefix cache hit "
+        "rate: 25.0%",
+        "SpecDecoding metrics: Mean acceptance length: 1.50, Accepted: 5 tokens, Drafted: 20 "
+        "tokens, Acceptance rate: 25.0%",
+    ]
+    # the next interval counts from here: nothing new and nothing running -> no line
+    assert logger.lines(_stats(num_running=0, num_waiting=0, num_drafts=10), now=10.0) == []
+    m.generation_tokens += 30
+    (line,) = logger.lines(_stats(num_drafts=10, num_draft_tokens=20, num_accepted_tokens=5), 13.0)
+    assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 10.0" in line
+    assert "Prefix cache hit rate: 0.0%" in line
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
+    return make_tiny(tmp_path_factory.mktemp("m"), tiny_args(vocab_size=300))
+
+
+def test_server_logs_the_line_while_busy(model_dir: Path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    monkeypatch.setattr(server_mod, "STATS_INTERVAL", 0.05)
+    server, ac = in_process(model_dir, max_seqs=2)
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+
+    async def go() -> tuple[int, int]:
+        async with ac:
+            task = asyncio.create_task(server_mod.log_stats(server))
+            status = (await ac.post("/v1/completions", json=body)).status_code
+            during = len(_lines(caplog))
+            await asyncio.sleep(0.3)  # six intervals, idle after the first
+            task.cancel()
+            return status, during
+
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        try:
+            status, during = asyncio.run(go())
+        finally:
+            server.shutdown()
+    lines = _lines(caplog)
+    # at most the interval the request finished in, then nothing (idle intervals log no line)
+    assert status == 200 and lines and len(lines) - during <= 1
+    assert "Avg generation throughput" in lines[-1] and "Running: 0 reqs" in lines[-1]
+    assert sum(float(ln.split("generation throughput: ")[1].split()[0]) for ln in lines) > 0
+
+
+def _lines(caplog) -> list[str]:  # noqa: ANN001
+    return [r.getMessage() for r in caplog.records if "Engine 000" in r.getMessage()]
