@@ -149,6 +149,12 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         check_prompt(prompt_ids, self.args.vocab_size, self.state.max_seq_len, generate=True)
+        bad = [t for t in params.token_ids() if t >= self.args.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias / allowed_token_ids name token ids out of range "
+                f"[0, {self.args.vocab_size}): {bad[:5]}"
+            )
         room = self.state.max_seq_len - len(prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
         req = Request(request_id, list(prompt_ids), params, max_tokens)

@@ -85,7 +85,8 @@ class GenerationRequest(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    allowed_token_ids: list[int] | None = None  # vLLM extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
@@ -103,8 +104,9 @@ class GenerationRequest(BaseModel):
         """Refusals that pydantic's field types cannot express."""
         if self.n > MAX_CHOICES:
             raise ApiError(400, f"n={self.n} exceeds {MAX_CHOICES}", "n")
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
 
@@ -131,6 +133,10 @@ class GenerationRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias={int(k): v for k, v in self.logit_bias.items()}
+                if self.logit_bias
+                else None,
+                allowed_token_ids=self.allowed_token_ids,
             )
         except ValueError as e:  # SamplingParams messages start with the field name
             field = str(e).split(" ", 1)[0]

@@ -43,6 +43,9 @@ class SamplingParams:
     # each prompt token's logprob (and the top n) given the tokens before it; the first: None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # added to the logits before anything else (OpenAI's logit_bias: token id -> [-100, 100])
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +105,28 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and v >= 0), f"{name} must be >= 0, got {v!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            _check(
+                all(
+                    _is_int(t) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                    for t, b in self.logit_bias.items()
+                ),
+                f"logit_bias must map token ids >= 0 to values in [-100, 100], "
+                f"got {self.logit_bias!r}",
+            )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(
+                bool(self.allowed_token_ids)
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                f"allowed_token_ids must be a non-empty list of token ids >= 0, "
+                f"got {self.allowed_token_ids!r}",
+            )
+
+    def token_ids(self) -> list[int]:
+        """The token ids the settings name (for the vocabulary check of `Engine.add_request`)."""
+        return list(self.logit_bias or ()) + list(self.allowed_token_ids or ())
 
     @property
     def greedy(self) -> bool:
@@ -188,6 +213,28 @@ class Sampler:
         idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
         return logits.index_put(idx, torch.tensor(-math.inf, device=logits.device))
 
+    @staticmethod
+    def bias(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        # allowed_token_ids: every other token -inf; then logit_bias added
+        dev = logits.device
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if allowed:
+            keep = torch.zeros(len(allowed), logits.shape[1], dtype=torch.bool, device=dev)
+            for j, i in enumerate(allowed):
+                keep[j, params[i].allowed_token_ids] = True
+            rows = torch.tensor(allowed, device=dev)
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~keep, -math.inf))
+        rows, cols, vals = [], [], []
+        for i, p in enumerate(params):
+            for t, b in (p.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(t)
+                vals.append(float(b))
+        if rows:
+            idx = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            logits = logits.index_put(idx, torch.tensor(vals, device=dev), accumulate=True)
+        return logits
+
     def process(
         self,
         logits: Tensor,
@@ -196,11 +243,12 @@ class Sampler:
         output_ids: list[list[int]],
     ) -> Tensor:
         """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax)."""
-        # min_tokens mask -> penalties -> temperature -> min_p -> top_k -> top_p (vLLM v1 order);
-        # greedy rows stop after the penalties
+        # min_tokens mask -> allowed_token_ids, logit_bias -> penalties -> temperature -> min_p ->
+        # top_k -> top_p (vLLM v1 order); greedy rows stop after the penalties
         B, V = logits.shape
         dev = logits.device
         logits = self.mask_min_tokens(logits, params, output_ids)
+        logits = self.bias(logits, params)
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
         if all(p.greedy for p in params):
             return logits

@@ -78,6 +78,10 @@ def ref_probs(logits: torch.Tensor, temperature: float, min_p: float, top_k: int
         ("stop", ["ok", ""]),
         ("stop_token_ids", [-1]),
         ("logprobs", -1),
+        ("logit_bias", {3: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [2, -3]),
     ],
 )
 def test_params_reject(field, value):
@@ -220,6 +224,25 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert got == [3, 3, 1, 1]  # row 3: ignore_eos -> EOS never stops, so it is not masked
     proc = Sampler(EOS).process(logits, params, [[]] * 4, outs)
     assert torch.isinf(proc[0, [1, 5]]).all() and torch.isfinite(proc[2]).all()
+
+
+def test_logit_bias_and_allowed_token_ids():
+    # bias moves greedy and sampled choices (after the min_tokens mask, before penalties and
+    # temperature); allowed_token_ids leaves only its tokens; logprobs stay the raw model's
+    logits = torch.tensor([[0.0, 9.0, 0.0, 7.0, 0.0, 8.0]]).expand(4, -1).contiguous()
+    params = [
+        SamplingParams(temperature=0, logit_bias={1: -100}, logprobs=0),  # 5 is next best
+        SamplingParams(temperature=0, logit_bias={0: 100, 1: -1.5}),
+        SamplingParams(temperature=0, allowed_token_ids=[0, 3]),
+        SamplingParams(temperature=0.7, allowed_token_ids=[2], logit_bias={2: -100}),
+    ]
+    out = sample(logits, params)
+    assert out.token_ids.tolist() == [5, 0, 3, 2]
+    assert out.logprobs[0] == torch.log_softmax(logits[0], -1)[5]  # raw, not biased
+    proc = Sampler(EOS).process(logits, params, [[]] * 4, [[]] * 4)
+    assert proc[1, 1] == 7.5 and proc[1, 0] == 100.0
+    assert torch.isinf(proc[2, [1, 2, 4, 5]]).all() and proc[2, 3] == 7.0
+    assert SamplingParams(logit_bias={7: 1}, allowed_token_ids=[9]).token_ids() == [7, 9]
 
 
 # ---- seeds and logprobs

@@ -480,11 +480,31 @@ BAD = [
         400,
         "tool_choice",
     ),  # fmt: skip
+    ("logit-bias-key", "POST", C, {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("logit-bias-range", "POST", C, {"prompt": "hi", "logit_bias": {"5": 200}}, 400, "logit_bias"),
+    ("logit-bias-vocab", "POST", C, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, None),
+    (
+        "allowed-none",
+        "POST",
+        C,
+        {"prompt": "hi", "allowed_token_ids": []},
+        400,
+        "allowed_token_ids",
+    ),
     ("unknown-route", "GET", "/v1/nothing", b"", 404, None),
     ("wrong-method", "GET", C, b"", 405, None),
     ("detokenize-bad-id", "POST", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("tokenize-nothing", "POST", "/tokenize", {}, 400, "prompt"),
 ]
+
+
+def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
+    # OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids steer the choice
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    forced = httpx.post(server.url + C, json=body | {"logit_bias": {"7": 100}}).json()
+    assert forced["choices"][0]["token_ids"] == [7, 7, 7]
+    only = httpx.post(server.url + C, json=body | {"allowed_token_ids": [9, 11]}).json()
+    assert set(only["choices"][0]["token_ids"]) <= {9, 11}
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])  # fmt: skip
