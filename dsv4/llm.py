@@ -306,6 +306,35 @@ class LLM:
         )  # fmt: skip
         return took
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (OpenAI messages) or a list of them, rendered in
+        the DeepSeek-V4 chat format (`dsv4.chat.encode_messages`; chat_template_kwargs:
+        thinking, reasoning_effort, drop_thinking), then generated. The text comes back raw
+        (thinking and DSML tool calls unparsed, as vLLM's offline chat)."""
+        from dsv4.chat import encode_messages
+
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kw = dict(chat_template_kwargs or {})
+        bad = set(kw) - {"thinking", "reasoning_effort", "drop_thinking"}
+        if bad:
+            raise ValueError(f"chat_template_kwargs: unknown keys {sorted(bad)}")
+        ids = [
+            self.tokenizer.encode(
+                encode_messages(c, tools=tools, **kw), add_special_tokens=False
+            ).ids
+            for c in conversations
+        ]
+        return self.generate(ids, params, use_tqdm)
+
     def _forget(self) -> None:
         # warm-up: no prompt finds the last one's blocks (every rank drops them)
         if self.engine.scheduler.cache is not None:

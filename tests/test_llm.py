@@ -162,3 +162,20 @@ def test_kv_cache_dtype_flag_and_config(llm, monkeypatch):  # noqa: ANN001
         main(["generate", "hi", "--model", d, "--kv-cache-dtype", "fp4"])
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp4")
+
+
+def test_chat_is_generate_on_the_chat_format(llm):  # noqa: ANN001
+    # vLLM's LLM.chat: conversations rendered by encode_messages, then generated
+    from dsv4.chat import encode_messages
+
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    talk = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    other = [{"role": "user", "content": "why"}]
+    a, b = llm.chat([talk, other], sp, chat_template_kwargs={"thinking": True})
+    ids = llm.tokenizer.encode(encode_messages(talk, thinking=True), add_special_tokens=False).ids
+    assert a.prompt_token_ids == ids and a.token_ids == llm.generate([ids], sp)[0].token_ids
+    assert llm.chat(other, sp)[0].prompt_token_ids != b.prompt_token_ids  # thinking changes it
+    with pytest.raises(ValueError, match="unknown keys"):
+        llm.chat(talk, sp, chat_template_kwargs={"thinkng": True})
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "x"}], sp)
