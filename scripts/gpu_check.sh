@@ -70,10 +70,12 @@ for part in $PARTS; do
         --bench "$OUT/bench_step.json" 2>&1 | tee "$OUT/roofline.txt" ;;
     spec_step)  # speculative decoding: the verify step of K drafts beside the decode step
       # (K = 0), graphs at Flash width, 4K; ratio = the accepted tokens a step must average
+      # (SPEC_PROFILE=1: the per-category breakdown too, e.g. of batch 1's 2-token step)
       for k in ${DRAFTS:-0 1 2}; do
         python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca \
           --batch ${SPEC_BATCH:-1,16,64} --context 4096 --prefill 0 --repeat 3 --graph \
-          --draft-tokens "$k" --json "$OUT/spec_step$k.json" 2>&1 | tee "$OUT/spec_step$k.txt"
+          --draft-tokens "$k" ${SPEC_PROFILE:+--profile} --json "$OUT/spec_step$k.json" 2>&1 \
+          | tee "$OUT/spec_step$k.txt"
       done ;;
     rows_ab)  # verify steps (K drafts) with the row limits of the FP8 and expert kernels as
       # before (64 rows, 512 pairs: the reference and tl.dot_scaled above) and as now
