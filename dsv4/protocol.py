@@ -80,6 +80,7 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0)
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM extension
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     min_tokens: int = Field(0, ge=0)
@@ -129,6 +130,7 @@ class GenerationRequest(BaseModel):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,

@@ -37,6 +37,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = until EOS or the context limit
     min_tokens: int = 0
     stop: list[str] | str | None = None  # normalized to list[str]
+    include_stop_str_in_output: bool = False  # vLLM's: a matched stop string stays in the text
     stop_token_ids: list[int] | None = None  # normalized to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs; 0 = only the chosen token's
@@ -394,7 +395,9 @@ class StopChecker:
             old_len = len(self._pending)
             self._pending += detokenize([tok])
             if can_stop and (hit := self._find_stop(old_len)) is not None:
-                self._pending = self._pending[: hit[0]]  # trim just before the stop string
+                # trim just before the stop string (or just after it)
+                keep = len(hit[1]) if p.include_stop_str_in_output else 0
+                self._pending = self._pending[: hit[0] + keep]
                 return self._finish(n, "stop", hit[1])
             if p.max_tokens is not None and self.num_tokens >= p.max_tokens:
                 return self._finish(n, "length", None)

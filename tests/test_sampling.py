@@ -342,6 +342,15 @@ def test_stop_string_spanning_tokens_held_and_trimmed():
     assert [r.delta for r in rs] == ["He", "l", "lo!", "rld"] and rs[-1].finish_reason is None
 
 
+def test_include_stop_str_in_output():
+    # vLLM's flag: the matched stop string ends the text instead of being cut off
+    pieces = ["Hel", "<eos>", "lo", " wo", "rld", "!"]
+    params = SamplingParams(stop=["lo wo"], max_tokens=None, include_stop_str_in_output=True)
+    sc, rs = run_checker(params, pieces, [[0], [2], [3, 4]])
+    assert rs[-1].finish_reason == "stop" and rs[-1].stop_reason == "lo wo"
+    assert sc.output_text == "Hello wo" and "".join(r.delta for r in rs) == "Hello wo"
+
+
 def test_stop_multi_token_step_earliest_stop_and_inner_trim():
     pieces = ["Hel", "<eos>", "lo", " wo", "rld", "!"]
     sc, rs = run_checker(SamplingParams(stop=["lo wo"]), pieces, [[0, 2, 3, 4, 5]])

@@ -507,6 +507,22 @@ def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
     assert set(only["choices"][0]["token_ids"]) <= {9, 11}
 
 
+def test_include_stop_str_in_output(server):  # noqa: ANN001
+    # vLLM's flag keeps the matched stop string at the end of the text
+    body = {"prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(server.url + C, json=body).json()["choices"][0]["text"]
+    assert len(full) >= 5
+    stop = full[3:5]
+    i = full.find(stop)
+    cut = httpx.post(server.url + C, json=body | {"stop": stop}).json()["choices"][0]
+    kept = httpx.post(
+        server.url + C, json=body | {"stop": stop, "include_stop_str_in_output": True}
+    )
+    kept = kept.json()["choices"][0]
+    assert cut["text"] == full[:i] and kept["text"] == full[: i + len(stop)]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize(("method", "path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])  # fmt: skip
 def test_bad_input_gets_openai_error(server, method, path, body, status, param):  # noqa: ANN001
     if isinstance(body, bytes):
