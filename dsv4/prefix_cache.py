@@ -7,8 +7,9 @@ DeepSeek-V4's state (`dsv4.state`) has two parts:
     half-window). Later tokens overwrite them.
 So a cached prefix of P tokens (a multiple of the block size) is the pages of its blocks, shared
 by reference count, plus a snapshot of the rings at P (`DecodeState.save_snapshot`), copied into
-the new request's slot (`load_snapshot`). Snapshots are taken where a prefill chunk ends on a
-block boundary (the scheduler ends a prompt's last chunk on one, `Scheduler._cut`).
+the new request's slot (`load_snapshot`). Snapshots are taken wherever a step leaves a sequence
+on a block boundary: prefill chunks (the scheduler ends a prompt's last chunk on one,
+`Scheduler._cut`) and decode steps, so generated tokens are cached too.
 
 Blocks are keyed exactly by (parent block id, the block's token ids): a trie, no hash that could
 collide. A request hits the longest chain of cached blocks ending at a snapshot that leaves it at

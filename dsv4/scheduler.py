@@ -223,14 +223,16 @@ class Scheduler:
         return last - start if start < last < start + n else n
 
     def cache_prefixes(self, work: list[Work]) -> None:
-        """After a step (its MTP pass included): cache the blocks of each prefill chunk that ended
-        on a block boundary, and snapshot the rings there."""
+        """After a step (its MTP pass included): where a request's kept state now ends on a block
+        boundary (a prefill chunk's end, or a decode step's tokens, generated ones included),
+        cache its blocks and snapshot the rings there. Rejected drafts past the boundary wrote
+        only ring rows the next token does not read, and pages past it."""
         if self.cache is None:
             return
         bs = self.state.block_size
         for w in work:
-            r, end = w.request, w.start + w.n
-            if r.slot is None or w.samples or not r.cacheable or end % bs or r.num_computed != end:
+            r, end = w.request, w.request.num_computed
+            if r.slot is None or not r.cacheable or end % bs or end <= w.start:
                 continue
             last, fresh = self.cache.insert(r.all_ids, r.pages, end // bs)
             if fresh:

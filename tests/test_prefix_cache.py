@@ -1,6 +1,7 @@
 """Prefix caching: a request that starts from a cached prefix (shared pages, the rings' snapshot)
 gives what it gives without the cache, for every attention kind, with speculative decoding, FP8
-state, under page pressure and on two ranks; and the cache's bookkeeping."""
+state, under page pressure, on two ranks and past generated tokens; and the cache's
+bookkeeping."""
 
 from __future__ import annotations
 
@@ -121,6 +122,26 @@ def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list) ->
     assert llm.engine.stats().num_preemptions == 0 and llm.engine.stats().prefix_cache_hits > 0
     assert next(cache._ids) > 7  # more blocks were cached than there are pages: some evicted
     assert len(cache.free_snapshots) + len(cache.with_snapshot) == snaps
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_generated_tokens_are_cached_too(model_dir: Path, k: int) -> None:
+    # a follow-up prompt that repeats a prompt and its output (a multi-turn chat that keeps the
+    # reply) hits the blocks decode steps filled, snapshotted where a step ended on a boundary
+    # (with drafts: where the accepted tokens landed on one)
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = _prompts()[3] + _prompts()[1]  # 70 tokens: its prompt's snapshots end at 64
+    llm = LLM(model_dir, enable_prefix_caching=True, speculative_config=spec, **KW)
+    out = llm.generate(first, long)[0]
+    follow = first + out.token_ids + [7, 8, 9]
+    want = LLM(model_dir, speculative_config=spec, **KW).generate(follow, GREEDY)[0]
+    before = llm.engine.stats().prefix_cache_hits
+    _same([llm.generate(follow, GREEDY)[0]], [want])
+    hit = llm.engine.stats().prefix_cache_hits - before
+    assert hit > 64  # past the prompt: blocks of generated tokens (80 or 96 of the 103)
+    if not k:  # one token a step lands on every boundary
+        assert hit == 96
 
 
 def test_prompt_logprobs_bypass_the_cache(model_dir: Path) -> None:
