@@ -44,6 +44,7 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
 
     @property
     def finished(self) -> bool:
@@ -385,6 +386,7 @@ class Engine:
             out.token_ids = list(req.output_ids)
             out.delta_text = res.delta
             out.text += res.delta
+            out.num_cached_tokens = req.num_cached
             if req.params.prompt_logprobs is not None:
                 out.prompt_logprobs = req.extra.get("prompt_logprobs", [None])
             if out.logprobs is not None:

@@ -10,10 +10,15 @@ from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
 
 def usage_of(outs: list[RequestOutput], n: int = 1) -> dict:
     """Usage of one or several choices, n per prompt (in order): each prompt counted once, as
-    vLLM; completion_tokens counts a stop token too (it was generated, as vLLM counts it)."""
+    vLLM; completion_tokens counts a stop token too (it was generated, as vLLM counts it);
+    prompt_tokens_details.cached_tokens where the prefix cache found some."""
     n_in = sum(len(o.prompt_token_ids) for o in outs[::n])
     n_out = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+    cached = sum(o.num_cached_tokens for o in outs[::n])
+    if cached:  # prefix caching found some: OpenAI's field
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 class Formatter:
@@ -309,7 +314,7 @@ class NativeFormatter:
                 "id": self.id,
                 "prompt_tokens": len(out.prompt_token_ids),
                 "completion_tokens": len(out.token_ids),
-                "cached_tokens": 0,
+                "cached_tokens": out.num_cached_tokens,
                 "finish_reason": self._finish(out),
             },
         }

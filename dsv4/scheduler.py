@@ -28,6 +28,7 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose state is in the pools
+    num_cached: int = 0  # of them, found in the prefix cache at the latest admission
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
@@ -204,7 +205,8 @@ class Scheduler:
 
     def _start_from(self, req: Request, chain: list[Block]) -> None:
         # the new slot takes the prefix's pages and the rings after its last block
-        self.cache.count(req.num_tokens, len(chain) * self.state.block_size)
+        req.num_cached = len(chain) * self.state.block_size
+        self.cache.count(req.num_tokens, req.num_cached)
         if not chain:
             return
         req.pages = [b.page for b in chain]

@@ -206,18 +206,24 @@ def test_server_metrics_and_flush(model_dir: Path) -> None:
     async def go() -> tuple:
         async with ac:
             done = [await ac.post("/v1/completions", json=body) for _ in range(2)]
+            native = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
+            done.append(await ac.post("/generate", json=native))  # SGLang's meta_info
             return done, await ac.get("/metrics"), await ac.post("/flush_cache")
 
     try:
         done, metrics, flushed = asyncio.run(go())
     finally:
         server.shutdown()
-    assert [r.status_code for r in done] == [200, 200]
+    assert [r.status_code for r in done] == [200, 200, 200]
+    assert done[2].json()["meta_info"]["cached_tokens"] == 256
     assert done[0].json()["choices"][0]["text"] == done[1].json()["choices"][0]["text"]
+    # OpenAI's usage field for the tokens the cache found (none the first time)
+    assert "prompt_tokens_details" not in done[0].json()["usage"]
+    assert done[1].json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 256}
     rows = dict(ln.rsplit(" ", 1) for ln in metrics.text.splitlines() if ln.startswith("vllm:pre"))
     assert {k.split("{")[0]: float(v) for k, v in rows.items()} == {
-        "vllm:prefix_cache_queries_total": 2 * len(prompt),
-        "vllm:prefix_cache_hits_total": 256,
+        "vllm:prefix_cache_queries_total": 3 * len(prompt),
+        "vllm:prefix_cache_hits_total": 2 * 256,
     }
     assert flushed.status_code == 200 and "1 cached blocks dropped" in flushed.json()["message"]
 
