@@ -16,6 +16,8 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "max_seq_len",
     "max_seqs",
     "chunk_size",
+    "max_step_tokens",
+    "block_size",
     "max_memory",
     "memory_fraction",
     "cuda_graphs",
@@ -105,9 +107,28 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "ref", "triton"],
         help="op backend (triton: GPU kernels; default: triton on a GPU, ref on the CPU)",
     )
-    p.add_argument("--max-seq-len", type=int, default=4096)
-    p.add_argument("--max-seqs", type=int, default=8, help="max running sequences")
-    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (tokens)")
+    # (the peers' names for the same settings are aliases: vLLM's, then SGLang's)
+    p.add_argument(
+        "--max-seq-len", "--max-model-len", "--context-length", type=int, default=4096,
+        help="tokens a sequence may hold, prompt and output",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-seqs", "--max-num-seqs", "--max-running-requests", type=int, default=8,
+        help="max running sequences",
+    )  # fmt: skip
+    p.add_argument(
+        "--chunk-size", "--chunked-prefill-size", type=int, default=512,
+        help="prefill chunk of one sequence (tokens)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-step-tokens", "--max-num-batched-tokens", type=int, default=2048,
+        help="tokens one engine step runs at most, all sequences together",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-size", "--page-size", type=int, default=None,
+        help="tokens a state page covers (a multiple of both compress ratios; default: the "
+        "smallest such multiple >= 256)",
+    )  # fmt: skip
     p.add_argument("--max-memory", type=int, default=None, help="state budget in bytes")
     p.add_argument(
         "--memory-fraction",
@@ -138,6 +159,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
+        "--tp-size",
         type=int,
         default=1,
         help="ranks, one GPU each: attention heads and the shared expert split, routed experts "

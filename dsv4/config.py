@@ -718,6 +718,8 @@ class ServerConfig:
     max_seq_len: int = 4096
     max_seqs: int = 8
     chunk_size: int = 512
+    max_step_tokens: int = 2048  # tokens one engine step runs (vLLM's max_num_batched_tokens)
+    block_size: int | None = None  # tokens a state page covers; None = the model's default
     max_memory: int | None = None
     memory_fraction: float | None = None
     cuda_graphs: bool | None = None
@@ -742,11 +744,13 @@ class ServerConfig:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
-        if self.max_seqs <= 0 or self.max_seq_len <= 0 or self.chunk_size <= 0:
+        if min(self.max_seqs, self.max_seq_len, self.chunk_size, self.max_step_tokens) <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
-                f"chunk_size={self.chunk_size} must be > 0"
+                f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"
             )
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"block_size must be > 0, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         speculative_tokens(self.speculative_config)  # a bad one fails before the server starts

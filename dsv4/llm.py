@@ -63,6 +63,11 @@ class LLM:
         prefix_snapshots: int | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        if min(max_seqs, max_seq_len, chunk_size, max_step_tokens) < 1:
+            raise ValueError(
+                f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
+                f"max_step_tokens={max_step_tokens} must be >= 1"
+            )
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
         # tensor/expert parallel: one process a rank. Ranks 1.. are started here (they run this

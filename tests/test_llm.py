@@ -179,3 +179,17 @@ def test_chat_is_generate_on_the_chat_format(llm):  # noqa: ANN001
         llm.chat(talk, sp, chat_template_kwargs={"thinkng": True})
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "x"}], sp)
+
+
+def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
+    # --max-num-batched-tokens / --page-size (and our names) through the CLI's engine flags
+    from dsv4.cli import build_llm
+    from dsv4.server import parse_args
+
+    c = parse_args(["--model", str(llm.model_dir), "--page-size", "16", "--max-step-tokens", "64"])
+    built = build_llm(c)
+    assert built.state.block_size == 16 and built.engine.scheduler.max_step_tokens == 64
+    with pytest.raises(ValueError, match="block_size=12 must be a multiple of ratio"):
+        LLM(llm.model_dir, device="cpu", progress=False, block_size=12)
+    with pytest.raises(ValueError, match="max_step_tokens=0 must be >= 1"):
+        LLM(llm.model_dir, device="cpu", progress=False, max_step_tokens=0)

@@ -949,3 +949,15 @@ def test_serve_flags(capsys):  # noqa: ANN001
     assert c.warmup and not parse_args(["--no-warmup"]).warmup  # GPU only: LLM.warmup
     assert main(["--device", "cuda"]) == 2 and "no CUDA device" in capsys.readouterr().err
     assert main(["--max-queue", "-1"]) == 2
+    # the peers' names for the same settings
+    peers = parse_args(["--max-model-len", "1024", "--max-num-seqs", "4", "--chunked-prefill-size",
+                        "256", "--max-num-batched-tokens", "512", "--page-size", "512", "--tp-size",
+                        "1"])  # fmt: skip
+    assert (peers.max_seq_len, peers.max_seqs, peers.chunk_size) == (1024, 4, 256)
+    assert (peers.max_step_tokens, peers.block_size, peers.tensor_parallel_size) == (512, 512, 1)
+    sg = parse_args(["--context-length", "2048", "--max-running-requests", "2"])
+    assert (sg.max_seq_len, sg.max_seqs, sg.max_step_tokens, sg.block_size) == (2048, 2, 2048, None)
+    assert (
+        main(["--max-num-batched-tokens", "0"]) == 2
+        and "max_step_tokens" in capsys.readouterr().err
+    )
