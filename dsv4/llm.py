@@ -17,7 +17,14 @@ from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tok
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
-from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token, default_block_size
+from dsv4.state import (
+    Batch,
+    DecodeState,
+    bytes_per_seq,
+    bytes_per_token,
+    default_block_size,
+    step_row_bytes,
+)
 
 log = logging.getLogger("dsv4")
 
@@ -147,12 +154,16 @@ class LLM:
             if torch.device(c.device).type != "cuda":
                 raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
             max_memory = int(torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction)
+        # speculative decoding: compressor rows for a verify step's own tokens
+        k = c.num_speculative_tokens
+        step_rows = max_seqs * (1 + k) if k else 0
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
             num_blocks = DecodeState.blocks_for_budget(  # (a snapshot: one slot's rings)
-                args, max_seqs + snapshots, max_memory, tdt, block_size, kv_cache_dtype
-            )
+                args, max_seqs + snapshots, max_memory - step_rows * step_row_bytes(args), tdt,
+                block_size, kv_cache_dtype,
+            )  # fmt: skip
         # every rank the same pages (free memory differs a little between GPUs): the ranks'
         # schedulers must make the same choices, preemptions included
         num_blocks = par.least(num_blocks)
@@ -167,6 +178,7 @@ class LLM:
             block_size=block_size,
             kv_format=kv_cache_dtype,
             num_snapshots=snapshots,
+            step_rows=step_rows,
         )
         log.info(
             "state: %.0f B/token (growing) + %d B/sequence (fixed); %d pages x %d tokens = "

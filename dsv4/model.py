@@ -230,6 +230,11 @@ class Compressor(nn.Module):
     ) -> None:
         m, d = self.ratio, self.head_dim
         kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
+        if st.kv_all is not None and batch.short_step(
+            st.ring, st.kv_all.shape[0] - len(st.kv_state)
+        ):
+            self.short_step(kv, gate, batch, st, inv_freq)
+            return
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             # (one launch: a = W_kv x and z = W_gate x + ape[slot] into every token's ring row)
             keep_rows = batch.ring_writes(st.ring)[1]
@@ -268,6 +273,31 @@ class Compressor(nn.Module):
             tok, rows = batch.ring_writes(st.ring)
             st.kv_state[rows] = a[tok]
             st.score_state[rows] = z[tok]
+
+    def short_step(
+        self, kv: torch.Tensor, gate: torch.Tensor, batch: Batch, st: CompressorState,
+        inv_freq: torch.Tensor,
+    ) -> None:  # fmt: skip
+        # a verify step (a few tokens a sequence): the decode path's launches, with the step's
+        # projections first in rows of their own after the ring (a token later in the step would
+        # overwrite ring slots of a window that closes earlier in it), then the ring's last R
+        m, d, n = self.ratio, self.head_dim, self.norm
+        step, keep = batch.step_keep_rows(st.ring, len(st.kv_state))
+        self.ops.compress_keep(
+            kv, gate, self.ape, batch.positions, m, st.kv_all, st.score_all, step
+        )
+        tok, w, dest, _ = batch.closing_windows(m, self.overlap)
+        if tok.numel():
+            key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
+            cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
+            rows = batch.step_close_rows(m, self.overlap)
+            kv_rows, score_rows = st.kv_all.view(-1, d), st.score_all.view(-1, d)
+            self.ops.compress_store(
+                kv_rows, score_rows, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows, st.kv_scale
+            )
+        self.ops.compress_keep(
+            kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep
+        )
 
 
 class Indexer(nn.Module):

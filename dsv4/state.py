@@ -34,6 +34,10 @@ class CompressorState:
     overlap: bool
     # FP8 indexer keys (kv_format "fp8"): kv_cache holds uint8 e4m3 codes, this their fp32 scales
     kv_scale: torch.Tensor | None = None
+    # [S*R + step_rows, c*d] fp32: the ring rows (kv_state / score_state are views of the first
+    # S*R), then rows for the tokens of a short step (speculative verify steps: `Compressor`)
+    kv_all: torch.Tensor | None = None
+    score_all: torch.Tensor | None = None
 
     @property
     def ring(self) -> int:
@@ -93,6 +97,18 @@ def bytes_per_seq(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") 
     return total
 
 
+def step_row_bytes(args: ModelArgs) -> int:
+    """Bytes of one step row (`DecodeState(step_rows=)`) in every compressor: fp32 kv and score
+    of width c*d (CSA: main and indexer compressors, c = 2; HCA: c = 1)."""
+    total = 0
+    for kind in args.layer_types:
+        if kind == CSA:
+            total += 2 * 2 * (args.head_dim + args.index_head_dim) * 4
+        elif kind == HCA:
+            total += 2 * args.head_dim * 4
+    return total
+
+
 def default_block_size(args: ModelArgs) -> int:
     """The smallest multiple of both compress ratios that is >= 256 tokens."""
     lcm = math.lcm(args.csa_ratio, args.hca_ratio)
@@ -117,6 +133,7 @@ class DecodeState:
         block_size: int | None = None,
         kv_format: str = "auto",
         num_snapshots: int = 0,
+        step_rows: int = 0,
     ) -> None:
         block_size = block_size or default_block_size(args)
         width, kv_dtype = kv_row(args, dtype, kv_format)  # attention rows: values or FP8 entries
@@ -148,13 +165,18 @@ class DecodeState:
                 cache = torch.zeros(n, d, dtype=torch.uint8 if fp8 else dtype, device=device)
                 if fp8:
                     scale = torch.zeros(n, dtype=torch.float32, device=device)
+            # the ring rows, then step_rows for a short step's own tokens
+            kv = torch.zeros(S * r + step_rows, c * d, dtype=torch.float32, device=device)
+            score = torch.zeros_like(kv)
             return CompressorState(
                 kv_cache=cache,
-                kv_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
-                score_state=torch.zeros(S * r, c * d, dtype=torch.float32, device=device),
+                kv_state=kv[: S * r],
+                score_state=score[: S * r],
                 ratio=m,
                 overlap=overlap,
                 kv_scale=scale,
+                kv_all=kv if step_rows else None,
+                score_all=score if step_rows else None,
             )
 
         self.layers: list[LayerState] = []
@@ -264,7 +286,10 @@ class DecodeState:
             total += layer.window.nbytes
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
-                    total += c.kv_cache.nbytes + c.kv_state.nbytes + c.score_state.nbytes
+                    ring = (
+                        (c.kv_state, c.score_state) if c.kv_all is None else (c.kv_all, c.score_all)
+                    )
+                    total += c.kv_cache.nbytes + sum(t.nbytes for t in ring)
                     total += 0 if c.kv_scale is None else c.kv_scale.nbytes
         return total + sum(t.nbytes for t in self.snapshots)
 
@@ -569,6 +594,40 @@ class Batch:
             return decode_lists.selected_rows(win, t, ent)
         picked = t.gather(1, ent.remainder(t.shape[1]))
         return torch.cat([win, picked], dim=1)
+
+    def short_step(self, ring: int, step_rows: int) -> bool:
+        """A step of several tokens per sequence whose tokens fit `step_rows` rows and each
+        sequence's fit its ring (a speculative verify step): its compressors pool from the ring
+        and the step's own rows (`step_close_rows`) instead of the chunk path."""
+        if self.decode or self.num_tokens > step_rows:
+            return False
+        return bool(self.graph_len) or max(n for _, n in self.host_seqs) <= ring
+
+    def step_close_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
+        """`closing_windows`' slot rows (ring | the step's rows), read as [rows * c, d] like
+        `closing_ring_rows`: with overlap slots 0..m-1 take the A-half of their row, slots
+        m..2m-1 the B-half; -1 stays."""
+
+        def build() -> torch.Tensor:
+            rows = self.closing_windows(ratio, overlap)[3]
+            if not overlap:
+                return rows
+            half = torch.arange(rows.shape[-1], device=rows.device) // ratio
+            return torch.where(rows >= 0, 2 * rows + half, -1)
+
+        return self._memo(("step_close", ratio, overlap), build)
+
+    def step_keep_rows(self, ring: int, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T] rows base + flat token index: a short step's own rows ; [T] the ring rows of
+        the tokens `ring_writes` keeps, -1 for the others)."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            T, dev = self.num_tokens, self.positions.device
+            tok, rows = self.ring_writes(ring)
+            keep = torch.full((T,), -1, dtype=torch.long, device=dev).index_copy(0, tok, rows)
+            return base + torch.arange(T, device=dev), keep
+
+        return self._memo(("step_keep", ring, base), build)
 
     def closing_ring_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
         """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once

@@ -111,6 +111,33 @@ def test_prefill_equals_chunked_equals_decode(case):  # noqa: ANN001
         assert err <= 1e-5, f"chunk={chunk}: {err:.2e}"
 
 
+def test_short_steps_equal_chunks(case, monkeypatch):  # noqa: ANN001
+    # steps of 2-3 tokens a sequence with step rows (a verify step's compressor path: the decode
+    # launches, the step's projections in rows of their own) give the one-chunk logits, windows
+    # closing at every token of a step included; the path ran
+    from dsv4.model import Compressor
+    from dsv4.state import DecodeState
+
+    _, llm, _, _ = case
+    g = torch.Generator().manual_seed(4)
+    T = max(boundary_lengths(llm.args))
+    ids = torch.randint(2, llm.args.vocab_size, (T,), generator=g).tolist()
+    full = llm.score(ids)
+    c = llm.config
+    llm._score_state = DecodeState(llm.args, c.max_seqs, c.max_seq_len, c.torch_dtype, c.device,
+                                   step_rows=3)  # fmt: skip
+    calls = []
+    real = Compressor.short_step
+    monkeypatch.setattr(Compressor, "short_step", lambda *a: calls.append(1) or real(*a))
+    try:
+        for chunk in (2, 3):
+            err = float((llm.score(ids, chunk_size=chunk) - full).abs().max() / full.abs().max())
+            assert err <= 1e-5, f"chunk={chunk}: {err:.2e}"
+        assert calls
+    finally:
+        llm._score_state = None
+
+
 def test_ragged_batch_equals_single(case):  # noqa: ANN001
     # sequences of different lengths and phases in one step give their single-sequence logits
     _, llm, _, _ = case

@@ -296,16 +296,19 @@ def test_gpu_speculative_equals_plain(model_dir: Path, ops: str) -> None:
 def test_preemption_under_speculative_decoding(model_dir: Path) -> None:
     # a pool too small for every sequence: the newest are preempted (drafts dropped, state
     # recomputed, the MTP layer's included) and the tokens still equal plain decoding's
-    from dsv4.state import bytes_per_seq, bytes_per_token
+    from dsv4.state import bytes_per_seq, bytes_per_token, step_row_bytes
 
     args = LLM(model_dir, **KW).args
     per_page = int(bytes_per_token(args, torch.float32) * 16)
     kw = dict(KW, max_seqs=3, block_size=16, chunk_size=64)
-    kw["max_memory"] = 3 * bytes_per_seq(args, torch.float32) + 4 * per_page
+    # the slots' fixed state, the verify steps' compressor rows (3 x 3 tokens), 4 pages
+    fixed = 3 * bytes_per_seq(args, torch.float32) + 9 * step_row_bytes(args)
+    kw["max_memory"] = fixed + 4 * per_page
     long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(model_dir, **kw)
+    plain = LLM(model_dir, **dict(kw, max_memory=kw["max_memory"] - 9 * step_row_bytes(args)))
     want = {tuple(o.prompt_token_ids): o.token_ids for o in plain.generate(PROMPTS, long)}
     llm = LLM(model_dir, speculative_config=spec(2), **kw)
+    assert llm.state.num_blocks == plain.state.num_blocks == 4
     _oracle(llm, want, wrong_at=1)  # some drafts accepted: steps of several tokens
     outs = llm.generate(PROMPTS, long)
     assert {tuple(o.prompt_token_ids): o.token_ids for o in outs} == want

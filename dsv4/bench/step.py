@@ -393,9 +393,14 @@ class Bench:
             "tokens_per_seq": q,
         }
         state = DecodeState(
-            self.args, batch, context + a.cycle + q - 1, self.dtype, self.device,
+            self.args,
+            batch,
+            context + a.cycle + q - 1,
+            self.dtype,
+            self.device,
             kv_format=a.kv_cache_dtype,
-        )  # fmt: skip
+            step_rows=batch * q if q > 1 else 0,
+        )  # fmt: skip (the engine's: compressor rows for a verify step's tokens)
         fill_state_(state, a.seed)
         n = batch * q
         ids = torch.randint(0, self.args.vocab_size, (n,), device=self.device, generator=self.g)
