@@ -88,6 +88,7 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extension
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
@@ -100,6 +101,11 @@ class GenerationRequest(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """The prompt's last truncate_prompt_tokens ids (all of them when unset)."""
+        k = self.truncate_prompt_tokens
+        return list(ids) if k is None else list(ids)[-k:]
 
     def check_common(self) -> None:
         """Refusals that pydantic's field types cannot express."""

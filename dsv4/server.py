@@ -389,16 +389,23 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         server.require_engine()
         prompts, texts = [], []  # texts: what echo puts first
+        tok = server.llm.tokenizer
+
+        def text_of(ids: list[int]) -> str:  # what echo shows of token ids
+            return tok.decode(ids, skip_special_tokens=False) if tok else ""
+
         for prompt in body.prompts():
             if isinstance(prompt, str):
                 server.tokenizer("prompt")
-                texts.append(prompt)
-                prompt = server.llm.encode(prompt)
-            elif body.echo:  # a token prompt's text
-                tok = server.llm.tokenizer
-                texts.append(tok.decode(prompt, skip_special_tokens=False) if tok else "")
-            server.check_room(list(prompt), body.max_tokens, "prompt")
-            prompts.append(list(prompt))
+                whole = server.llm.encode(prompt)
+                ids = body.truncate(whole)  # (vLLM's truncate_prompt_tokens: the last k)
+                texts.append(prompt if len(ids) == len(whole) else text_of(ids))
+            else:
+                ids = body.truncate(prompt)
+                if body.echo:  # a token prompt's text
+                    texts.append(text_of(ids))
+            server.check_room(ids, body.max_tokens, "prompt")
+            prompts.append(ids)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         n_prompt = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # the prompt tokens' logprobs too
@@ -428,7 +435,7 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         tokenizer = server.tokenizer("messages")
         opts = body.encoder_options()
-        ids = _encode_chat(tokenizer, body.messages, opts)
+        ids = body.truncate(_encode_chat(tokenizer, body.messages, opts))
         max_tokens = body.max_completion_tokens or body.max_tokens
         server.check_room(ids, max_tokens, "messages")
         params = body.sampling_params(

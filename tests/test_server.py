@@ -507,6 +507,20 @@ def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
     assert set(only["choices"][0]["token_ids"]) <= {9, 11}
 
 
+def test_truncate_prompt_tokens(server):  # noqa: ANN001
+    # vLLM's: only the prompt's last k tokens run (usage counts them; echo shows them)
+    ids = list(range(10, 40))
+    body = {"max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    cut = httpx.post(server.url + C, json=body | {"prompt": ids, "truncate_prompt_tokens": 5})
+    same = httpx.post(server.url + C, json=body | {"prompt": ids[-5:]})
+    assert cut.json()["usage"]["prompt_tokens"] == 5
+    assert cut.json()["choices"][0]["token_ids"] == same.json()["choices"][0]["token_ids"]
+    chat = {"messages": HI, "max_tokens": 1, "temperature": 0, "truncate_prompt_tokens": 3}
+    assert httpx.post(server.url + CHAT, json=chat).json()["usage"]["prompt_tokens"] == 3
+    bad = httpx.post(server.url + C, json=body | {"prompt": ids, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_include_stop_str_in_output(server):  # noqa: ANN001
     # vLLM's flag keeps the matched stop string at the end of the text
     body = {"prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
