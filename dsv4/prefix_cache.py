@@ -99,14 +99,24 @@ class PrefixCache:
         self.hits += hit
 
     # ---- filling -----------------------------------------------------------------------------
-    def insert(self, ids: list[int], pages: list[int], n_blocks: int) -> tuple[Block | None, bool]:
+    def insert(
+        self,
+        ids: list[int],
+        pages: list[int],
+        n_blocks: int,
+        tail: tuple[Block, int] | None = None,
+    ) -> tuple[Block | None, bool]:
         """Cache the first n_blocks full blocks of a running request (tokens `ids`, its pages in
-        order), which holds them. -> (the last block, whether it is this request's to snapshot:
-        it needs one and the chain is the request's own pages; None if a block of these tokens
-        is cached in another page (two requests prefilled the same tokens at once: the rest stays
+        order), which holds them; tail: (its deepest block the cache holds, that block's count)
+        from an earlier call, where the walk resumes (a long sequence is not walked again at
+        each boundary). -> (the last block, whether it is this request's to snapshot: it needs
+        one and the chain is the request's own pages; None if a block of these tokens is cached
+        in another page (two requests prefilled the same tokens at once: the rest stays
         private))."""
-        bs, parent, b = self.block_size, None, None
-        for j in range(n_blocks):
+        bs = self.block_size
+        parent, first = tail if tail is not None else (None, 0)
+        b = parent
+        for j in range(first, n_blocks):
             key = (parent.id if parent else 0, tuple(ids[j * bs : (j + 1) * bs]))
             b = self.blocks.get(key)
             if b is None:

@@ -29,6 +29,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose state is in the pools
     num_cached: int = 0  # of them, found in the prefix cache at the latest admission
+    cache_tail: Any = None  # (deepest Block the prefix cache holds for it, its block count)
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
@@ -114,6 +115,7 @@ class Scheduler:
         # a cached block's page stays with the cache; the request's own pages are freed
         self.free_pages += [p for p in req.pages if not (self.cache and self.cache.release(p))]
         req.slot, req.pages, req.num_computed, req.draft = None, [], 0, []
+        req.cache_tail = None
 
     def finish(self, req: Request) -> None:
         if req in self.running:
@@ -210,6 +212,7 @@ class Scheduler:
         if not chain:
             return
         req.pages = [b.page for b in chain]
+        req.cache_tail = (chain[-1], len(chain))
         pages = torch.tensor(req.pages, dtype=torch.long)
         self.state.block_table[req.slot, : len(chain)] = pages.to(self.state.block_table.device)
         self.state.load_snapshot(chain[-1].snapshot, req.slot)
@@ -236,7 +239,9 @@ class Scheduler:
             r, end = w.request, w.request.num_computed
             if r.slot is None or not r.cacheable or end % bs or end <= w.start:
                 continue
-            last, fresh = self.cache.insert(r.all_ids, r.pages, end // bs)
+            last, fresh = self.cache.insert(r.all_ids, r.pages, end // bs, r.cache_tail)
+            if last is not None:
+                r.cache_tail = (last, end // bs)
             if fresh:
                 self.state.save_snapshot(r.slot, self.cache.snapshot_slot(last))
 

@@ -295,3 +295,16 @@ def test_duplicate_blocks_stay_private_and_snapshots_recycle() -> None:
     assert c.snapshot_slot(last) == 0
     assert c.match([1, 2, 3, 4, 5, 6, 7]) == []  # the first chain lost its snapshot
     assert [b.page for b in c.match([1, 2, 8, 8, 0])] == [10, 22]
+
+
+def test_insert_resumes_from_the_tail() -> None:
+    # a running request's later boundaries continue the chain from its deepest block
+    c = PrefixCache(2, 2)
+    first, fresh = c.insert([1, 2, 3, 4, 9], [10, 11, 12], 2)
+    assert fresh and first.page == 11
+    last, fresh = c.insert([1, 2, 3, 4, 5, 6, 9], [10, 11, 12, 13], 3, (first, 2))
+    assert fresh and last.parent is first and last.page == 12 and len(c.blocks) == 3
+    c.snapshot_slot(last)
+    assert [b.page for b in c.match([1, 2, 3, 4, 5, 6, 0])] == [10, 11, 12]
+    # nothing new past the tail: the tail itself, already snapshotted
+    assert c.insert([1, 2, 3, 4, 5, 6], [10, 11, 12], 3, (last, 3)) == (last, False)
