@@ -45,6 +45,16 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
+    # SamplingParams.n > 1 (`LLM.generate`): this is completion `index` of its prompt; the first
+    # one holds all n in `choices`
+    index: int = 0
+    choices: list[RequestOutput] | None = None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM's RequestOutput.outputs: the prompt's completions (each with text, token_ids,
+        finish_reason, logprobs, index)."""
+        return self.choices if self.choices is not None else [self]
 
     @property
     def finished(self) -> bool:
@@ -147,6 +157,9 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.n != 1:
+            raise ValueError(f"one request is one completion (n={params.n}): LLM.generate and "
+                             "the server run n requests, `SamplingParams.choice`")  # fmt: skip
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         check_prompt(prompt_ids, self.args.vocab_size, self.state.max_seq_len, generate=True)

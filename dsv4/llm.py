@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import time
@@ -363,7 +364,8 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion with continuous batching."""
+        """Run prompts (strings or token-id lists) to completion with continuous batching; one
+        RequestOutput per prompt (with n > 1 its `outputs` holds the n completions, as vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = SamplingParams() if params is None else params
@@ -371,13 +373,16 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [
+            [self.add_request(p, sp.choice(j)) for j in range(sp.n)]
+            for p, sp in zip(prompts, params)
+        ]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req")
+            bar = tqdm(total=sum(map(len, ids)), desc="generating", unit="req")
         while self.engine.has_work():
             for out in self.engine.step():
                 if out.finished:
@@ -386,7 +391,14 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [done[i] for i in ids]
+        outs = []
+        for rids in ids:
+            choices = [dataclasses.replace(done[r], index=j) for j, r in enumerate(rids)]
+            first = choices[0]
+            if len(choices) > 1:
+                first = dataclasses.replace(first, choices=choices)
+            outs.append(first)
+        return outs
 
 
 def _follower(kwargs: dict) -> None:

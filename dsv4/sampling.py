@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ def _check(ok: bool, msg: str) -> None:
 class SamplingParams:
     """Per-request sampling and stop settings, named as in vLLM's SamplingParams."""
 
+    n: int = 1  # completions per prompt (`LLM.generate` and the server run n requests)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # -1 or 0 = off
     top_p: float = 1.0
@@ -54,6 +56,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         t = self.temperature
         _check(
             isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
@@ -128,6 +131,12 @@ class SamplingParams:
     def token_ids(self) -> list[int]:
         """The token ids the settings name (for the vocabulary check of `Engine.add_request`)."""
         return list(self.logit_bias or ()) + list(self.allowed_token_ids or ())
+
+    def choice(self, j: int) -> SamplingParams:
+        """The params of completion j of n: one request's, seed + j for a seeded request (its
+        completions differ and each is reproducible)."""
+        seed = self.seed if self.seed is None else self.seed + j
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -267,17 +267,9 @@ async def _events(
 def _choices(
     prompts: list[list[int]], params: SamplingParams, n: int
 ) -> list[tuple[list[int], SamplingParams]]:
-    """n choices per prompt, in order (choice index = prompt index * n + j). A seeded request's
-    choice j draws with seed + j, so its choices differ and each is reproducible."""
-
-    def seeded(j: int) -> SamplingParams:
-        return (
-            params
-            if params.seed is None or j == 0
-            else dataclasses.replace(params, seed=params.seed + j)
-        )
-
-    return [(ids, seeded(j)) for ids in prompts for j in range(n)]
+    """n choices per prompt, in order (choice index = prompt index * n + j; a seeded request's
+    choice j draws with seed + j: `SamplingParams.choice`)."""
+    return [(ids, params.choice(j)) for ids in prompts for j in range(n)]
 
 
 def _first_loc(errors: list[dict]) -> tuple[str | None, str]:

@@ -193,3 +193,23 @@ def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
         LLM(llm.model_dir, device="cpu", progress=False, block_size=12)
     with pytest.raises(ValueError, match="max_step_tokens=0 must be >= 1"):
         LLM(llm.model_dir, device="cpu", progress=False, max_step_tokens=0)
+
+
+def test_n_completions_as_vllm(llm):  # noqa: ANN001
+    # SamplingParams.n: one RequestOutput per prompt, its `outputs` the n completions (index j,
+    # seed + j: each as its own seeded request); n = 1 keeps `outputs` = [itself]
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    a, b = llm.generate(["hello", [0, 5, 6]], sp)
+    assert [o.index for o in a.outputs] == [0, 1, 2] and len(b.outputs) == 3
+    for j, o in enumerate(a.outputs):
+        alone = llm.generate("hello", SamplingParams(temperature=1.0, seed=7 + j, max_tokens=5,
+                                                     ignore_eos=True))[0]  # fmt: skip
+        assert o.token_ids == alone.token_ids and o.text == alone.text
+    assert a.token_ids == a.outputs[0].token_ids
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # different draws
+    one = llm.generate("hello", SamplingParams(temperature=0, max_tokens=2))[0]
+    assert one.outputs == [one] and one.outputs[0].text == one.text
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one request is one completion"):
+        llm.engine.add_request([0, 5], SamplingParams(n=2))
