@@ -19,7 +19,7 @@ from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
 from dsv4.prefix_cache import PrefixCache
-from dsv4.profiler import ProfilerError, StepProfiler
+from dsv4.profiler import StepProfiler
 from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
 from dsv4.state import Batch, DecodeState
@@ -505,8 +505,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        # ("add", rid, ids, params) | ("abort", rid) | ("profile", action, args, future) |
-        # ("flush", future)
+        # ("add", rid, ids, params) | ("abort", rid) | ("call", fn, future): fn() on this thread
         self._inbox: deque[tuple] = deque()
         self.profiler = StepProfiler(engine.par.rank)  # used on the engine thread only
         self._wake = threading.Event()
@@ -549,11 +548,12 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while self._inbox:
             item = self._inbox.popleft()
-            if item[0] == "profile":
-                self._profile(*item[1:])
-                continue
-            if item[0] == "flush":
-                item[1].set_result(self.engine.flush_cache())
+            if item[0] == "call":
+                _, fn, done = item
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # noqa: BLE001  (the caller's await raises it)
+                    done.set_exception(e)
                 continue
             kind, rid, *args = item
             if kind == "abort":
@@ -567,25 +567,19 @@ class AsyncEngine:
     def profile(self, action: str, *args: object) -> concurrent.futures.Future:
         """Start ("start", output_dir, num_steps, cuda) or stop ("stop") the torch profiler
         between engine steps; the future gives the trace's path or the ProfilerError."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(("profile", action, args, done))
-        self._wake.set()
-        return done
+        p = self.profiler
+        return self._call(lambda: p.start(*args) if action == "start" else p.stop())
 
     def flush_cache(self) -> concurrent.futures.Future:
         """Drop the unheld cached prefixes between engine steps; the future gives how many."""
+        return self._call(self.engine.flush_cache)
+
+    def _call(self, fn) -> concurrent.futures.Future:  # noqa: ANN001
+        # fn() on the engine thread between steps; the future gives its result or exception
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(("flush", done))
+        self._inbox.append(("call", fn, done))
         self._wake.set()
         return done
-
-    def _profile(self, action: str, args: tuple, done: concurrent.futures.Future) -> None:
-        try:
-            path = self.profiler.start(*args) if action == "start" else self.profiler.stop()
-        except ProfilerError as e:
-            done.set_exception(e)
-        else:
-            done.set_result(path)
 
     def _fail_running(self, error: Exception) -> None:
         failed = EngineError(f"engine step failed: {error!r}")

@@ -230,9 +230,7 @@ class Compressor(nn.Module):
     ) -> None:
         m, d = self.ratio, self.head_dim
         kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
-        if st.kv_all is not None and batch.short_step(
-            st.ring, st.kv_all.shape[0] - len(st.kv_state)
-        ):
+        if batch.short_step(st.ring, st.step_rows):
             self.short_step(kv, gate, batch, st, inv_freq)
             return
         if batch.decode:  # store first: a closing window's slots are then all in the ring

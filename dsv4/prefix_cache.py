@@ -57,7 +57,9 @@ class PrefixCache:
         self.with_snapshot: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
         self.queries = self.hits = 0  # prompt tokens looked up / found (vLLM's counters)
-        self.unheld = 0  # cached blocks no request holds
+        # cached blocks no request holds: pages eviction can free, one leaf after another (a
+        # request holds its whole chain from the first block, so none has a held descendant)
+        self.num_evictable = 0
 
     # ---- lookups -----------------------------------------------------------------------------
     def match(self, ids: list[int]) -> list[Block]:
@@ -77,7 +79,7 @@ class PrefixCache:
     def acquire(self, chain: list[Block]) -> None:
         """A request now holds these blocks' pages (and will read the last one's snapshot)."""
         for b in chain:
-            self.unheld -= b.refs == 0
+            self.num_evictable -= b.refs == 0
             b.refs += 1
             self.evictable.pop(b.id, None)
         if chain and chain[-1].snapshot is not None:
@@ -90,7 +92,7 @@ class PrefixCache:
         if b is None:
             return False
         b.refs -= 1
-        self.unheld += b.refs == 0
+        self.num_evictable += b.refs == 0
         self._maybe_evictable(b)
         return True
 
@@ -147,7 +149,7 @@ class PrefixCache:
         if not self.evictable:
             return None
         _, b = self.evictable.popitem(last=False)
-        self.unheld -= 1
+        self.num_evictable -= 1
         del self.blocks[b.key]
         del self.by_page[b.page]
         if b.snapshot is not None:
@@ -168,10 +170,3 @@ class PrefixCache:
     def _maybe_evictable(self, b: Block) -> None:
         if b.refs == 0 and b.children == 0:
             self.evictable[b.id] = b  # (a block just let go of is the most recently used)
-
-    @property
-    def num_evictable(self) -> int:
-        """Pages eviction can free, one leaf after another: every unheld block (a request holds
-        the whole chain from the first block to its last, so an unheld block has no held
-        descendant)."""
-        return self.unheld

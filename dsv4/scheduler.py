@@ -216,7 +216,7 @@ class Scheduler:
         pages = torch.tensor(req.pages, dtype=torch.long)
         self.state.block_table[req.slot, : len(chain)] = pages.to(self.state.block_table.device)
         self.state.load_snapshot(chain[-1].snapshot, req.slot)
-        req.num_computed = len(chain) * self.state.block_size
+        req.num_computed = req.num_cached
 
     def _cut(self, req: Request, start: int, n: int) -> int:
         # with prefix caching a prompt's chunks end on its last block boundary before the last

@@ -43,6 +43,10 @@ class CompressorState:
     def ring(self) -> int:
         return 2 * self.ratio if self.overlap else self.ratio
 
+    @property
+    def step_rows(self) -> int:
+        return len(self.kv_all) - len(self.kv_state)
+
 
 @dataclass
 class LayerState:
@@ -175,8 +179,8 @@ class DecodeState:
                 ratio=m,
                 overlap=overlap,
                 kv_scale=scale,
-                kv_all=kv if step_rows else None,
-                score_all=score if step_rows else None,
+                kv_all=kv,
+                score_all=score,
             )
 
         self.layers: list[LayerState] = []
@@ -237,19 +241,20 @@ class DecodeState:
 
     def save_snapshot(self, slot: int, i: int) -> None:
         """Copy slot's rings (every layer, MTP included) into snapshot i."""
-        rings = self.rings(self.all_layers)
-        src = [t[slot * size : (slot + 1) * size] for t, size in rings]
-        torch._foreach_copy_(
-            [sn[i * len(r) : (i + 1) * len(r)] for sn, r in zip(self.snapshots, src)], src
-        )
+        rows, kept = self._snapshot_views(slot, i)
+        torch._foreach_copy_(kept, rows)
 
     def load_snapshot(self, i: int, slot: int) -> None:
         """Copy snapshot i into slot's rings: the slot continues from the snapshot's position."""
+        rows, kept = self._snapshot_views(slot, i)
+        torch._foreach_copy_(rows, kept)
+
+    def _snapshot_views(self, slot: int, i: int) -> tuple[list, list]:
+        # (slot's rows of every ring, snapshot i's rows of the same rings)
         rings = self.rings(self.all_layers)
-        dst = [t[slot * size : (slot + 1) * size] for t, size in rings]
-        torch._foreach_copy_(
-            dst, [sn[i * len(r) : (i + 1) * len(r)] for sn, r in zip(self.snapshots, dst)]
-        )
+        rows = [t[slot * size : (slot + 1) * size] for t, size in rings]
+        kept = [sn[i * size : (i + 1) * size] for sn, (_, size) in zip(self.snapshots, rings)]
+        return rows, kept
 
     def save_rows(
         self, layers: range, slots: list[int], positions: list[int]
@@ -286,10 +291,7 @@ class DecodeState:
             total += layer.window.nbytes
             for c in (layer.compressor, layer.indexer):
                 if c is not None:
-                    ring = (
-                        (c.kv_state, c.score_state) if c.kv_all is None else (c.kv_all, c.score_all)
-                    )
-                    total += c.kv_cache.nbytes + sum(t.nbytes for t in ring)
+                    total += c.kv_cache.nbytes + c.kv_all.nbytes + c.score_all.nbytes
                     total += 0 if c.kv_scale is None else c.kv_scale.nbytes
         return total + sum(t.nbytes for t in self.snapshots)
 

@@ -336,10 +336,19 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return out
 
 
-def _dequantized(x: torch.Tensor, fmt: str) -> bool:
-    # past the kernels' rows: an fp8 weight dequantized by `dequant` for cuBLAS on a GPU (the
-    # reference's own steps on the CPU)
-    return fmt == "fp8" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+def _for_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    fmt: str,
+    scale: torch.Tensor | None,
+    scale2: torch.Tensor | None,
+) -> tuple:
+    # (weight, fmt, scale, scale2) for the reference past the kernels' rows: on a GPU an fp8
+    # weight dequantized by `dequant` (one pass, the reference's bits) for its cuBLAS call; else
+    # as they are (the reference's own steps)
+    if fmt == "fp8" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return dequant(weight, scale, x.dtype), "dense", None, None
+    return weight, fmt, scale, scale2
 
 
 def _sm90(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
@@ -386,9 +395,7 @@ def linear(
     K = x.shape[-1]
     rows = x.numel() // max(K, 1)
     if not _kernel_serves(x.reshape(rows, 1, K), weight, fmt):
-        if _dequantized(x, fmt):
-            return torch.nn.functional.linear(x, dequant(weight, scale, x.dtype))
-        return ref.linear(x, weight, fmt, scale, scale2)
+        return ref.linear(x, *_for_reference(x, weight, fmt, scale, scale2))
     y = _grouped(x.reshape(rows, 1, K), weight, scale)
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -402,8 +409,5 @@ def grouped_linear(
 ) -> torch.Tensor:
     # x: [T, G, K] ; weight: [G*R, K] (group g = rows g*R..g*R+R-1) ; y: [T, G, R]
     if not _kernel_serves(x, weight, fmt):
-        if _dequantized(x, fmt):
-            w = dequant(weight, scale, x.dtype)
-            return torch.einsum("tgk,grk->tgr", x, w.view(x.shape[1], -1, w.shape[-1]))
-        return ref.grouped_linear(x, weight, fmt, scale, scale2)
+        return ref.grouped_linear(x, *_for_reference(x, weight, fmt, scale, scale2))
     return _grouped(x, weight, scale)
