@@ -24,7 +24,6 @@ from dsv4.state import (
     bytes_per_seq,
     bytes_per_token,
     default_block_size,
-    step_row_bytes,
 )
 
 log = logging.getLogger("dsv4")
@@ -161,10 +160,9 @@ class LLM:
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
-            num_blocks = DecodeState.blocks_for_budget(  # (a snapshot: one slot's rings)
-                args, max_seqs + snapshots, max_memory - step_rows * step_row_bytes(args), tdt,
-                block_size, kv_cache_dtype,
-            )  # fmt: skip
+            num_blocks = DecodeState.blocks_for_budget(
+                args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype, snapshots, step_rows
+            )
         # every rank the same pages (free memory differs a little between GPUs): the ranks'
         # schedulers must make the same choices, preemptions included
         num_blocks = par.least(num_blocks)

@@ -212,10 +212,13 @@ class DecodeState:
         dtype: torch.dtype,
         block_size: int,
         kv_format: str = "auto",
+        num_snapshots: int = 0,
+        step_rows: int = 0,
     ) -> int:
-        """How many pages fit in `budget_bytes` after the fixed per-slot state."""
+        """How many pages fit in `budget_bytes` after the fixed per-slot state, the snapshots'
+        (each one slot's rings) and the step rows (as the constructor's arguments)."""
         fixed = bytes_per_seq(args, dtype, kv_format)
-        free = budget_bytes - max_seqs * fixed
+        free = budget_bytes - (max_seqs + num_snapshots) * fixed - step_rows * step_row_bytes(args)
         per_block = bytes_per_token(args, dtype, kv_format) * block_size
         if free <= 0 or per_block <= 0:
             raise ValueError(
