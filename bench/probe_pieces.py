@@ -14,6 +14,7 @@ cleared), against the fixed cost of any launch measured the same way:
     Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64; moe_gemv: the GEMV
     form's tiles and register caps at batch 1;
   - moe_prefill: the sm90 experts at wider row-blocks against tl.dot_scaled, T = 512..4096;
+  - moe_big: the experts at 2048 / 4096-token chunks: tl.dot_scaled, own decode and sm90 tiles;
   - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
     prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
@@ -1388,6 +1389,55 @@ def probe_moe_prefill() -> None:
     moe_sm90.CONFIG = default
 
 
+def probe_moe_big() -> None:
+    # the routed experts at prefill chunks past the sm90 kernels' default range (T = 2048, 4096
+    # tokens: 12288 / 24576 pairs): tl.dot_scaled and the kernels' own decode at wider tiles
+    # (BLOCK_M pairs a row-block), the sm90 kernels at wider tiles with no register cap; TFLOP/s
+    # on the products (3 matrices of D x inter per pair)
+    from dsv4.ops import moe_sm90
+
+    experts = _moe_experts()
+    default, block_m = dict(moe_sm90.CONFIG), moe_sm90.block_m
+    triton_tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, dot_scaled)
+        (64, 64, 128, 4, 3, True),  # the default
+        (128, 64, 128, 4, 3, True),
+        (64, 128, 128, 8, 3, True),
+        (128, 128, 64, 8, 3, True),
+        (128, 128, 128, 8, 3, True),
+        (128, 128, 64, 8, 4, True),
+        (128, 256, 64, 8, 3, True),
+        (64, 128, 64, 4, 4, True),
+        (128, 128, 64, 8, 3, False),
+        (128, 128, 128, 8, 3, False),
+    ]
+    sm90_tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUF, warps)
+        (bm, bn, bk, nb, bn // 16)
+        for bm in (32, 64, 128) for bn in (64, 128) for bk in (128, 256) for nb in (2, 3)
+    ]  # fmt: skip
+    for T in (2048, 4096):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        flop = 2 * 3 * T * 6 * 4096 * 2048
+        print(f"moe_big T={T}: {flop / 1e12:.2f} TFLOP of products", flush=True)
+        for bm, bn, bk, w, st, ds in triton_tiles:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+            kw = dict(config=cfg, dot_scaled=ds, gemv=False, sm90=False)
+            name = f"moe_big T={T} {'dot_scaled' if ds else 'own decode'} {cfg}"
+            _moe_variant(name, (x, weights, idx, experts), kw, want, nbytes)
+            if ROWS and ROWS[-1]["probe"] == name:
+                print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
+        for bm, bn, bk, nb, w in sm90_tiles:
+            moe_sm90.CONFIG = {"BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_M": bm, "NUM_BUF": nb,
+                               "num_warps": w, "maxnreg": (None, None)}  # fmt: skip
+            moe_sm90.block_m = lambda pairs: moe_sm90.CONFIG["BLOCK_M"]  # noqa: ARG005
+            name = f"moe_big T={T} sm90 {moe_sm90.CONFIG}"
+            _moe_variant(name, (x, weights, idx, experts), dict(sm90=True), want, nbytes)
+            if ROWS and ROWS[-1]["probe"] == name:
+                print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
+            moe_sm90.block_m = block_m
+        moe_sm90.CONFIG = default
+
+
 def probe_moe_decode() -> None:
     # the sm90 experts at their default tiles, this tree's kernel against the previous one
     # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
@@ -1936,7 +1986,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -176,8 +176,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="prefix caching, as vLLM's flag: a prompt starts from the state another left at a "
+        default=True,
+        help="prefix caching, on by default as in vLLM (--no-enable-prefix-caching: off): a prompt starts from the state another left at a "
         "block boundary (shared pages, a snapshot of the rings there)",
     )
     p.add_argument(

@@ -727,7 +727,7 @@ class ServerConfig:
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each); rank 0 serves HTTP
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
     speculative_config: str | None = None
-    enable_prefix_caching: bool = False  # vLLM's flag (`dsv4.prefix_cache`)
+    enable_prefix_caching: bool = True  # vLLM's flag, on by default as there (`dsv4.prefix_cache`)
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)

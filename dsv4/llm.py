@@ -66,7 +66,7 @@ class LLM:
         progress: bool = True,
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = True,
         prefix_snapshots: int | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -97,12 +97,10 @@ class LLM:
                 f" rank={par.rank}/{par.world_size}" if par.world_size > 1 else "",
             )
             # prefix caching: snapshots of the rings at cached block boundaries, each the size
-            # of a slot's fixed state (default: 4 a slot)
-            snapshots = 0
-            if enable_prefix_caching:
-                snapshots = 4 * max_seqs if prefix_snapshots is None else prefix_snapshots
-                if snapshots < 1:
-                    raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
+            # of a slot's fixed state (None: the default, `DecodeState.default_snapshots`)
+            if enable_prefix_caching and prefix_snapshots is not None and prefix_snapshots < 1:
+                raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
+            snapshots = prefix_snapshots if enable_prefix_caching else 0
             self._load(c, progress, block_size, max_memory, memory_fraction, max_step_tokens,
                        chunk_size, snapshots)  # fmt: skip
         except BaseException:
@@ -125,9 +123,10 @@ class LLM:
         memory_fraction: float | None,
         max_step_tokens: int,
         chunk_size: int,
-        snapshots: int = 0,
+        snapshots: int | None = 0,
     ) -> None:
-        """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part)."""
+        """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part);
+        snapshots: prefix caching's ring snapshots (0: no cache, None: the default count)."""
         max_seqs, max_seq_len, kv_cache_dtype, par = (
             c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
         )  # fmt: skip
@@ -157,6 +156,13 @@ class LLM:
         # speculative decoding: compressor rows for a verify step's own tokens
         k = c.num_speculative_tokens
         step_rows = max_seqs * (1 + k) if k else 0
+        if snapshots is None:  # the same count on every rank (their schedulers agree)
+            snapshots = par.least(DecodeState.default_snapshots(
+                args, max_seqs, max_memory, tdt, kv_cache_dtype, step_rows
+            ))  # fmt: skip
+            if not snapshots:
+                log.warning("prefix caching off: the memory budget leaves no room for a ring "
+                            "snapshot (--prefix-snapshots N asks for N)")  # fmt: skip
         if max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:

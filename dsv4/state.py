@@ -227,6 +227,24 @@ class DecodeState:
             )
         return int(free // per_block)
 
+    @staticmethod
+    def default_snapshots(
+        args: ModelArgs,
+        max_seqs: int,
+        budget_bytes: int | None,
+        dtype: torch.dtype,
+        kv_format: str = "auto",
+        step_rows: int = 0,
+    ) -> int:
+        """Prefix caching's default snapshot count: 4 a slot, at most as many as fit in a quarter
+        of what the slots' fixed state and the step rows leave of `budget_bytes` for pages (no
+        budget: 4 a slot). 0 where not one fits."""
+        if budget_bytes is None:
+            return 4 * max_seqs
+        fixed = bytes_per_seq(args, dtype, kv_format)
+        free = budget_bytes - max_seqs * fixed - step_rows * step_row_bytes(args)
+        return max(0, min(4 * max_seqs, free // 4 // fixed))
+
     def rings(self, layers: range) -> list[tuple[torch.Tensor, int]]:
         """(tensor, ring size) of every ring of `layers`: window K=V rows and the compressors'
         raw rows, token p of slot s at row s*size + p % size."""

@@ -13,7 +13,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.prefix_cache import PrefixCache
-from dsv4.state import bytes_per_seq, bytes_per_token
+from dsv4.state import DecodeState, bytes_per_seq, bytes_per_token
 from dsv4.tiny import make_tiny, tiny_args
 from tests.serving import in_process
 
@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory) -> Path:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def plain(model_dir: Path) -> list:
     # each prompt alone, no cache: the reference outputs
-    llm = LLM(model_dir, **KW)
+    llm = LLM(model_dir, enable_prefix_caching=False, **KW)
     return [llm.generate(p, GREEDY)[0] for p in _prompts()]
 
 
@@ -95,7 +95,7 @@ def test_fp8_state_and_speculative_decoding(model_dir: Path, kv: str) -> None:
     # the snapshot holds FP8 window rows, and the MTP layer's ring (its drafts read it)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     kw = dict(KW, kv_cache_dtype=kv, speculative_config=spec)
-    want = _one_by_one(LLM(model_dir, **kw))
+    want = _one_by_one(LLM(model_dir, enable_prefix_caching=False, **kw))
     llm = LLM(model_dir, enable_prefix_caching=True, **kw)
     _same(_one_by_one(llm), want)
     assert llm.engine.stats().prefix_cache_hits == 32 + 64 + 32
@@ -112,7 +112,7 @@ def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list) ->
     kw = dict(KW, max_memory=int(fixed + 6.5 * page))
     g = torch.Generator().manual_seed(1)
     strangers = [torch.randint(1, 300, (60,), generator=g).tolist() for _ in range(3)]
-    want = LLM(model_dir, **kw).generate(strangers, GREEDY)
+    want = LLM(model_dir, enable_prefix_caching=False, **kw).generate(strangers, GREEDY)
     llm = LLM(model_dir, enable_prefix_caching=True, prefix_snapshots=snaps, **kw)
     assert llm.config.torch_dtype == torch.float32 and llm.state.num_blocks == 6
     outs = _one_by_one(llm)
@@ -135,7 +135,9 @@ def test_generated_tokens_are_cached_too(model_dir: Path, k: int) -> None:
     llm = LLM(model_dir, enable_prefix_caching=True, speculative_config=spec, **KW)
     out = llm.generate(first, long)[0]
     follow = first + out.token_ids + [7, 8, 9]
-    want = LLM(model_dir, speculative_config=spec, **KW).generate(follow, GREEDY)[0]
+    want = LLM(model_dir, speculative_config=spec, enable_prefix_caching=False, **KW).generate(
+        follow, GREEDY
+    )[0]
     before = llm.engine.stats().prefix_cache_hits
     _same([llm.generate(follow, GREEDY)[0]], [want])
     hit = llm.engine.stats().prefix_cache_hits - before
@@ -178,11 +180,33 @@ def test_warmup_leaves_the_cache_empty(model_dir: Path, plain: list) -> None:
     _same(_one_by_one(llm), plain)
 
 
-def test_off_by_default_and_bad_snapshots(model_dir: Path) -> None:
+def test_on_by_default_off_by_flag_and_bad_snapshots(model_dir: Path) -> None:
+    # on by default, as vLLM's --enable-prefix-caching; 4 snapshots a slot
     llm = LLM(model_dir, **KW)
+    assert llm.engine.scheduler.cache is not None and llm.state.num_snapshots == 4 * KW["max_seqs"]
+    llm = LLM(model_dir, enable_prefix_caching=False, **KW)
     assert llm.engine.scheduler.cache is None and llm.state.snapshots == []
     with pytest.raises(ValueError, match="prefix_snapshots must be >= 1"):
         LLM(model_dir, enable_prefix_caching=True, prefix_snapshots=0, **KW)
+
+
+def test_default_snapshots_fit_a_quarter_of_the_pages_budget(model_dir: Path, caplog) -> None:  # noqa: ANN001
+    # a memory budget: the default count is 4 a slot, cut to what a quarter of the bytes left
+    # after the slots' fixed state holds; none fits: the cache is off, said in a warning
+    args, dt = tiny_args(vocab_size=300), torch.float32
+    fixed = bytes_per_seq(args, dt)
+    slots = KW["max_seqs"] * fixed
+    assert DecodeState.default_snapshots(args, 3, None, dt) == 12
+    assert DecodeState.default_snapshots(args, 3, slots + 4 * 5 * fixed + 3, dt) == 5
+    assert DecodeState.default_snapshots(args, 3, slots + 4 * 100 * fixed, dt) == 12
+    assert DecodeState.default_snapshots(args, 3, slots + 4 * fixed - 1, dt) == 0
+    page = bytes_per_token(args, dt) * KW["block_size"]
+    llm = LLM(model_dir, max_memory=int(slots + 4 * 2 * fixed + 8 * page), **KW)
+    assert llm.state.num_snapshots == 2 and llm.engine.scheduler.cache is not None
+    with caplog.at_level("WARNING", logger="dsv4"):
+        llm = LLM(model_dir, max_memory=int(slots + 3 * fixed), **KW)
+    assert llm.state.num_snapshots == 0 and llm.engine.scheduler.cache is None
+    assert "prefix caching off" in caplog.text
 
 
 def test_two_ranks_with_cache_equal_one(model_dir: Path, plain: list) -> None:
@@ -236,7 +260,7 @@ def test_gpu_hits_give_the_outputs_without_cache(model_dir: Path, kv: str) -> No
     # the uncached ones (the chunks differ where the cache cuts them: fp32 rounding only)
     kw = dict(KW, device="cuda", dtype="float32", ops="triton", quantized=True, cuda_graphs=True,
               kv_cache_dtype=kv, speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
-    want = _one_by_one(LLM(model_dir, **kw))
+    want = _one_by_one(LLM(model_dir, enable_prefix_caching=False, **kw))
     llm = LLM(model_dir, enable_prefix_caching=True, **kw)
     outs = _one_by_one(llm)
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]

@@ -822,7 +822,7 @@ def moe_experts(
     # the launch that sums the k slots. An id of -1 (expert parallelism: the pair's expert lives
     # on another rank, experts holding this rank's only) contributes nothing: no row-block
     # computes the pair and the slot sum leaves its (unwritten) row out
-    # (config: fixed tiles instead of the autotuner ; dot_scaled: tl.dot_scaled instead of the
+    # (config: fixed tiles instead of the autotuner, BLOCK_M among them ; dot_scaled: tl.dot_scaled instead of the
     # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
     # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
@@ -882,7 +882,7 @@ def moe_experts(
     if gemv is None:
         gemv = x.is_cuda and P <= GEMV_MAX_PAIRS and table.unit == 16
     assert not (gemv and x.is_cuda and table.unit != 16), "gemv: expert weights not 16-B aligned"
-    block_m = 1 if gemv else 16 if P < 2048 else 64
+    block_m = 1 if gemv else (config or {}).get("BLOCK_M") or (16 if P < 2048 else 64)
     if gemv:  # one pair per row-block, in pair order: the router's ids are the blocks' experts
         # (an id < 0 is a block that exits at once, as align_rows's padding blocks)
         rows = blk = idx.reshape(-1)

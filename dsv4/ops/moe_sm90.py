@@ -72,14 +72,21 @@ CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps"
 # 61.7 us) to 1024 tokens (above: tl.dot_scaled). Up to the twenty-seventh session the limit was
 # 512 pairs, and a verify step at batch 64 (128+ tokens) took tl.dot_scaled at half the speed
 MIN_PAIRS = 7
-MAX_PAIRS = 6144
+MAX_PAIRS = 65536  # past it (~11K tokens a step) tl.dot_scaled; the kernel's offsets are 32-bit
 # pairs per row-block by pair count (up to, BLOCK_M): CONFIG's at decode batches, wider blocks for
 # prefill chunks and wide verify steps, where each block reads its expert's weights once. H200
-# (bench/probe_pieces.py moe_sm90 / moe_prefill: Flash's routed experts, uniform random routing),
-# BLOCK_M 8 / 16 / 32 against tl.dot_scaled: T = 128 / 256: 1189 / 1433 us at 8 against 2252 /
-# 2391; T = 512: 2324 / 1713 / 2227 against 3285; T = 1024: 4090 / 3002 / 2590 against 3388;
-# T = 2048: tl.dot_scaled ahead (3756 against 4840 at 32)
-ROW_BLOCKS = ((2048, None), (3072, 16), (MAX_PAIRS, 32))
+# (bench/probe_pieces.py moe_sm90 / moe_prefill / moe_big: Flash's routed experts, uniform random
+# routing), BLOCK_M 8 / 16 / 32 against tl.dot_scaled: T = 128 / 256: 1189 / 1433 us at 8 against
+# 2252 / 2391; T = 512: 2324 / 1713 / 2227 against 3285; T = 1024: 4090 / 3002 / 2590 against 3388.
+# Twenty-eighth session, WIDE tiles: T = 2048: 3230 us at 64 (4593 at 128) against 3789;
+# T = 4096: 4972 at 128 (6019 at 64) against 7110
+ROW_BLOCKS = ((2048, None), (3072, 16), (6144, 32), (16384, 64), (MAX_PAIRS, 128))
+# the tiles of row-blocks of WIDE_MIN pairs and more (where WIDE's BLOCK_N divides the output
+# width): two warpgroups of 64 weight rows, no register cap (the accumulators of 64-128 pairs
+# take it). moe_big at T = 2048, BLOCK_M 64: 3230 us against 3346 with CONFIG's tiles uncapped;
+# T = 4096, BLOCK_M 128: 4972 against 6034; NUM_BUF 3 slower or past shared memory
+WIDE_MIN = 64
+WIDE = {"BLOCK_N": 128, "num_warps": 8, "maxnreg": (None, None)}
 
 
 def block_m(pairs: int) -> int:
@@ -415,19 +422,20 @@ def _launch(
 ) -> None:  # noqa: ANN001
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
     # pairs per row-block (BLOCK_M): as the rows were aligned (`block_m`)
-    bm, bn, bk = rows.numel() // max(blk.numel(), 1), CONFIG["BLOCK_N"], CONFIG["BLOCK_K"]
-    N, K = out.shape[1], x.shape[1]
-    assert rows.numel() == blk.numel() * bm and bm in (8, 16, 32, 64), (
-        f"rows {rows.numel()} for {blk.numel()} blocks: not blocks of 8, 16, 32 or 64 pairs"
+    bm, N, K = rows.numel() // max(blk.numel(), 1), out.shape[1], x.shape[1]
+    cfg = CONFIG | WIDE if bm >= WIDE_MIN and N % WIDE["BLOCK_N"] == 0 else CONFIG
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    assert rows.numel() == blk.numel() * bm and bm in (8, 16, 32, 64, 128), (
+        f"rows {rows.numel()} for {blk.numel()} blocks: not blocks of 8, 16, 32, 64 or 128 pairs"
     )
     # the kernel's x and weight offsets are 32-bit
     assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
-    cap = CONFIG["maxnreg"][0 if gate_up else 1]
+    cap = cfg["maxnreg"][0 if gate_up else 1]
     _experts_kernel[(blk.numel(), N // bn)](
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=CONFIG["NUM_BUF"],
-        num_warps=CONFIG["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=cfg["NUM_BUF"],
+        num_warps=cfg["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
     )  # fmt: skip
 
 

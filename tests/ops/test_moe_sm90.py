@@ -175,21 +175,24 @@ def test_row_blocks_by_pair_count() -> None:
     assert moe_sm90.block_m(moe_sm90.MIN_PAIRS) == moe_sm90.CONFIG["BLOCK_M"] == 8
     assert moe_sm90.block_m(2048) == 8 and moe_sm90.block_m(2049) == 16
     assert moe_sm90.block_m(3072) == 16 and moe_sm90.block_m(3073) == 32
-    assert moe_sm90.block_m(moe_sm90.MAX_PAIRS) == 32
+    assert moe_sm90.block_m(6144) == 32 and moe_sm90.block_m(6145) == 64
+    assert moe_sm90.block_m(16384) == 64 and moe_sm90.block_m(16385) == 128
+    assert moe_sm90.block_m(moe_sm90.MAX_PAIRS) == 128 >= moe_sm90.WIDE_MIN
 
 
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: ANN001
     # verify steps of speculative decoding (batch 64 with 1-3 drafts, k=6: 768-1536 pairs) and
-    # prefill chunks up to MAX_PAIRS take the sm90 kernels by default, in row-blocks of 8, 16 and
-    # 32 pairs, and match the reference; past MAX_PAIRS the Triton kernels
+    # prefill chunks up to MAX_PAIRS take the sm90 kernels by default, in row-blocks of 8, 16, 32,
+    # 64 and 128 pairs (the last two on WIDE tiles), and match the reference; past MAX_PAIRS the
+    # Triton kernels
     D, I, E, k = 512, 256, 16, 6  # noqa: E741
     experts = _experts(D, I, E, seed=5, device="cuda")
     calls = []
     kernel = moe_sm90.experts
     monkeypatch.setattr(moe_sm90, "experts", lambda *a: calls.append(a) or kernel(*a))
-    sizes = (128, 3072 // k, moe_sm90.MAX_PAIRS // k)
+    sizes = (128, 3072 // k, 6144 // k, 16384 // k, moe_sm90.MAX_PAIRS // k)
     for T in sizes:
         weights, idx = _routing(T, k, E, False, seed=T)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
@@ -197,7 +200,7 @@ def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: AN
         want = ref.moe_experts(x, weights.cuda(), idx.cuda(), experts)
         assert _rel(y, want) < 1e-2, (T, _rel(y, want))
     widths = [a[2].numel() // a[3].numel() for a in calls]  # rows / blocks
-    assert widths == [8, 16, 32]
+    assert widths == [8, 16, 32, 64, 128]
     T = moe_sm90.MAX_PAIRS // k + 1
     weights, idx = _routing(T, k, E, False, seed=T)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
