@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -99,6 +99,11 @@ for part in $PARTS; do
           1 4096 wide_before_c$c
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 wide_now_c$c
         rm -f "$OUT"/step_wide_*_c$c.json
+      done ;;
+    prefill_profile)  # where a prefill's time goes: 4096 tokens in chunks of 512 / 2048, by category
+      for c in ${PREFILL_CHUNKS:-512 2048}; do
+        python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1 \
+          --context 4096 --prefill 4096 --chunk "$c" --repeat 3 --profile 2>&1 | tee "$OUT/prefill_profile_c$c.txt"
       done ;;
     sort_ab)  # decode step at 4K and 128K: the model's unsorted top-k against SORT_ALWAYS
       step_ab dsv4.ops.indexer SORT_ALWAYS "True False" ${SORT_BATCH:-1,16} 4096 sort4k_

@@ -104,8 +104,9 @@ def test_projection_is_the_sum_of_measured_pieces(result):  # noqa: ANN001
 
 
 def test_breakdown_categories_sum_to_totals(result):  # noqa: ANN001
+    # every decode run's breakdown and the prefill's (its chunks under the same categories)
     _, res = result
-    for run in res["runs"]:
+    for run in [res["prefill"]] + res["runs"]:
         b = run["breakdown"]
         for k, cats in b["per_layer"].items():
             assert set(cats) == set(CATEGORIES)
@@ -122,9 +123,10 @@ def test_breakdown_categories_sum_to_totals(result):  # noqa: ANN001
         assert all(
             b["per_layer"][k]["MoE"] > 0 and b["per_layer"][k]["mHC"] > 0 for k in b["per_layer"]
         )
-        comps = run["roofline"]["components"]
-        assert sum(comps.values()) == pytest.approx(run["projected_s"], rel=1e-9)
-        assert run["roofline"]["step_s"] == run["projected_s"]
+        if run is not res["prefill"]:  # `dsv4 roofline --bench` reads decode runs
+            comps = run["roofline"]["components"]
+            assert sum(comps.values()) == pytest.approx(run["projected_s"], rel=1e-9)
+            assert run["roofline"]["step_s"] == run["projected_s"]
 
 
 def test_roofline_reads_the_bench_json(result, capsys):  # noqa: ANN001
@@ -333,3 +335,13 @@ def test_layers_all_is_the_flash_schedule():
     target = [step.layer_key(k, m) for k, m in zip(full.layer_types, full.mlp_layer_types)]
     plan = step.projection_plan(keys, target)  # every layer measured: nothing stands in
     assert not plan["substitutions"] and not plan["missing"] and args.n_layers == 43
+
+
+def test_report_prints_the_prefill_breakdown(result, capsys):  # noqa: ANN001
+    from dsv4.bench.report import print_report
+
+    _, res = result
+    print_report(res)
+    out = capsys.readouterr().out
+    assert "breakdown: prefill of 24 tokens in chunks of 16" in out
+    assert "breakdown: batch 2, context 200" in out

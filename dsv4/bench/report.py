@@ -50,13 +50,10 @@ def _ms(s: float | None, width: int = 9) -> str:
     return f"{'-':>{width}}" if s is None else f"{s * 1e3:>{width}.2f}"
 
 
-def _print_breakdown(run: dict, keys: list[str]) -> None:
+def _print_breakdown(run: dict, keys: list[str], what: str) -> None:
     b = run["breakdown"]
     cols = list(dict.fromkeys(keys))
-    print(
-        f"\nbreakdown: batch {run['batch']}, context {run['context']} "
-        f"(ms per step; {b['mode']}; projected = full model)"
-    )
+    print(f"\nbreakdown: {what} (ms per step; {b['mode']}; projected = full model)")
     w = {k: max(12, len(k) + 2) for k in cols}
     print(
         f"{'category':<15}" + "".join(f"{k:>{w[k]}}" for k in cols) + f"{'rest':>10}"
@@ -114,9 +111,11 @@ def print_report(res: dict) -> None:
             f"{_ms(pf['rest']['median_s'], 0).strip()}) -> projected "
             + ("-" if proj is None else f"{proj * 1e3:.1f} ms, {pf['tok_per_s']:.0f} tok/s")
         )
+    if pf is not None and pf.get("breakdown"):
+        _print_breakdown(pf, keys, f"prefill of {pf['tokens']} tokens in chunks of {pf['chunk']}")
     for run in res["runs"]:
         if run.get("breakdown"):
-            _print_breakdown(run, keys)
+            _print_breakdown(run, keys, f"batch {run['batch']}, context {run['context']}")
     hf = cfg["hf"]
     k = cfg.get("draft_tokens", 0)
     print(

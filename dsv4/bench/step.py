@@ -162,7 +162,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="average each timed step over positions context..context+cycle-1 "
         "(4: CSA windows close on one step in four, as in real decode)",
     )
-    p.add_argument("--profile", action="store_true", help="per-op-category breakdown")
+    p.add_argument(
+        "--profile", action="store_true", help="per-op-category breakdown (decode and prefill)"
+    )
     p.add_argument(
         "--graph",
         action="store_true",
@@ -377,7 +379,22 @@ class Bench:
         step = prefill_stepper(self.model, state, ids, chunk, self.clock)
         t = measure(step, self.clock, self.keys, 1, a.repeat, 1)
         t = with_projection(t, self.counts, a.prefill)
-        return t | {"tokens": a.prefill, "chunk": chunk, "chunks": -(-a.prefill // chunk)}
+        t |= {"tokens": a.prefill, "chunk": chunk, "chunks": -(-a.prefill // chunk)}
+        if a.profile:  # the same categories as a decode step's, over the whole prefill
+            t["breakdown"] = self.breakdown(step, t)
+        return t
+
+    def breakdown(self, step, timing: dict) -> dict:  # noqa: ANN001
+        """Per-op-category seconds of `step` (timeline marks), scaled to `timing`'s medians."""
+        a = self.a
+
+        def profiled(j: int) -> None:
+            step(j % a.cycle)
+            self.clock.marks.clear()
+
+        attr = bd.profile(self.model, profiled, a.profile_steps, self.device)
+        on_device = self.device.type == "cuda"
+        return bd.summarize(attr, self.keys, timing, self.counts, a.profile_steps, on_device)
 
     def decode(self, batch: int, context: int) -> dict:
         """`batch` sequences holding `context` tokens each, one new token each."""
@@ -429,14 +446,7 @@ class Bench:
         if a.graph:
             run["graph"] = self.decode_graph(state, batch, context, ids, fl.floor_s, q)
         if a.profile:
-
-            def profiled(j: int) -> None:
-                step(j % a.cycle)
-                self.clock.marks.clear()
-
-            attr = bd.profile(self.model, profiled, a.profile_steps, self.device)
-            b = bd.summarize(attr, self.keys, run, self.counts, a.profile_steps, on_device)
-            run["breakdown"] = b
+            run["breakdown"] = b = self.breakdown(step, run)
             if b["roofline"] is not None:
                 run["roofline"]["components"] = b["roofline"]
         if a.trace:  # one step under torch.profiler, for drilling into kernels
