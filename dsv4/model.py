@@ -204,13 +204,21 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
     return freqs.cos(), freqs.sin()
 
 
-def _ring_or_chunk(ring: torch.Tensor, chunk: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of cat(ring, chunk) without building it (the ring holds every slot's history)."""
-    n, r = ring.shape[0], rows.clamp(min=0)
-    from_ring = (r < n).unsqueeze(-1)
-    return torch.where(
-        from_ring, ring[r.clamp(max=n - 1)], chunk[(r - n).clamp(0, chunk.shape[0] - 1)]
-    )
+def _halves(rows: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """Window slots as rows of [rows * c, d] (c = 2 with overlap: slots 0..m-1 read the A-half of
+    their row, m..2m-1 the B-half); -1 stays -1."""
+    if not overlap:
+        return rows
+    half = torch.arange(rows.shape[1], device=rows.device) // ratio
+    return torch.where(rows >= 0, 2 * rows + half, -1)
+
+
+def _keep_rows(batch: Batch, ring: int) -> torch.Tensor:
+    """[T] the ring row each token of a prefill step leaves its projections in (its sequence's
+    last `ring` tokens), -1 for the others."""
+    tok, rows = batch.ring_writes(ring)
+    keep = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=rows.device)
+    return keep.index_copy_(0, tok, rows.long())
 
 
 class Compressor(nn.Module):
@@ -239,10 +247,11 @@ class Compressor(nn.Module):
             self.ops.compress_keep(
                 kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep_rows
             )
-        else:
-            a = kv.float()  # [T, c*d]
-            phase = batch.memo(("phase", m), lambda: batch.positions % m)  # slot in the window
-            z = gate.float() + self.ape[phase]  # [T, c*d]
+        else:  # a = W_kv x, z = W_gate x + ape[slot] of every token into rows of their own
+            a = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)  # [T, c*d]
+            z = torch.empty_like(a)
+            every = batch.memo(("every", len(kv)), lambda: torch.arange(len(kv), device=kv.device))
+            self.ops.compress_keep(kv, gate, self.ape, batch.positions, m, a, z, every)
         tok, w, dest, rows = batch.closing_windows(m, self.overlap)
         if tok.numel():
             # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
@@ -251,26 +260,22 @@ class Compressor(nn.Module):
             key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
             cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
             n = self.norm
+            ring_kv, ring_score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
             if batch.decode:  # the slots are rows of the ring, read as [rows * c, d]
-                ring_rows = batch.closing_ring_rows(m, self.overlap)
-                kv, score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
-                self.ops.compress_store(
-                    kv, score, n.weight, n.eps, cos, sin, st.kv_cache, dest, ring_rows, st.kv_scale
-                )
-            else:
-                empty = (rows < 0)[..., None]
-                ga = _ring_or_chunk(st.kv_state, a, rows).masked_fill(empty, 0.0)
-                gz = _ring_or_chunk(st.score_state, z, rows).masked_fill(empty, float("-inf"))
-                if self.overlap:
-                    ga = torch.cat([ga[:, :m, :d], ga[:, m:, d:]], dim=1)
-                    gz = torch.cat([gz[:, :m, :d], gz[:, m:, d:]], dim=1)
-                self.ops.compress_store(
-                    ga, gz, n.weight, n.eps, cos, sin, st.kv_cache, dest, None, st.kv_scale
-                )
+                rows, chunk = batch.closing_ring_rows(m, self.overlap), None
+            else:  # rows of ring | this chunk's own, both read as [rows * c, d]
+                key = ("close_halves", m, self.overlap)
+                rows = batch.memo(key, lambda r=rows: _halves(r, m, self.overlap))
+                chunk = (a.view(-1, d), z.view(-1, d))
+            self.ops.compress_store(
+                ring_kv, ring_score, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows,
+                st.kv_scale, chunk=chunk,
+            )  # fmt: skip
         if not batch.decode:  # the raw projections of the last R tokens of each sequence
-            tok, rows = batch.ring_writes(st.ring)
-            st.kv_state[rows] = a[tok]
-            st.score_state[rows] = z[tok]
+            keep = batch.memo(("keep", st.ring), lambda: _keep_rows(batch, st.ring))
+            self.ops.compress_keep(
+                kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep
+            )
 
     def short_step(
         self, kv: torch.Tensor, gate: torch.Tensor, batch: Batch, st: CompressorState,

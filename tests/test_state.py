@@ -213,10 +213,11 @@ def _sim_fp8(ops, rope_dim: int, head_dim: int):  # noqa: ANN001, ANN202
     def norm_rope_qkv(q, kv, w, eps, cos, sin, store=None):  # noqa: ANN001, ANN202
         return ops.norm_rope(q, None, eps, cos, sin), norm_rope(kv, w, eps, cos, sin, store)
 
-    def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None, out_scale=None):  # noqa: ANN001, ANN202, E501
+    def compress_store(kv, score, w, eps, cos, sin, out, dest, rows=None, out_scale=None,  # noqa: ANN001, ANN202
+                       chunk=None):  # fmt: skip  # noqa: ANN001
         assert out_scale is None  # value state
         tmp = torch.zeros(out.shape, dtype=torch.bfloat16)  # both FP8 forms round through bf16
-        ops.compress_store(kv, score, w, eps, cos, sin, tmp, dest, rows)
+        ops.compress_store(kv, score, w, eps, cos, sin, tmp, dest, rows, chunk=chunk)
         keep = dest >= 0
         y = tmp[dest[keep]]
         keys = out.shape[1] != head_dim  # the indexer's

@@ -258,13 +258,17 @@ def compress_store(
     dest: torch.Tensor,
     rows: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
+    chunk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     # kv, score: [n, slots, d] fp32 (score -inf = empty slot) ; cos/sin: [n, rd/2] ; dest: [n] rows,
     # -1 = no store (a window that does not close: the static shapes of a CUDA-graph step)
     # rows: [n, slots] (-1 = empty slot): kv / score are then [N, d] rows, slot s of window i row
-    # rows[i, s]
+    # rows[i, s] ; chunk: a second [M, d] (kv, score) source, rows N.. N+M-1 (prefill: ring | chunk)
     # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)): per-channel softmax pooling
-    if rows is not None:
+    if chunk is not None:
+        kv, score = torch.cat([kv, chunk[0]]), torch.cat([score, chunk[1]])
+    if rows is not None:  # a window not stored is not read (its rows may lie past the sources)
+        rows = torch.where((dest >= 0)[:, None], rows, -1)
         empty = (rows < 0)[..., None]
         kv = kv[rows.clamp(min=0)].masked_fill(empty, 0.0)
         score = score[rows.clamp(min=0)].masked_fill(empty, float("-inf"))

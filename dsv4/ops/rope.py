@@ -411,6 +411,11 @@ def _compress_store_kernel(
     out_ptr,  # [rows, d] bf16/fp32 paged store (ENTRIES: uint8 FP8 entries; KEY_FP8: e4m3 codes)
     dest_ptr,  # [n] int rows of out, -1 = no store
     scale_ptr,  # KEY_FP8: [rows] fp32 scales of out's rows
+    kv2_ptr,  # (CHUNK) [M, d] fp32: rows N.. of the sources (prefill: ring | chunk)
+    score2_ptr,  # (CHUNK) [M, d] fp32
+    n_first,  # (CHUNK) N: rows below it are kv / score's, the others kv2 / score2's (row - N)
+    stride_kv2,
+    stride_s2,
     slots,
     d,
     nope,
@@ -425,6 +430,7 @@ def _compress_store_kernel(
     stride_rn,
     HAS_WEIGHT: tl.constexpr,
     GATHER: tl.constexpr,
+    CHUNK: tl.constexpr,  # (GATHER) a second row source
     ENTRIES: tl.constexpr,  # out holds FP8 entries of the bf16-rounded value
     KEY_FP8: tl.constexpr,  # out holds FP8 indexer keys of it (codes here, scales at scale_ptr)
     BLOCK_S: tl.constexpr,
@@ -455,8 +461,18 @@ def _compress_store_kernel(
             mask = (s < slots)[:, None] & col_ok[None, :]
             z_at = score_ptr + i * stride_sn + s[:, None] * stride_ss + cols[None, :]
             a_at = kv_ptr + i * stride_kvn + s[:, None] * stride_kvs + cols[None, :]
-        z = tl.load(z_at, mask=mask, other=float("-inf"))
-        a = tl.load(a_at, mask=mask, other=0.0)
+        if CHUNK:  # rows from n_first on are the second source's
+            in2 = (r >= n_first)[:, None]
+            r2 = tl.maximum(r - n_first, 0)
+            z = tl.load(z_at, mask=mask & ~in2, other=float("-inf"))
+            a = tl.load(a_at, mask=mask & ~in2, other=0.0)
+            z2_at = score2_ptr + r2[:, None] * stride_s2 + cols[None, :]
+            z = tl.where(in2, tl.load(z2_at, mask=mask & in2, other=float("-inf")), z)
+            a2_at = kv2_ptr + r2[:, None] * stride_kv2 + cols[None, :]
+            a = tl.where(in2, tl.load(a2_at, mask=mask & in2, other=0.0), a)
+        else:
+            z = tl.load(z_at, mask=mask, other=float("-inf"))
+            a = tl.load(a_at, mask=mask, other=0.0)
         m_new = tl.maximum(m, tl.max(z, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: keep sums at 0
         alpha = tl.exp(m - m_safe)
@@ -515,10 +531,13 @@ def compress_store(
     dest: torch.Tensor,
     rows: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
+    chunk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     # kv, score: [n, slots, d] fp32 (score -inf = empty slot), or with rows [n, slots] (-1 = empty
     # slot): [N, d] fp32 row sources, slot s of window i being row rows[i, s] (windows whose dest
-    # is -1 are then skipped) ; cos/sin: [n, rd/2] ; dest: [n] rows of out, -1 = no store
+    # is -1 are then skipped) ; chunk (with rows): a second [M, d] fp32 (kv, score) source whose
+    # rows are N .. N+M-1 (prefill: the ring, then the chunk's own projections) ;
+    # cos/sin: [n, rd/2] ; dest: [n] rows of out, -1 = no store
     # out[dest] = RoPE(RMSNorm(sum_slots softmax_slots(score) * kv)), in place ; out uint8: FP8
     # entries, or with out_scale [rows] fp32 FP8 indexer keys (`dsv4.quant.quant_index_keys`)
     gather = rows is not None
@@ -532,7 +551,16 @@ def compress_store(
         assert rows.stride(1) == 1 or rows.shape[1] <= 1, "rows must be contiguous in slots"
         (n, slots), d = rows.shape, kv.shape[1]
         strides = (0, kv.stride(0), 0, score.stride(0))  # a slot's row, not (window, slot)
+        if chunk is not None:
+            kv2, score2 = chunk
+            assert kv2.dim() == 2 and kv2.shape[1] == d and score2.shape == kv2.shape, (
+                f"chunk must be two [M, {d}] sources alike (got {tuple(kv2.shape)}, "
+                f"{tuple(score2.shape)})"
+            )
+            assert kv2.dtype == score2.dtype == torch.float32, "chunk sources must be fp32"
+            assert kv2.stride(-1) == score2.stride(-1) == 1, "chunk must be contiguous in d"
     else:
+        assert chunk is None, "a second source (chunk) needs rows"
         assert kv.dim() == 3 and score.shape == kv.shape, (
             f"kv/score must be [n, slots, d] alike (got {tuple(kv.shape)}, {tuple(score.shape)})"
         )
@@ -575,11 +603,14 @@ def compress_store(
         return
     block_d = triton.next_power_of_2(d)
     block_s, num_warps = _compress_config(slots, block_d)
+    kv2, score2 = chunk if chunk is not None else (kv, score)
     _compress_store_kernel[(n,)](
         kv, score, rows if gather else dest, kv if weight is None else weight, cos, sin, out, dest,
-        out_scale if key_fp8 else kv, slots, d, d - rd, eps, *strides, cos.stride(0),
+        out_scale if key_fp8 else kv, kv2, score2, kv.shape[0], kv2.stride(0), score2.stride(0),
+        slots, d, d - rd, eps, *strides, cos.stride(0),
         sin.stride(0), out.stride(0), rows.stride(0) if gather else 0,
-        HAS_WEIGHT=weight is not None, GATHER=gather, ENTRIES=entries, KEY_FP8=key_fp8,
+        HAS_WEIGHT=weight is not None, GATHER=gather, CHUNK=chunk is not None, ENTRIES=entries,
+        KEY_FP8=key_fp8,
         BLOCK_S=block_s, BLOCK_D=block_d, num_warps=num_warps, **chain(kv.device),
     )  # fmt: skip
 

@@ -275,6 +275,33 @@ def test_compress_store_gathers_rows(dtype: torch.dtype) -> None:
     assert torch.equal(gathered[[1, 2, 4]], before[[1, 2, 4]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_store_reads_a_second_source(dtype: torch.dtype) -> None:
+    # prefill: rows N.. are the chunk's own projections (a second source), the rows below N the
+    # ring; the same bits as one source holding both, and the reference
+    torch.manual_seed(8)
+    n, slots, d, rd, N, M = 5, 8, 40, 16, 30, 20
+    src_kv, src_score = torch.randn(N + M, d) * 2.0, torch.randn(N + M, d) * 3.0
+    rows = torch.randint(0, N + M, (n, slots))
+    rows[0, :3] = -1
+    rows[1] = torch.arange(N, N + slots)  # a window all in the chunk
+    rows[2] = torch.arange(slots)  # one all in the ring
+    w = torch.rand(d) + 0.5
+    cos, sin = _angles(n, rd)
+    dest = torch.tensor([3, 7, 9, 0, 5])
+    before = torch.randn(12, d).to(dtype)
+    one, two, want = before.clone(), before.clone(), before.clone()
+    ring, chunk = (src_kv[:N], src_score[:N]), (src_kv[N:], src_score[N:])
+    rope.compress_store(src_kv, src_score, w, 1e-6, cos, sin, one, dest, rows=rows)
+    rope.compress_store(*ring, w, 1e-6, cos, sin, two, dest, rows=rows, chunk=chunk)
+    ref.compress_store(*ring, w, 1e-6, cos, sin, want, dest, rows=rows, chunk=chunk)
+    assert torch.equal(two, one)
+    assert _rel(two, want) < TOL[dtype]
+    with pytest.raises(AssertionError, match="needs rows"):
+        rope.compress_store(src_kv.view(-1, 2, d), src_score.view(-1, 2, d), w, 1e-6, cos, sin,
+                            two, dest, chunk=chunk)  # fmt: skip
+
+
 def test_compress_store_many_slot_chunks() -> None:
     # slots > one chunk (BLOCK_S = 256 at d = 64): the online softmax crosses chunks, and some
     # channels are empty for a whole chunk; unweighted norm and int32 dest
@@ -411,6 +438,12 @@ def test_gpu_flash_compress_store(slots: int, d: int, dtype: torch.dtype) -> Non
     kv2, score2 = kv.reshape(-1, d), score.reshape(-1, d)
     rope.compress_store(kv2, score2, w, 1e-6, cos, sin, gathered, dest, rows=flat)
     assert torch.equal(gathered, out)
+    # prefill's two sources (ring | chunk) split at a row inside the windows: the same bits
+    split = n * slots // 2 + 3
+    two = before.clone()
+    rope.compress_store(kv2[:split], score2[:split], w, 1e-6, cos, sin, two, dest, rows=flat,
+                        chunk=(kv2[split:], score2[split:]))  # fmt: skip
+    assert torch.equal(two, out)
 
 
 @pytest.mark.gpu
