@@ -1,8 +1,9 @@
-"""How many kernels one decode step launches, counted on the CPU: every call into the ops
-interface is one, every other torch op the model runs around them is one (pure views are none).
-A proxy for the GPU trace, for the small launches of index glue that dominate a batch-1 step.
+"""How many kernels one decode step (or prefill chunk) launches, counted on the CPU: every call
+into the ops interface is one, every other torch op the model runs around them is one (pure views
+and allocations are none). A proxy for the GPU trace, for the small launches of index glue that
+dominate a batch-1 step and, on the host, an eager prefill of short chunks.
 
-  python3 -m dsv4.bench.launches [--layers sliding,csa,hca] [--batch 1] [--eager]
+  python3 -m dsv4.bench.launches [--layers sliding,csa,hca] [--batch 1] [--eager] [--prefill N]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dsv4.state import Batch, DecodeState
 VIEWS = frozenset(
     "view unsqueeze squeeze expand t as_strided detach slice select _reshape_alias alias permute "
     "transpose _unsafe_view reshape split unbind lift_fresh".split()
+    + "empty empty_like empty_strided".split()  # allocations: no kernel either
 )
 
 
@@ -40,9 +42,15 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(layers: str = "sliding,csa,hca", batch: int = 1, static: bool = True) -> dict:
+PREFILL_START = 256  # where a counted prefill chunk starts: the rings hold earlier tokens
+
+
+def count(
+    layers: str = "sliding,csa,hca", batch: int = 1, static: bool = True, prefill: int = 0
+) -> dict:
     """Launches of one decode step of a tiny model with `layers`: {"ops": n, "torch": n, ...}.
-    static: the CUDA-graph form of the step (every compressor window pooled, stores masked)."""
+    static: the CUDA-graph form of the step (every compressor window pooled, stores masked);
+    prefill > 0: instead a prefill chunk of that many tokens a sequence, from PREFILL_START."""
     counter = _Counter()
     ref = select("ref")
 
@@ -66,9 +74,12 @@ def count(layers: str = "sliding,csa,hca", batch: int = 1, static: bool = True) 
     init_random_(model, 0)
     state = DecodeState(args, batch, 512, torch.float32, "cpu")
     fill_state_(state, 0)
-    ids = torch.zeros(batch, dtype=torch.long)
+    ids = torch.zeros(batch * max(prefill, 1), dtype=torch.long)
     pos = 301
-    if static:
+    if prefill:
+        assert PREFILL_START + prefill <= 512, f"prefill {prefill} past the counted state"
+        b = Batch.build(list(range(batch)), [PREFILL_START] * batch, [prefill] * batch, state)
+    elif static:
         b = Batch.build_static(torch.arange(batch), torch.full((batch,), pos), state, 512)
     else:
         b = Batch.build(list(range(batch)), [pos] * batch, [1] * batch, state)
@@ -86,8 +97,9 @@ def main() -> None:
     p.add_argument("--layers", default="sliding,csa,hca")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="a dynamic (not CUDA-graph) step")
+    p.add_argument("--prefill", type=int, default=0, help="a prefill chunk of N tokens instead")
     a = p.parse_args()
-    r = count(a.layers, a.batch, not a.eager)
+    r = count(a.layers, a.batch, not a.eager, a.prefill)
     print(f"{r['ops'] + r['torch']} launches: {r['ops']} ops calls, {r['torch']} torch ops")
     for name, n in r["by_name"].items():
         print(f"{n:6d}  {name}")
