@@ -108,6 +108,8 @@ class LLM:
                 parallel.stop(self._followers, timeout=10)
             raise
         self._score_state: DecodeState | None = None
+        if self._followers:  # a follower that dies unasked stops this process (`parallel.watch`)
+            parallel.watch(self._followers)
         if par.rank:  # a follower: serve rank 0 until it closes, then end this process
             self._follow()
             raise SystemExit(0)

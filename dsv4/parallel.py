@@ -19,7 +19,9 @@ A single process is `Parallel()` (world_size 1): every collective is the identit
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -220,6 +222,41 @@ def ranks(size: int, fn, *args) -> tuple[Parallel, list]:  # noqa: ANN001
     return par, procs
 
 
+log = logging.getLogger("dsv4")
+_STOPPING = threading.Event()  # set by `stop`: the followers' exits from then on are asked for
+WATCH_INTERVAL = 1.0  # seconds between the watchdog's looks at the followers
+
+
+def _die(rank: int, code: int | None) -> None:
+    log.error(
+        "tensor parallel: rank %d exited (code %s) while rank 0 runs; stopping rank 0 too "
+        "(its next collective would wait for rank %d forever)", rank, code, rank,
+    )  # fmt: skip
+    logging.shutdown()
+    os._exit(1)
+
+
+def watch(procs: list, on_death=None) -> threading.Thread:  # noqa: ANN001
+    """Rank 0: a daemon thread that calls on_death(rank, exit code) -- by default `_die`: log it
+    and end this process with code 1 -- when a follower started here (`start_followers`) fails
+    (a nonzero code: an exception, a signal) before `stop` asks it to stop. Rank 0 would otherwise
+    wait in its next collective for good. (vLLM's executor shuts down on a dead worker too; under
+    torchrun its agent stops the other ranks.) A follower that ends with code 0 unasked was
+    interrupted with rank 0 (Ctrl-C reaches every rank), which is stopping anyway."""
+    _STOPPING.clear()
+
+    def run() -> None:
+        while not _STOPPING.wait(WATCH_INTERVAL):
+            for r, p in enumerate(procs, start=1):
+                if p.exitcode and not _STOPPING.is_set():
+                    (on_death or _die)(r, p.exitcode)
+                    return
+
+    t = threading.Thread(target=run, name="dsv4-rank-watch", daemon=True)
+    t.start()
+    return t
+
+
 def stop(procs: list, timeout: float = 60.0) -> None:
     """After rank 0 has told its followers to stop: leave the process group, then wait for them
     (and, if `procs` were started here, forget the group's environment). The ranks leave
@@ -229,6 +266,7 @@ def stop(procs: list, timeout: float = 60.0) -> None:
     import torch.distributed
 
     global _CONTROL
+    _STOPPING.set()
     _CONTROL = None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

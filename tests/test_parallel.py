@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
-from dsv4 import LLM, SamplingParams
+from dsv4 import LLM, SamplingParams, parallel
 from dsv4.checkpoint import load_checkpoint
 from dsv4.cli import main
 from dsv4.model import Experts, Transformer
@@ -68,14 +72,51 @@ def test_ranks_agree_on_the_least(tmp_path: Path) -> None:
     assert Parallel().least(9) == 9
 
 
-def test_close_after_a_rank_is_gone(model_dir: Path) -> None:
-    # a rank killed first (Ctrl-C reaches every rank): closing still leaves the group
+def test_close_after_a_rank_is_gone(model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    # a rank killed first: the watchdog reports it (by default it would end this process, whose
+    # next collective would wait for rank 1 for good), and closing still leaves the group
+    died = []
+    monkeypatch.setattr(parallel, "_die", lambda rank, code: died.append((rank, code)))
+    monkeypatch.setattr(parallel, "WATCH_INTERVAL", 0.05)
     two = LLM(model_dir, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4)
     (follower,) = two._followers
     follower.kill()
     follower.join()
+    for _ in range(100):
+        if died:
+            break
+        time.sleep(0.05)
+    assert died == [(1, -9)]
     two.close()
     assert two.engine.closed and not torch.distributed.is_initialized()
+
+
+def test_watchdog_leaves_asked_and_interrupted_exits_alone() -> None:
+    # no report once stop() has begun, nor for a follower that ended with code 0 (Ctrl-C)
+    died = []
+    procs = [SimpleNamespace(exitcode=None)]
+    parallel.WATCH_INTERVAL, interval = 0.01, parallel.WATCH_INTERVAL
+    try:
+        t = parallel.watch(procs, lambda r, c: died.append((r, c)))
+        procs[0].exitcode = 0
+        time.sleep(0.1)
+        assert t.is_alive() and not died
+        parallel._STOPPING.set()
+        procs[0].exitcode = 1
+        t.join(1)
+        assert not t.is_alive() and not died
+    finally:
+        parallel.WATCH_INTERVAL = interval
+
+
+def test_a_dead_rank_ends_rank_0_with_a_message() -> None:
+    # the default report: logged, and this process ends with code 1 (not a hang)
+    r = subprocess.run(
+        [sys.executable, "-c", "from dsv4.parallel import _die; _die(1, -9); print('alive')"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1 and "alive" not in r.stdout
+    assert "rank 1 exited (code -9)" in r.stderr
 
 
 def test_split_errors(model_dir: Path) -> None:
