@@ -8,8 +8,9 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,8 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's name)
+    # time.monotonic() when a step first ran it (vLLM's RequestMetrics.first_scheduled_time)
+    first_scheduled_time: float | None = None
     # SamplingParams.n > 1 (`LLM.generate`): this is completion `index` of its prompt; the first
     # one holds all n in `choices`
     index: int = 0
@@ -136,6 +139,8 @@ class Engine:
             else None
         )
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
+        # called with each step's token count (the server's vllm:iteration_tokens_total)
+        self.on_step: Callable[[int], None] | None = None
         self.args = model.args
         # prefix caching: cached blocks' pages are shared, the state's snapshots hold the rings
         cache = (
@@ -253,6 +258,13 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return []
+        now = time.monotonic()
+        for w in work:
+            out = w.request.extra["out"]
+            if out.first_scheduled_time is None:
+                out.first_scheduled_time = now
+        if self.on_step is not None:  # the tokens this step runs (vLLM's iteration_tokens_total)
+            self.on_step(sum(w.length for w in work))
         # rejected drafts past the first overwrite ring rows that the next step reads: kept
         ahead = [(w, j) for w in work for j in range(2, len(w.draft) + 1)]
         saved = self.state.save_rows(

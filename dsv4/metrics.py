@@ -5,8 +5,17 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:inter_token_latency_seconds      gap between consecutive tokens of a request
               vllm:time_per_output_token_seconds    the same samples under the older name
               vllm:e2e_request_latency_seconds      arrival -> last token (or abort)
+              vllm:request_queue_time_seconds       arrival -> first step that runs it
+              vllm:request_prefill_time_seconds     that step -> first token
+              vllm:request_decode_time_seconds      first token -> last token
+              vllm:request_inference_time_seconds   first step -> last token
+              vllm:request_time_per_output_token_seconds  decode time / (tokens - 1), a request
+              vllm:request_prompt_tokens, vllm:request_generation_tokens   lengths, a request
+              vllm:iteration_tokens_total           tokens an engine step runs
+                                                    (the request ones at finish, aborts left out)
   gauges      vllm:num_requests_running, vllm:num_requests_waiting
               vllm:kv_cache_usage_perc              fraction (0..1) of decode-state pages in use
+              vllm:gpu_cache_usage_perc             the same, its older name (routers read it)
   counters    vllm:prompt_tokens_total, vllm:generation_tokens_total,
               vllm:request_success_total{finished_reason=stop|length|abort},
               vllm:num_preemptions_total, vllm:prefix_cache_queries_total,
@@ -33,6 +42,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# the request lengths: 1, 2, 5 steps (vLLM's build_1_2_5_buckets) up to 1M tokens
+LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+ITERATION_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+                     8192.0, 16384.0)  # fmt: skip
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -88,6 +101,31 @@ class ServerMetrics:
             "End-to-end request latency in seconds.",
             E2E_BUCKETS,
         )
+        phases = {  # name: (help, buckets)
+            "queue": ("Time from arrival to the first engine step that runs the request.", E2E_BUCKETS),
+            "prefill": ("Time from the request's first step to its first token.", E2E_BUCKETS),
+            "decode": ("Time from the request's first token to its last.", E2E_BUCKETS),
+            "inference": ("Time from the request's first step to its last token.", E2E_BUCKETS),
+        }  # fmt: skip
+        self.phase = {
+            k: Histogram(f"vllm:request_{k}_time_seconds", h, b) for k, (h, b) in phases.items()
+        }
+        self.request_tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: decode time over its tokens after the first.",
+            ITL_BUCKETS,
+        )
+        self.request_prompt = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a finished request.", LENGTH_BUCKETS
+        )
+        self.request_generation = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens of a finished request.",
+            LENGTH_BUCKETS,
+        )
+        self.iteration = Histogram(
+            "vllm:iteration_tokens_total", "Tokens an engine step runs.", ITERATION_BUCKETS
+        )
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = defaultdict(int)  # finished_reason -> requests
@@ -115,12 +153,10 @@ class ServerMetrics:
             scalar(
                 "gauge", "vllm:num_requests_waiting", "Requests waiting to run.", stats.num_waiting
             )
-            scalar(
-                "gauge",
-                "vllm:kv_cache_usage_perc",
-                "Fraction of decode-state pages in use (0-1).",
-                stats.state_usage,
-            )
+            for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                scalar(
+                    "gauge", name, "Fraction of decode-state pages in use (0-1).", stats.state_usage
+                )
             scalar(
                 "counter",
                 "vllm:num_preemptions_total",
@@ -170,7 +206,8 @@ class ServerMetrics:
         for reason in sorted({"stop", "length", "abort"} | set(self.finished)):
             labels = _labels({**self.labels, "finished_reason": reason})
             lines.append(f"vllm:request_success_total{labels} {self.finished[reason]}")
-        for h in (self.ttft, self.itl, self.tpot, self.e2e):
+        for h in (self.ttft, self.itl, self.tpot, self.e2e, *self.phase.values(),
+                  self.request_tpot, self.request_prompt, self.request_generation, self.iteration):  # fmt: skip
             lines += h.render(self.labels)
         return "\n".join(lines) + "\n"
 
@@ -182,6 +219,8 @@ class RequestTrace:
         self.metrics = metrics
         self.arrival = time.monotonic()
         self.last: float | None = None  # time of the latest token
+        self.first: float | None = None  # of the first token
+        self.scheduled: float | None = None  # of the first engine step that ran the request
         self.done = False
 
     def observe(self, out: RequestOutput) -> None:
@@ -189,23 +228,39 @@ class RequestTrace:
         if self.last is None:
             m.ttft.observe(now - self.arrival)
             m.prompt_tokens += len(out.prompt_token_ids)
+            self.first = now
+            # the engine's clock (time.monotonic, this process); never before the arrival here
+            self.scheduled = min(max(out.first_scheduled_time or now, self.arrival), now)
+            m.phase["queue"].observe(self.scheduled - self.arrival)
+            m.phase["prefill"].observe(now - self.scheduled)
         else:
             m.itl.observe(now - self.last)
             m.tpot.observe(now - self.last)
         m.generation_tokens += len(out.delta_token_ids)
         self.last = now
         if out.finished:
-            self._finish(out.finish_reason or "stop", now)
+            self._finish(out.finish_reason or "stop", now, out)
 
     def close(self) -> None:
         """End of the response: a request that never finished was aborted (client gone)."""
         if not self.done:
             self._finish("abort", time.monotonic())
 
-    def _finish(self, reason: str, now: float) -> None:
+    def _finish(self, reason: str, now: float, out: RequestOutput | None = None) -> None:
+        m = self.metrics
         self.done = True
-        self.metrics.finished[reason] += 1
-        self.metrics.e2e.observe(now - self.arrival)
+        m.finished[reason] += 1
+        m.e2e.observe(now - self.arrival)
+        if out is None or self.first is None:  # aborted: no request histograms (as vLLM)
+            return
+        decode = now - self.first
+        m.phase["decode"].observe(decode)
+        m.phase["inference"].observe(now - self.scheduled)
+        n = len(out.token_ids)
+        if n > 1:
+            m.request_tpot.observe(decode / (n - 1))
+        m.request_prompt.observe(len(out.prompt_token_ids))
+        m.request_generation.observe(n)
 
 
 class StatsLogger:

@@ -74,6 +74,7 @@ class Server:
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
         if self.config.warmup and llm.config.device.startswith("cuda"):
             llm.warmup()  # kernels compiled and decode graphs captured before the first request
+        llm.engine.on_step = self.metrics.iteration.observe  # (after the warm-up's steps)
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 
     async def load_in_background(self) -> None:

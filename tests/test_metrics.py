@@ -77,3 +77,68 @@ def test_server_logs_the_line_while_busy(model_dir: Path, monkeypatch, caplog) -
 
 def _lines(caplog) -> list[str]:  # noqa: ANN001
     return [r.getMessage() for r in caplog.records if "Engine 000" in r.getMessage()]
+
+
+def test_request_phase_histograms(monkeypatch) -> None:  # noqa: ANN001
+    # vLLM's request histograms from one traced request on a fake clock: queued 0.5 s, first
+    # token 0.2 s after its first step, 3 tokens over 0.6 s more; an abort records none of them
+    from dsv4 import metrics as metrics_mod
+    from dsv4.engine import RequestOutput
+
+    clock = iter([10.0, 10.7, 11.0, 11.3])
+    monkeypatch.setattr(metrics_mod.time, "monotonic", lambda: next(clock))
+    m = ServerMetrics("m")
+    trace = m.track()  # arrival 10.0
+    out = RequestOutput("r", [1] * 7, token_ids=[5], delta_token_ids=[5])
+    out.first_scheduled_time = 10.5
+    trace.observe(out)  # 10.7: first token
+    out.token_ids, out.delta_token_ids = [5, 6], [6]
+    trace.observe(out)  # 11.0
+    out.token_ids, out.delta_token_ids, out.finish_reason = [5, 6, 7], [7], "length"
+    trace.observe(out)  # 11.3: last
+
+    def one(h) -> float:  # noqa: ANN001
+        assert h.count == 1
+        return h.sum
+
+    assert one(m.phase["queue"]) == pytest.approx(0.5)
+    assert one(m.phase["prefill"]) == pytest.approx(0.2)
+    assert one(m.phase["decode"]) == pytest.approx(0.6)
+    assert one(m.phase["inference"]) == pytest.approx(0.8)
+    assert one(m.request_tpot) == pytest.approx(0.3)
+    assert one(m.request_prompt) == 7 and one(m.request_generation) == 3
+    text = m.render(_stats())
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "iteration_tokens_total"):  # fmt: skip
+        assert f"# TYPE vllm:{name} histogram" in text
+    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="5.0"} 0' in text
+    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="10.0"} 1' in text
+    assert 'vllm:gpu_cache_usage_perc{model_name="m"} 0.4' in text
+    clock = iter([20.0, 20.5])
+    m.track().close()  # aborted before a token
+    assert m.phase["queue"].count == 1 and m.finished["abort"] == 1
+
+
+def test_served_steps_fill_the_iteration_histogram(model_dir: Path) -> None:
+    # the server hands the engine its iteration histogram: every step's token count
+    server, ac = in_process(model_dir, max_seqs=2)
+    body = {"prompt": [3, 4, 5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def go() -> tuple[int, str]:
+        async with ac:
+            status = (await ac.post("/v1/completions", json=body)).status_code
+            return status, (await ac.get("/metrics")).text
+
+    try:
+        status, text = asyncio.run(go())
+    finally:
+        server.shutdown()
+    h = server.metrics.iteration
+    assert status == 200 and h.count == 4 and h.sum == 5 + 3  # the prompt, then a token a step
+    assert server.metrics.phase["decode"].count == 1 and server.metrics.request_generation.sum == 4
+    assert (
+        "vllm:iteration_tokens_total_count" in text
+        and "vllm:request_queue_time_seconds_sum" in text
+    )
