@@ -78,6 +78,8 @@ class EngineStats:
     num_drafts: int = 0  # verifications (a sequence's drafts of one step)
     prefix_cache_queries: int = 0  # prefix caching: prompt tokens looked up, and found
     prefix_cache_hits: int = 0
+    # verifications whose draft j (0-based) was accepted, per position (vLLM's per-position rate)
+    num_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def mean_accept_length(self) -> float | None:
@@ -139,6 +141,7 @@ class Engine:
             else None
         )
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
+        self.num_accepted_per_pos = [0] * num_speculative_tokens
         # called with each step's token count (the server's vllm:iteration_tokens_total)
         self.on_step: Callable[[int], None] | None = None
         self.args = model.args
@@ -229,6 +232,7 @@ class Engine:
             self.num_drafts,
             s.cache.queries if s.cache else 0,
             s.cache.hits if s.cache else 0,
+            tuple(self.num_accepted_per_pos),
         )
 
     def tell(self, what: str, *args: object) -> None:
@@ -394,6 +398,8 @@ class Engine:
             self.num_drafts += bool(w.draft)
             self.num_draft_tokens += len(w.draft)
             self.num_accepted_tokens += w.accepted
+            for j in range(w.accepted):  # drafts are accepted in order: the first w.accepted
+                self.num_accepted_per_pos[j] += 1
         return tokens, entries
 
     def _postprocess(

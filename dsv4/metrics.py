@@ -21,7 +21,8 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:num_preemptions_total, vllm:prefix_cache_queries_total,
               vllm:prefix_cache_hits_total,
               vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
-              vllm:spec_decode_num_accepted_tokens_total
+              vllm:spec_decode_num_accepted_tokens_total,
+              vllm:spec_decode_num_accepted_tokens_per_pos_total{position=j}
                                                     (MTP speculative decoding; acceptance rate =
                                                     accepted / draft tokens)
 Every series carries model_name. Updates happen on the event loop, so nothing is locked.
@@ -193,6 +194,13 @@ class ServerMetrics:
                 "Speculative draft tokens accepted.",
                 stats.num_accepted_tokens,
             )
+            if stats.num_accepted_per_pos:
+                name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+                lines += [f"# HELP {name} Accepted draft tokens by position in the draft.",
+                          f"# TYPE {name} counter"]  # fmt: skip
+                for j, n in enumerate(stats.num_accepted_per_pos):
+                    labels = _labels({**self.labels, "position": str(j)})
+                    lines.append(f"{name}_total{labels} {n}")
         scalar(
             "counter", "vllm:prompt_tokens_total", "Prefilled prompt tokens.", self.prompt_tokens
         )
@@ -298,9 +306,15 @@ class StatsLogger:
         drafts, drafted = delta("num_drafts"), delta("num_draft_tokens")
         if drafts:
             accepted = delta("num_accepted_tokens")
+            before = prev.num_accepted_per_pos if prev is not None else ()
+            per_pos = ", ".join(
+                f"{(n - (before[j] if j < len(before) else 0)) / drafts:.3f}"
+                for j, n in enumerate(stats.num_accepted_per_pos)
+            )
             out.append(
                 f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
                 f"Accepted: {accepted:.0f} tokens, Drafted: {drafted:.0f} tokens, "
                 f"Acceptance rate: {100 * accepted / drafted:.1f}%"
+                + (f", Per-position acceptance rate: {per_pos}" if per_pos else "")
             )
         return out

@@ -26,7 +26,7 @@ def test_the_line_from_counters_and_stats() -> None:
     m.prompt_tokens, m.generation_tokens = 1000, 50
     lines = logger.lines(
         _stats(prefix_cache_queries=1000, prefix_cache_hits=250, num_drafts=10,
-               num_draft_tokens=20, num_accepted_tokens=5),
+               num_draft_tokens=20, num_accepted_tokens=5, num_accepted_per_pos=(4, 1)),
         now=5.0,
     )  # fmt: skip
     assert lines == [
@@ -34,12 +34,20 @@ def test_the_line_from_counters_and_stats() -> None:
         "tokens/s, Running: 2 reqs, Waiting: 1 reqs, GPU KV cache usage: 40.0%, Prefix cache hit "
         "rate: 25.0%",
         "SpecDecoding metrics: Mean acceptance length: 1.50, Accepted: 5 tokens, Drafted: 20 "
-        "tokens, Acceptance rate: 25.0%",
+        "tokens, Acceptance rate: 25.0%, Per-position acceptance rate: 0.400, 0.100",
     ]
     # the next interval counts from here: nothing new and nothing running -> no line
     assert logger.lines(_stats(num_running=0, num_waiting=0, num_drafts=10), now=10.0) == []
     m.generation_tokens += 30
-    (line,) = logger.lines(_stats(num_drafts=10, num_draft_tokens=20, num_accepted_tokens=5), 13.0)
+    st = _stats(
+        num_drafts=10, num_draft_tokens=20, num_accepted_tokens=5, num_accepted_per_pos=(4, 1)
+    )
+    (line,) = logger.lines(st, 13.0)
+    # an interval's per-position rates count its own drafts only
+    st = _stats(
+        num_drafts=20, num_draft_tokens=40, num_accepted_tokens=11, num_accepted_per_pos=(9, 2)
+    )
+    assert logger.lines(st, 14.0)[1].endswith("Per-position acceptance rate: 0.500, 0.100")
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 10.0" in line
     assert "Prefix cache hit rate: 0.0%" in line
 

@@ -95,6 +95,12 @@ def test_accepted_drafts_equal_plain_decoding(
     st = llm.engine.stats()
     accepted_each = k if wrong_at is None else wrong_at
     assert st.num_accepted_tokens >= accepted_each * (len(made) - len(PROMPTS) * k)
+    # per position (vLLM's per-position acceptance): in order, none at or past a wrong draft
+    per_pos = st.num_accepted_per_pos
+    assert len(per_pos) == k and sum(per_pos) == st.num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    if wrong_at is not None:
+        assert not any(per_pos[wrong_at:])
     plain_steps = 12 + -(-len(PROMPTS[2]) // 8)  # decode steps of the longest + its prefill
     if accepted_each:
         assert steps < plain_steps
@@ -250,6 +256,13 @@ def test_server_streams_and_counts_drafts(model_dir: Path, plain: LLM) -> None:
     # every draft right: a verification yields its 2 drafts and 1 token (SGLang's accept length)
     n = got["vllm:spec_decode_num_drafts_total"]
     assert 0 < n and drafted <= 2 * n
+    per_pos = [
+        line for line in metrics.text.splitlines() if "accepted_tokens_per_pos_total{" in line
+    ]
+    first, second = (float(line.rsplit(" ", 1)[1]) for line in per_pos)
+    # every first draft right; a verification near max_tokens has fewer drafts
+    assert first == n and 0 < second <= n and first + second == drafted
+    assert 'position="1"' in per_pos[1]
     info = info.json()
     assert info["internal_states"][0]["avg_spec_accept_length"] == pytest.approx(1 + drafted / n)
     assert info["speculative_config"] == cfg and "api_key" not in info
