@@ -197,6 +197,16 @@ class LLM:
             self.state.num_blocks * self.state.block_size,
             self.state.nbytes() / 2**20,
         )
+        # vLLM's two capacity lines: the paged state's tokens, and how many requests of
+        # max_seq_len tokens it holds at once (slots permitting)
+        tokens = self.state.num_blocks * self.state.block_size
+        per_request = -(-max_seq_len // self.state.block_size)
+        log.info("KV cache size: %s tokens", f"{tokens:,}")
+        log.info(
+            "Maximum concurrency for %s tokens per request: %.2fx",
+            f"{max_seq_len:,}",
+            min(max_seqs, self.state.num_blocks / per_request),
+        )
         self.engine = Engine(
             self.model,
             self.state,

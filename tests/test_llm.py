@@ -218,3 +218,19 @@ def test_n_completions_as_vllm(llm):  # noqa: ANN001
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="one request is one completion"):
         llm.engine.add_request([0, 5], SamplingParams(n=2))
+
+
+def test_capacity_lines_as_vllm(llm, caplog):  # noqa: ANN001
+    # "KV cache size: N tokens" and "Maximum concurrency for L tokens per request: X.XXx": the
+    # pages a budget leaves (4 of 16 tokens here) over the pages one max_seq_len request needs
+    from dsv4.state import bytes_per_seq, bytes_per_token
+
+    args = llm.args
+    fixed = 4 * bytes_per_seq(args, torch.float32)
+    page = bytes_per_token(args, torch.float32) * 16
+    with caplog.at_level("INFO", logger="dsv4"):
+        LLM(llm.model_dir, device="cpu", progress=False, max_seqs=4, max_seq_len=32,
+            block_size=16, max_memory=int(fixed + 4.5 * page), enable_prefix_caching=False)  # fmt: skip
+    text = caplog.text
+    assert "KV cache size: 64 tokens" in text
+    assert "Maximum concurrency for 32 tokens per request: 2.00x" in text  # 4 pages / 2 (4 slots)
