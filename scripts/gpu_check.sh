@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -100,6 +100,12 @@ for part in $PARTS; do
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 wide_now_c$c
         rm -f "$OUT"/step_wide_*_c$c.json
       done ;;
+    cut_ab)  # what prefix caching's cut costs a prompt: 300 tokens in one step, and cut at its
+      # last block boundary (256 + 44, `Scheduler._cut`), eager at Flash width
+      for c in 300 256; do
+        STEP_ARGS="--prefill 300 --chunk $c" step_run "pass" 1 4096 cut_c$c
+        rm -f "$OUT/step_cut_c$c.json"
+      done ;;
     prefill_profile)  # where a prefill's time goes: 4096 tokens in chunks of 512 / 2048, by category
       for c in ${PREFILL_CHUNKS:-512 2048}; do
         python3 -m dsv4.cli bench step --preset flash --ops triton --layers sliding,csa,hca --batch 1 \
@@ -181,9 +187,10 @@ for part in $PARTS; do
       # serving stack's own ceiling (host, engine, HTTP), its model time negligible
       python3 -m dsv4.cli make-tiny /tmp/serve_tiny --tokenizer bytes --vocab-size 300 > /dev/null
       # (SERVE_MODES="prefix": graphs and prefix caching, every prompt after one shared
-      # PREFIX_LEN-token prefix)
+      # PREFIX_LEN-token prefix; "nocache": graphs without prefix caching, which is on by default)
       for mode in ${SERVE_MODES:-graphs eager}; do
-        case $mode in eager) flags=--enforce-eager ;; prefix) flags=--enable-prefix-caching ;; *) flags= ;; esac
+        case $mode in eager) flags=--enforce-eager ;; prefix) flags=--enable-prefix-caching ;;
+          nocache) flags=--no-enable-prefix-caching ;; *) flags= ;; esac
         shared=$([ $mode = prefix ] && echo --prefix-len ${PREFIX_LEN:-1024})
         python3 -m dsv4.cli serve --model /tmp/serve_tiny --port 8123 --max-seqs 64 $flags \
           > "$OUT/serve_$mode.log" 2>&1 &
