@@ -177,8 +177,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="prefix caching, on by default as in vLLM (--no-enable-prefix-caching: off): a prompt starts from the state another left at a "
-        "block boundary (shared pages, a snapshot of the rings there)",
+        help="prefix caching, on by default as in vLLM (--no-enable-prefix-caching: off): a "
+        "prompt starts from the state another left at a block boundary (shared pages, a "
+        "snapshot of the rings there)",
     )
     p.add_argument(
         "--prefix-snapshots",

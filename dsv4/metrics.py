@@ -25,7 +25,9 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:spec_decode_num_accepted_tokens_per_pos_total{position=j}
                                                     (MTP speculative decoding; acceptance rate =
                                                     accepted / draft tokens)
-Every series carries model_name. Updates happen on the event loop, so nothing is locked.
+Every series carries model_name. Updates happen on the event loop, so nothing is locked;
+only vllm:iteration_tokens_total is observed on the engine thread (`Engine.on_step`), whose
+counts a scrape may read between two of its increments.
 """
 
 from __future__ import annotations
@@ -102,14 +104,15 @@ class ServerMetrics:
             "End-to-end request latency in seconds.",
             E2E_BUCKETS,
         )
-        phases = {  # name: (help, buckets)
-            "queue": ("Time from arrival to the first engine step that runs the request.", E2E_BUCKETS),
-            "prefill": ("Time from the request's first step to its first token.", E2E_BUCKETS),
-            "decode": ("Time from the request's first token to its last.", E2E_BUCKETS),
-            "inference": ("Time from the request's first step to its last token.", E2E_BUCKETS),
-        }  # fmt: skip
+        phases = {
+            "queue": "Time from arrival to the first engine step that runs the request.",
+            "prefill": "Time from the request's first step to its first token.",
+            "decode": "Time from the request's first token to its last.",
+            "inference": "Time from the request's first step to its last token.",
+        }
         self.phase = {
-            k: Histogram(f"vllm:request_{k}_time_seconds", h, b) for k, (h, b) in phases.items()
+            k: Histogram(f"vllm:request_{k}_time_seconds", h, E2E_BUCKETS)
+            for k, h in phases.items()
         }
         self.request_tpot = Histogram(
             "vllm:request_time_per_output_token_seconds",

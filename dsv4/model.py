@@ -204,23 +204,6 @@ def rope_at(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
     return freqs.cos(), freqs.sin()
 
 
-def _halves(rows: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
-    """Window slots as rows of [rows * c, d] (c = 2 with overlap: slots 0..m-1 read the A-half of
-    their row, m..2m-1 the B-half); -1 stays -1."""
-    if not overlap:
-        return rows
-    half = torch.arange(rows.shape[1], device=rows.device) // ratio
-    return torch.where(rows >= 0, 2 * rows + half, -1)
-
-
-def _keep_rows(batch: Batch, ring: int) -> torch.Tensor:
-    """[T] the ring row each token of a prefill step leaves its projections in (its sequence's
-    last `ring` tokens), -1 for the others."""
-    tok, rows = batch.ring_writes(ring)
-    keep = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=rows.device)
-    return keep.index_copy_(0, tok, rows.long())
-
-
 class Compressor(nn.Module):
     """Softmax-gated pooling of m tokens into one KV entry (CSA: overlapping 2m slots; HCA: m)."""
 
@@ -238,69 +221,60 @@ class Compressor(nn.Module):
     ) -> None:
         m, d = self.ratio, self.head_dim
         kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
-        if batch.short_step(st.ring, st.step_rows):
-            self.short_step(kv, gate, batch, st, inv_freq)
-            return
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             # (one launch: a = W_kv x and z = W_gate x + ape[slot] into every token's ring row)
             keep_rows = batch.ring_writes(st.ring)[1]
             self.ops.compress_keep(
                 kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep_rows
             )
-        else:  # a = W_kv x, z = W_gate x + ape[slot] of every token into rows of their own
+            self._close(batch, st, inv_freq, None)
+            return
+        # a prefill chunk or a verify step: a = W_kv x, z = W_gate x + ape[slot] of every token
+        # into rows of their own first (a later token of the step would overwrite ring slots of a
+        # window that closes earlier in it), the closing windows pooled from ring | those rows,
+        # then each sequence's last R tokens into the ring: three launches
+        if batch.short_step(st.ring, st.step_rows):
+            a, z = self.short_step(st, len(kv))
+        else:
             a = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)  # [T, c*d]
             z = torch.empty_like(a)
-            every = batch.memo(("every", len(kv)), lambda: torch.arange(len(kv), device=kv.device))
-            self.ops.compress_keep(kv, gate, self.ape, batch.positions, m, a, z, every)
-        tok, w, dest, rows = batch.closing_windows(m, self.overlap)
-        if tok.numel():
-            # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
-            # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1).
-            # pool -> RMSNorm -> RoPE at the window's first token -> store, one op
-            key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
-            cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
-            n = self.norm
-            ring_kv, ring_score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
-            if batch.decode:  # the slots are rows of the ring, read as [rows * c, d]
-                rows, chunk = batch.closing_ring_rows(m, self.overlap), None
-            else:  # rows of ring | this chunk's own, both read as [rows * c, d]
-                key = ("close_halves", m, self.overlap)
-                rows = batch.memo(key, lambda r=rows: _halves(r, m, self.overlap))
-                chunk = (a.view(-1, d), z.view(-1, d))
-            self.ops.compress_store(
-                ring_kv, ring_score, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows,
-                st.kv_scale, chunk=chunk,
-            )  # fmt: skip
-        if not batch.decode:  # the raw projections of the last R tokens of each sequence
-            keep = batch.memo(("keep", st.ring), lambda: _keep_rows(batch, st.ring))
-            self.ops.compress_keep(
-                kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep
-            )
+        self.ops.compress_keep(kv, gate, self.ape, batch.positions, m, a, z, batch.token_rows())
+        self._close(batch, st, inv_freq, (a.view(-1, d), z.view(-1, d)))
+        keep_rows = batch.keep_rows(st.ring)
+        self.ops.compress_keep(
+            kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep_rows
+        )
 
-    def short_step(
-        self, kv: torch.Tensor, gate: torch.Tensor, batch: Batch, st: CompressorState,
-        inv_freq: torch.Tensor,
+    def short_step(self, st: CompressorState, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify step's own rows: the state's step rows after the ring (fixed addresses, which
+        CUDA graphs of verify steps need)."""
+        n = len(st.kv_state)
+        return st.kv_all[n : n + T], st.score_all[n : n + T]
+
+    def _close(
+        self, batch: Batch, st: CompressorState, inv_freq: torch.Tensor,
+        chunk: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:  # fmt: skip
-        # a verify step (a few tokens a sequence): the decode path's launches, with the step's
-        # projections first in rows of their own after the ring (a token later in the step would
-        # overwrite ring slots of a window that closes earlier in it), then the ring's last R
+        # ---- pool every window closed by a token of this step (spec 5.3.1); with overlap
+        # window w-1 gives its A-half (slots 0..m-1), window w its B-half (slots m..2m-1).
+        # pool -> RMSNorm -> RoPE at the window's first token -> store, one op. The slots are
+        # rows of the ring (decode) or of ring | the step's own rows (`chunk`), read as
+        # [rows * c, d]
         m, d, n = self.ratio, self.head_dim, self.norm
-        step, keep = batch.step_keep_rows(st.ring, len(st.kv_state))
-        self.ops.compress_keep(
-            kv, gate, self.ape, batch.positions, m, st.kv_all, st.score_all, step
-        )
         tok, w, dest, _ = batch.closing_windows(m, self.overlap)
-        if tok.numel():
-            key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
-            cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
-            rows = batch.step_close_rows(m, self.overlap)
-            kv_rows, score_rows = st.kv_all.view(-1, d), st.score_all.view(-1, d)
-            self.ops.compress_store(
-                kv_rows, score_rows, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows, st.kv_scale
-            )
-        self.ops.compress_keep(
-            kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep
-        )
+        if not tok.numel():
+            return
+        key = ("close_rope", m, self.overlap, inv_freq.data_ptr())
+        cos, sin = batch.memo(key, lambda: rope_at(inv_freq, w * m))
+        if chunk is None:
+            rows = batch.closing_ring_rows(m, self.overlap)
+        else:
+            rows = batch.close_rows(m, self.overlap)
+        ring_kv, ring_score = st.kv_state.view(-1, d), st.score_state.view(-1, d)
+        self.ops.compress_store(
+            ring_kv, ring_score, n.weight, n.eps, cos, sin, st.kv_cache, dest, rows, st.kv_scale,
+            chunk=chunk,
+        )  # fmt: skip
 
 
 class Indexer(nn.Module):

@@ -89,28 +89,28 @@ def bytes_per_token(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto"
     return total
 
 
+def _compressor_rows(args: ModelArgs) -> list[tuple[int, int]]:
+    """(ring rows, bytes of one row) of each layer's compressors together: fp32 kv and score of
+    width c*d (CSA: 2m rows, the main and the indexer's compressors, c = 2; HCA: m rows, c = 1)."""
+    out = []
+    for kind in args.layer_types:
+        if kind == CSA:
+            out.append((2 * args.csa_ratio, 2 * 2 * (args.head_dim + args.index_head_dim) * 4))
+        elif kind == HCA:
+            out.append((args.hca_ratio, 2 * args.head_dim * 4))
+    return out
+
+
 def bytes_per_seq(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> int:
     """Fixed state per sequence: window rings (main + MTP) and fp32 compressor partial state."""
     main = entry_bytes(args, dtype, kv_format)[0]
     total = (args.n_layers + args.n_mtp_layers) * args.window_size * main
-    for kind in args.layer_types:
-        if kind == CSA:  # 2m slots x (kv + score) x 2 halves, main and indexer, fp32
-            total += 2 * args.csa_ratio * 2 * 2 * (args.head_dim + args.index_head_dim) * 4
-        elif kind == HCA:
-            total += args.hca_ratio * 2 * args.head_dim * 4
-    return total
+    return total + sum(ring * row for ring, row in _compressor_rows(args))
 
 
 def step_row_bytes(args: ModelArgs) -> int:
-    """Bytes of one step row (`DecodeState(step_rows=)`) in every compressor: fp32 kv and score
-    of width c*d (CSA: main and indexer compressors, c = 2; HCA: c = 1)."""
-    total = 0
-    for kind in args.layer_types:
-        if kind == CSA:
-            total += 2 * 2 * (args.head_dim + args.index_head_dim) * 4
-        elif kind == HCA:
-            total += 2 * args.head_dim * 4
-    return total
+    """Bytes of one step row (`DecodeState(step_rows=)`) in every compressor."""
+    return sum(row for _, row in _compressor_rows(args))
 
 
 def default_block_size(args: ModelArgs) -> int:
@@ -201,8 +201,10 @@ class DecodeState:
         # prefix caching: copies of a slot's rings at a block boundary (`save_snapshot`), one
         # per ring, num_snapshots slots' worth each
         self.num_snapshots = num_snapshots
-        rings = self.rings(self.all_layers) if num_snapshots else []
-        self.snapshots = [t.new_zeros(num_snapshots * size, t.shape[1]) for t, size in rings]
+        self.all_rings = self.rings(range(len(self.layers)))  # (fixed tensors: listed once)
+        self.snapshots = [
+            t.new_zeros(num_snapshots * size, t.shape[1]) for t, size in self.all_rings
+        ] if num_snapshots else []  # fmt: skip
 
     @staticmethod
     def blocks_for_budget(
@@ -256,10 +258,6 @@ class DecodeState:
                     out += [(c.kv_state, c.ring), (c.score_state, c.ring)]
         return out
 
-    @property
-    def all_layers(self) -> range:
-        return range(len(self.layers))
-
     def save_snapshot(self, slot: int, i: int) -> None:
         """Copy slot's rings (every layer, MTP included) into snapshot i."""
         rows, kept = self._snapshot_views(slot, i)
@@ -272,7 +270,7 @@ class DecodeState:
 
     def _snapshot_views(self, slot: int, i: int) -> tuple[list, list]:
         # (slot's rows of every ring, snapshot i's rows of the same rings)
-        rings = self.rings(self.all_layers)
+        rings = self.all_rings
         rows = [t[slot * size : (slot + 1) * size] for t, size in rings]
         kept = [sn[i * size : (i + 1) * size] for sn, (_, size) in zip(self.snapshots, rings)]
         return rows, kept
@@ -408,7 +406,7 @@ class Batch:
         B, device = slots.shape[0], slots.device
         if graph_len <= 0 or graph_len > state.max_seq_len:
             raise ValueError(f"graph_len={graph_len} must be in [1, {state.max_seq_len}]")
-        ring = min(size for _, size in state.rings(state.all_layers))
+        ring = min(size for _, size in state.all_rings)
         if not 1 <= q <= ring:
             raise ValueError(f"q={q} tokens per sequence must be in [1, {ring}] (the rings)")
         ar = torch.arange(B + 1, device=device)
@@ -620,16 +618,16 @@ class Batch:
 
     def short_step(self, ring: int, step_rows: int) -> bool:
         """A step of several tokens per sequence whose tokens fit `step_rows` rows and each
-        sequence's fit its ring (a speculative verify step): its compressors pool from the ring
-        and the step's own rows (`step_close_rows`) instead of the chunk path."""
+        sequence's fit its ring (a speculative verify step): its compressors put the step's own
+        rows in the state's step rows (fixed addresses for CUDA graphs) instead of fresh ones."""
         if self.decode or self.num_tokens > step_rows:
             return False
         return bool(self.graph_len) or max(n for _, n in self.host_seqs) <= ring
 
-    def step_close_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
-        """`closing_windows`' slot rows (ring | the step's rows), read as [rows * c, d] like
-        `closing_ring_rows`: with overlap slots 0..m-1 take the A-half of their row, slots
-        m..2m-1 the B-half; -1 stays."""
+    def close_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
+        """A chunk's or verify step's `closing_windows` slot rows (ring | the step's own rows),
+        read as [rows * c, d] like `closing_ring_rows`: with overlap slots 0..m-1 take the A-half
+        of their row, slots m..2m-1 the B-half; -1 stays."""
 
         def build() -> torch.Tensor:
             rows = self.closing_windows(ratio, overlap)[3]
@@ -638,19 +636,24 @@ class Batch:
             half = torch.arange(rows.shape[-1], device=rows.device) // ratio
             return torch.where(rows >= 0, 2 * rows + half, -1)
 
-        return self._memo(("step_close", ratio, overlap), build)
+        return self._memo(("close_rows", ratio, overlap), build)
 
-    def step_keep_rows(self, ring: int, base: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([T] rows base + flat token index: a short step's own rows ; [T] the ring rows of
-        the tokens `ring_writes` keeps, -1 for the others)."""
+    def token_rows(self) -> torch.Tensor:
+        """[T] 0 .. T-1: each token's row among the step's own rows."""
+        return self._memo(
+            ("token_rows",), lambda: torch.arange(self.num_tokens, device=self.positions.device)
+        )
 
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            T, dev = self.num_tokens, self.positions.device
+    def keep_rows(self, ring: int) -> torch.Tensor:
+        """[T] the ring row of each token `ring_writes` keeps (its sequence's last `ring`), -1
+        for the others."""
+
+        def build() -> torch.Tensor:
             tok, rows = self.ring_writes(ring)
-            keep = torch.full((T,), -1, dtype=torch.long, device=dev).index_copy(0, tok, rows)
-            return base + torch.arange(T, device=dev), keep
+            keep = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
+            return keep.index_copy(0, tok, rows.long())
 
-        return self._memo(("step_keep", ring, base), build)
+        return self._memo(("keep_rows", ring), build)
 
     def closing_ring_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
         """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once

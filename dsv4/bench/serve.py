@@ -12,8 +12,8 @@ Per request: TTFT (send to the first streamed token chunk), ITL (gaps between to
 latency, and TPOT = (E2E - TTFT) / (output tokens - 1) with the token count from the stream's usage
 chunk. With speculative decoding on the server, the run's acceptance rate and accept length;
 with prefix caching, its hit rate (from its /metrics counters). `--prefix-len` puts one shared
-prefix before every prompt (vLLM's --random-prefix-len). Printed as a short table; `--json` writes the summary and the
-per-request rows.
+prefix before every prompt (vLLM's --random-prefix-len). Printed as a short table; `--json`
+writes the summary and the per-request rows.
 """
 
 from __future__ import annotations

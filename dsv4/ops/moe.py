@@ -822,8 +822,9 @@ def moe_experts(
     # the launch that sums the k slots. An id of -1 (expert parallelism: the pair's expert lives
     # on another rank, experts holding this rank's only) contributes nothing: no row-block
     # computes the pair and the slot sum leaves its (unwritten) row out
-    # (config: fixed tiles instead of the autotuner, BLOCK_M among them ; dot_scaled: tl.dot_scaled instead of the
-    # kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs of bf16/fp16 x on a GPU ;
+    # (config: fixed tiles instead of the autotuner, BLOCK_M among them ; dot_scaled:
+    # tl.dot_scaled instead of the kernels' own decode, default from DOT_SCALED_MIN_PAIRS pairs
+    # of bf16/fp16 x on a GPU ;
     # gemv: one pair per row-block, products on the CUDA cores, default up to GEMV_MAX_PAIRS pairs
     # on a GPU ; sm90: the Gluon kernels of `moe_sm90`, default where they apply and no other
     # knob is given -- knobs for bench/probe_pieces.py and the tests)

@@ -69,8 +69,8 @@ from dsv4.ops.device import chain, chain_start, is_sm90
 CONFIG = {"BLOCK_N": 64, "BLOCK_K": 256, "BLOCK_M": 8, "NUM_BUF": 2, "num_warps": 4,
           "maxnreg": (128, 128)}  # fmt: skip
 # the pair counts it takes by default: from batch 2 at k=6 (batch 1: the GEMV form, 57.4 against
-# 61.7 us) to 1024 tokens (above: tl.dot_scaled). Up to the twenty-seventh session the limit was
-# 512 pairs, and a verify step at batch 64 (128+ tokens) took tl.dot_scaled at half the speed
+# 61.7 us) to MAX_PAIRS (verify steps and prefill chunks; up to the twenty-seventh session the
+# limit was 512 pairs, and a verify step at batch 64 took tl.dot_scaled at half the speed)
 MIN_PAIRS = 7
 MAX_PAIRS = 65536  # past it (~11K tokens a step) tl.dot_scaled; the kernel's offsets are 32-bit
 # pairs per row-block by pair count (up to, BLOCK_M): CONFIG's at decode batches, wider blocks for
