@@ -31,6 +31,7 @@ from dsv4.chat import encode_messages
 from dsv4.config import AUTO_FLAGS, ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
 from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics, StatsLogger
+from dsv4.ops.device import CompileWatch
 from dsv4.profiler import ProfilerError
 from dsv4.protocol import (
     ApiError,
@@ -64,6 +65,7 @@ class Server:
         self.http = None  # uvicorn.Server when run by main(): ready only once it listens
         self.stopping = False
         self.failed = False
+        self.late_compiles: CompileWatch | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
@@ -74,6 +76,7 @@ class Server:
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
         if self.config.warmup and llm.config.device.startswith("cuda"):
             llm.warmup()  # kernels compiled and decode graphs captured before the first request
+            self.late_compiles = CompileWatch(log).install()  # what the warm-up missed, logged
         llm.engine.on_step = self.metrics.iteration.observe  # (after the warm-up's steps)
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 

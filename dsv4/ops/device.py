@@ -122,3 +122,61 @@ def chain_start(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+class CompileWatch:
+    """Counts (and logs) the Triton specializations first met after a server's warm-up: each is
+    a JIT compile (seconds with a cold cache) and, for an autotuned kernel, a benchmark of its
+    configs, inside a served step. `install` hooks
+    Triton's JIT cache-miss callback; `uninstall` restores the previous one."""
+
+    def __init__(self, log) -> None:  # noqa: ANN001
+        self.log, self.count, self.names, self._prev = log, 0, {}, None
+
+    def __call__(self, **kw: object) -> bool:
+        self.count += 1
+        fn = kw.get("fn")
+        name = getattr(fn, "name", "?")
+        self.names[name] = self.names.get(name, 0) + 1
+        try:
+            what = specialization_change(fn.jit_function, str(kw.get("key")))
+        except Exception:  # noqa: BLE001 (a Triton version that keys its cache otherwise)
+            what = str(kw.get("repr", name))
+        self.log.warning("late compile #%d: %s %s (a shape the warm-up missed)", self.count, name,
+                         what)  # fmt: skip
+        return False  # (True would skip the compile)
+
+    def install(self) -> CompileWatch:
+        self._prev = triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = self
+        return self
+
+    def uninstall(self) -> None:
+        if triton.knobs.runtime.jit_cache_hook is self:
+            triton.knobs.runtime.jit_cache_hook = self._prev
+
+
+def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001
+    """What sets a new compile's key apart from the nearest one a JIT function already holds:
+    "arg: new (was old)" for each argument whose type or specialization (int == 1, divisible by
+    16, pointer alignment, a constexpr value) differs."""
+    import re
+
+    def args(k: str) -> list[str]:
+        return re.findall(r"\('[^']*', [^()]*\)", k)
+
+    new = args(key)
+    held = [args(k) for cache in jit_function.device_caches.values() for k in cache[0]]
+    held = [h for h in held if len(h) == len(new)]
+    if not held:
+        return "(its first compile)"
+    near = min(held, key=lambda h: sum(a != b for a, b in zip(h, new)))
+    names = jit_function.arg_names
+    return (
+        ", ".join(
+            f"{names[i] if i < len(names) else i}: {b} (was {a})"
+            for i, (a, b) in enumerate(zip(near, new))
+            if a != b
+        )
+        or "(same arguments, other options)"
+    )

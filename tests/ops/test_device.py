@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.ops import device
 
@@ -86,3 +88,58 @@ def test_every_kernel_is_chained() -> None:
         head = body[: min(waits)]
         for write in ("store(", "atomic_", "async_copy_shared_to_global"):
             assert write not in head, f"{fname}: {node.name} writes ({write}) before its wait"
+
+
+def test_compile_watch_counts_and_restores() -> None:
+    import logging
+
+    before = triton.knobs.runtime.jit_cache_hook
+    watch = device.CompileWatch(logging.getLogger("test")).install()
+    try:
+        assert triton.knobs.runtime.jit_cache_hook is watch
+        # Triton's call: keyword arguments only, and False lets the compile go on
+        assert watch(key=(), repr="k[num_warps=4]()", fn=None, compile={}) is False
+        assert watch.count == 1
+    finally:
+        watch.uninstall()
+    assert triton.knobs.runtime.jit_cache_hook is before
+
+
+@triton.jit
+def _watched_kernel(x_ptr, N: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, N), tl.arange(0, N).to(tl.float32))
+
+
+@pytest.mark.gpu
+def test_compile_watch_sees_a_compile_gpu() -> None:
+    import logging
+
+    x = torch.empty(32, device="cuda")
+    _watched_kernel[(1,)](x, 16)  # compiled before the watch: not counted
+    said = []
+    log = logging.getLogger("test.compile_watch")
+    log.warning = lambda msg, *a: said.append(msg % a)
+    watch = device.CompileWatch(log).install()
+    try:
+        _watched_kernel[(1,)](x, 16)
+        _watched_kernel[(1,)](x, 32)  # a new specialization
+    finally:
+        watch.uninstall()
+    assert watch.count == 1 and watch.names == {"_watched_kernel": 1}, watch.names
+    assert said[0].count("N: ") == 1 and "32" in said[0] and "was" in said[0], said
+    assert torch.equal(x, torch.arange(32, dtype=torch.float32, device="cuda"))
+
+
+def test_specialization_change_names_the_argument() -> None:
+    class Fn:  # a JITFunction's cache as Triton keys it: str(specialization) + str(options)
+        arg_names = ["x_ptr", "n_rows", "BLOCK"]
+        device_caches = {
+            0: ({"[('*bf16', 'D'), ('i32', ''), ('constexpr', 64)]{'num_warps': 4}": 0}, None)
+        }
+
+    said = device.specialization_change(
+        Fn, "[('*bf16', 'D'), ('i32', 1), ('constexpr', 64)]{'num_warps': 4}"
+    )
+    assert said == "n_rows: ('i32', 1) (was ('i32', ''))"
+    Fn.device_caches = {}
+    assert device.specialization_change(Fn, "[('*bf16', 'D')]") == "(its first compile)"
