@@ -307,22 +307,31 @@ class LLM:
         return self.engine.add_request(self.encode(prompt), params, request_id)
 
     def warmup(self) -> float:
-        """Meet the shapes a server meets first before it serves: one prefill of every power-of-two
-        length up to the chunk size and of one token more, then a short decode at every batch
-        bucket up to max_seqs. On a GPU that compiles the Triton kernels' specializations and
-        captures the decode graphs of the first position bound, so the first requests do not
-        stall on them (vLLM and SGLang capture at start-up as well). The engine is left empty;
-        returns the seconds it took."""
+        """Meet the shapes a server meets first before it serves: a prefill step of every
+        power-of-two token count up to the step budget and of one token more, then a short
+        decode at every batch bucket up to max_seqs. On a GPU that compiles the Triton kernels'
+        specializations and captures the decode graphs of the first position bound, so the first
+        requests do not stall on them (vLLM's profile run and graph capture do the same). Steps
+        longer than a chunk are several prompts admitted together, as concurrent requests are;
+        the tile sizes that grow with a step's rows (rows per program of the norms and RoPE, the
+        experts' row blocks, the router's token tiles) were the compiles a served burst still
+        met when the warm-up stopped at one chunk (docs/PERF.md, 2026-12-01). The engine is left
+        empty; returns the seconds it took."""
         t0 = time.perf_counter()
         s = self.engine.scheduler
-        longest = min(s.chunk_size, s.max_step_tokens, self.config.max_seq_len - 2)
+        longest = min(s.max_step_tokens, self.config.max_seq_len - 2)
+        per_prompt = min(s.chunk_size, longest)
         tok = min(5, self.args.vocab_size - 1)  # any valid id
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         k_max = longest.bit_length()
         lengths = sorted({min((1 << k) + e, longest) for k in range(k_max) for e in (0, 1)})
-        for n in lengths:  # one request a call: a step of exactly n tokens (prefix caching: the
-            self.generate([[tok] * n], one)  # steps a prompt of n tokens is cut into)
-            self._forget()
+        for n in lengths:  # a first step of n tokens (prefix caching: the steps a prompt is
+            # cut into); past one chunk, prompts one token longer than a chunk and the rest
+            full, rest = divmod(n, per_prompt) if n > per_prompt else (0, n)
+            prompts = [[tok] * (per_prompt + 1)] * full + ([[tok] * rest] if rest else [])
+            if len(prompts) <= min(s.max_running, len(s.free_slots)):
+                self.generate(prompts, one)
+                self._forget()
         top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)
         batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
         # (speculative decoding: long enough for a step that verifies all k drafts)

@@ -129,24 +129,31 @@ def test_default_llm_is_the_exact_cpu_path(llm):  # noqa: ANN001
 
 
 def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, monkeypatch):  # noqa: ANN001
-    # one prefill step of each power-of-two length up to the chunk size (and one token more),
-    # then decode steps at every batch bucket up to max_seqs; nothing held afterwards
+    # one prefill step of each power-of-two length up to the step budget (and one token more):
+    # up to the chunk size one prompt, past it several admitted together; then decode steps at
+    # every batch bucket up to max_seqs; nothing held afterwards
     steps = []
     run = llm.engine._run
     monkeypatch.setattr(
         llm.engine, "_run", lambda work: steps.append([w.n for w in work]) or run(work)
     )
     assert llm.warmup() > 0
-    prefills = {s[0] for s in steps if len(s) == 1 and s[0] > 1} | {1}
+    s = llm.engine.scheduler
+    assert (s.chunk_size, s.max_step_tokens) == (512, 2048)
+    prefills = {p[0] for p in steps if len(p) == 1 and p[0] > 1} | {1}
     lengths = {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512}
     # prefix caching (on by default) cuts a prompt at its last block boundary before the last
     # token: the warm-up meets the steps a prompt of each length takes
-    assert llm.engine.scheduler.cache is not None
+    assert s.cache is not None
     bs = llm.state.block_size
     want = {p for n in lengths for p in ((n - 1) // bs * bs, n - (n - 1) // bs * bs) if p}
     assert prefills == want
-    decodes = {len(s) for s in steps if set(s) == {1}}
-    assert decodes == {1, 2, 4, 8}  # max_seqs 8
+    # steps of several prompts: 513, 1024 (2 x 512), 1025 (+ 1), 2048 (4 x 512) tokens
+    together = sorted(sum(p) for p in steps if len(p) > 1 and sum(p) > s.chunk_size)
+    assert together == [513, 1024, 1025, 2048], together
+    assert max(sum(p) for p in steps) == s.max_step_tokens
+    decodes = {len(p) for p in steps if set(p) == {1}}
+    assert decodes >= {1, 2, 4, 8}  # max_seqs 8 (and the multi-prompt steps' last tokens)
     st = llm.engine.stats()
     assert not llm.engine.has_work() and st.num_free_pages == st.num_pages and not st.num_running
 

@@ -211,7 +211,7 @@ def fill(
     return DecodeLists(win, (tok, wring), out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C1", "K", "stride_er"])  # per-step counts: one compile
 def _selected_rows_kernel(win_ptr, ent_rows_ptr, ent_ptr, out_ptr, C1, K, stride_er,
                           W: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     # token t: out[t] = win[t] (W rows), then ent_rows[t, ent[t, i] mod C1] for the K picks

@@ -258,7 +258,7 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
     tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "stride_wss"])  # per-step counts: one compile
 def _hc_pre_finish_kernel(
     x_ptr,  # [T, n, D] bf16 / fp32
     ws_ptr,  # [splits, T, M+1] fp32

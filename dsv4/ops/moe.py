@@ -684,7 +684,7 @@ def num_row_blocks(pairs: int, n_experts: int, block_m: int) -> int:
 ALIGN_MAX_PAIRS = 1024  # pairs up to which align_rows is one Triton program (decode, verify)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # per-step counts: one compile
 def _align_rows_kernel(
     idx_ptr,  # [P] int64 expert of each pair (pair p = t*k + j), < 0: none (left out)
     rows_ptr,  # [NB*BLOCK_M] int32 out: pair ids grouped by expert, -1 padding

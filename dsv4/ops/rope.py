@@ -134,7 +134,7 @@ def _norm_rope_rows(
             tl.store(dst_ptr + d_offs, y_act.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # per-step counts: one compile
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, dst_ptr, dst_rows_ptr, stride_dst,
                       n_rows, R, d, nope, eps, stride_xt, stride_xh, stride_ct, stride_st,
                       NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, INVERSE: tl.constexpr,
@@ -148,7 +148,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, dst_ptr, dst_rows
                     BLOCK_D)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "q_programs"])  # per-step counts: one compile
 def _norm_rope_qkv_kernel(q_ptr, q_out_ptr, H, stride_qt, stride_qh, kv_ptr, w_ptr, kv_out_ptr,
                           dst_ptr, dst_rows_ptr, stride_dst, stride_kvt, cos_ptr, sin_ptr, T, d,
                           nope, eps, stride_ct, stride_st, q_programs, HAS_STORE: tl.constexpr,
@@ -168,7 +168,7 @@ def _norm_rope_qkv_kernel(q_ptr, q_out_ptr, H, stride_qt, stride_qh, kv_ptr, w_p
                         stride_st, True, True, False, HAS_STORE, ENTRIES, 1, BLOCK_D)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # per-step counts: one compile
 def _rms_norm_kernel(
     x_ptr,  # [n_rows, d] (last dim contiguous)
     w_ptr,  # [d] norm weight or a dummy when not HAS_WEIGHT

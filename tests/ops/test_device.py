@@ -67,7 +67,11 @@ def _kernels() -> list[tuple[str, ast.FunctionDef]]:
     out = []
     for path in sorted(Path(device.__file__).parent.glob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            jit = any(ast.unparse(d).endswith(".jit") for d in getattr(node, "decorator_list", []))
+            decorators = getattr(node, "decorator_list", [])  # (@triton.jit or @triton.jit(...))
+            jit = any(
+                ast.unparse(d.func if isinstance(d, ast.Call) else d).endswith(".jit")
+                for d in decorators
+            )
             if jit and node.name.endswith("_kernel"):
                 out.append((path.name, node))
     return out
