@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -172,11 +173,30 @@ def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001
         return "(its first compile)"
     near = min(held, key=lambda h: sum(a != b for a, b in zip(h, new)))
     names = jit_function.arg_names
-    return (
-        ", ".join(
-            f"{names[i] if i < len(names) else i}: {b} (was {a})"
-            for i, (a, b) in enumerate(zip(near, new))
-            if a != b
-        )
-        or "(same arguments, other options)"
+    change = ", ".join(
+        f"{names[i] if i < len(names) else i}: {b} (was {a})"
+        for i, (a, b) in enumerate(zip(near, new))
+        if a != b
     )
+    unseen = [  # values no held compile had (the nearest key can tie with others)
+        f"{names[i] if i < len(names) else i}={b}"
+        for i, b in enumerate(new)
+        if all(h[i] != b for h in held)
+    ]
+    return (change or "(same arguments, other options)") + (
+        f"; never before: {', '.join(unseen)}" if unseen else ""
+    )
+
+
+def autotune(configs: list, key: list[str], early_config_prune) -> object:  # noqa: ANN001
+    """triton.autotune with its picks kept on disk beside the compiled kernels (cache_results,
+    where this Triton has it): a restarted server does not benchmark every config of each new
+    key again inside its first served steps (~0.7 s each on an H200, docs/PERF.md 2026-12-01)."""
+    extra = {"cache_results": True} if "cache_results" in _AUTOTUNE_PARAMS else {}
+    return triton.autotune(
+        configs=configs, key=key, prune_configs_by={"early_config_prune": early_config_prune},
+        **extra,
+    )  # fmt: skip
+
+
+_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import chain, chain_start
+from dsv4.ops.device import autotune, chain, chain_start
 from dsv4.ops.kv_fp8 import cast_rne, exp2i, rne_bf16
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
@@ -590,16 +590,8 @@ def _moe_down_kernel(
     )
 
 
-_gate_up_tuned = triton.autotune(
-    configs=_configs(),
-    key=["N", "K", "tune_key"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_moe_gate_up_kernel)
-_down_tuned = triton.autotune(
-    configs=_configs(),
-    key=["N", "K", "tune_key"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_moe_down_kernel)
+_gate_up_tuned = autotune(_configs(), ["N", "K", "tune_key"], _prune)(_moe_gate_up_kernel)
+_down_tuned = autotune(_configs(), ["N", "K", "tune_key"], _prune)(_moe_down_kernel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.device import chain, chain_start, num_sms, pdl, shared_memory
+from dsv4.ops.device import autotune, chain, chain_start, num_sms, pdl, shared_memory
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
 from dsv4.ops.rope import check_rope, rotary, rotate_tile
 from dsv4.quant import kv_entry_layout
@@ -369,11 +369,9 @@ def _sparse_attn_kernel(
         tl.store(o_ptr + t * stride_ot + o_hv, out.to(o_ptr.dtype.element_ty), mask=mask_hv)
 
 
-_sparse_attn_tuned = triton.autotune(
-    configs=_configs(),
-    key=["tune_key", "D", "H_PAD", "SPLIT"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_sparse_attn_kernel)
+_sparse_attn_tuned = autotune(_configs(), ["tune_key", "D", "H_PAD", "SPLIT"], _prune)(
+    _sparse_attn_kernel
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,6 +144,22 @@ def test_specialization_change_names_the_argument() -> None:
     said = device.specialization_change(
         Fn, "[('*bf16', 'D'), ('i32', 1), ('constexpr', 64)]{'num_warps': 4}"
     )
-    assert said == "n_rows: ('i32', 1) (was ('i32', ''))"
+    assert said == "n_rows: ('i32', 1) (was ('i32', '')); never before: n_rows=('i32', 1)"
+    Fn.device_caches[0][0]["[('*bf16', 'D'), ('i32', 1), ('constexpr', 16)]{'num_warps': 4}"] = 0
+    said = device.specialization_change(
+        Fn, "[('*bf16', 'D'), ('i32', 1), ('constexpr', 64)]{'num_warps': 4}"
+    )  # (nearest: either held key; new is only the combination)
+    assert said.endswith("(was ('i32', ''))") or said.endswith("(was ('constexpr', 16))"), said
     Fn.device_caches = {}
     assert device.specialization_change(Fn, "[('*bf16', 'D')]") == "(its first compile)"
+
+
+def test_autotuned_kernels_keep_their_picks() -> None:
+    # the autotuners write their picks beside the compiled kernels (where Triton can)
+    import inspect
+
+    from dsv4.ops import moe, sparse_attn
+
+    can = "cache_results" in inspect.signature(triton.autotune).parameters
+    for tuned in (sparse_attn._sparse_attn_tuned, moe._gate_up_tuned, moe._down_tuned):
+        assert tuned.cache_results is can or (can and triton.knobs.runtime.interpret)
