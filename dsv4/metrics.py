@@ -88,6 +88,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.labels = {"model_name": model_name}
+        self.late_compiles = None  # the server's device.CompileWatch, once it warmed up
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
         )
@@ -204,6 +205,13 @@ class ServerMetrics:
                 for j, n in enumerate(stats.num_accepted_per_pos):
                     labels = _labels({**self.labels, "position": str(j)})
                     lines.append(f"{name}_total{labels} {n}")
+        if self.late_compiles is not None:  # (a GPU server after its warm-up)
+            scalar(
+                "counter",
+                "dsv4:late_compiles_total",
+                "Triton compiles met by served steps after the warm-up (each a stall).",
+                self.late_compiles.count,
+            )
         scalar(
             "counter", "vllm:prompt_tokens_total", "Prefilled prompt tokens.", self.prompt_tokens
         )

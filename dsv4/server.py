@@ -77,6 +77,7 @@ class Server:
         if self.config.warmup and llm.config.device.startswith("cuda"):
             llm.warmup()  # kernels compiled and decode graphs captured before the first request
             self.late_compiles = CompileWatch(log).install()  # what the warm-up missed, logged
+            self.metrics.late_compiles = self.late_compiles  # and counted (/metrics)
         llm.engine.on_step = self.metrics.iteration.observe  # (after the warm-up's steps)
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 

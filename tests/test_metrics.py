@@ -150,3 +150,16 @@ def test_served_steps_fill_the_iteration_histogram(model_dir: Path) -> None:
         "vllm:iteration_tokens_total_count" in text
         and "vllm:request_queue_time_seconds_sum" in text
     )
+
+
+def test_late_compiles_counter() -> None:
+    # a GPU server's compile watch is rendered as a counter; without one (CPU, or loading) none
+    from dsv4.ops.device import CompileWatch
+
+    m = ServerMetrics("m")
+    assert "dsv4:late_compiles" not in m.render(None)
+    m.late_compiles = CompileWatch(logging.getLogger("test"))
+    m.late_compiles(fn=None, key="", repr="k")
+    text = m.render(None)
+    assert "# TYPE dsv4:late_compiles counter" in text
+    assert 'dsv4:late_compiles_total{model_name="m"} 1' in text

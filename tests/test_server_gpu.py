@@ -57,6 +57,10 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
     assert graphs.graphs and not graphs.failed
     key = 'vllm:generation_tokens_total{model_name="m"} '
     assert [float(x[len(key) :]) for x in metrics.splitlines() if x.startswith(key)] == [48]
+    # the compiles these steps met after the warm-up are counted (and logged, by name)
+    key = 'dsv4:late_compiles_total{model_name="m"} '
+    late = [float(x[len(key) :]) for x in metrics.splitlines() if x.startswith(key)]
+    assert late == [server.late_compiles.count], late
     eager = LLM(d, max_seqs=4, max_seq_len=256, cuda_graphs=False, progress=False)
     want = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert texts == [o.text for o in want]
