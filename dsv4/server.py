@@ -65,7 +65,6 @@ class Server:
         self.http = None  # uvicorn.Server when run by main(): ready only once it listens
         self.stopping = False
         self.failed = False
-        self.late_compiles: CompileWatch | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
@@ -76,8 +75,8 @@ class Server:
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
         if self.config.warmup and llm.config.device.startswith("cuda"):
             llm.warmup()  # kernels compiled and decode graphs captured before the first request
-            self.late_compiles = CompileWatch(log).install()  # what the warm-up missed, logged
-            self.metrics.late_compiles = self.late_compiles  # and counted (/metrics)
+            # what the warm-up missed: logged, and counted on /metrics
+            self.metrics.late_compiles = CompileWatch(log).install()
         llm.engine.on_step = self.metrics.iteration.observe  # (after the warm-up's steps)
         self.llm, self.engine = llm, AsyncEngine(llm.engine)
 
@@ -108,8 +107,14 @@ class Server:
         started = self.http is None or self.http.started
         return self.engine is not None and started and not self.stopping
 
+    @property
+    def late_compiles(self) -> CompileWatch | None:
+        return self.metrics.late_compiles
+
     def shutdown(self) -> None:
         self.stopping = True
+        if self.late_compiles is not None:
+            self.late_compiles.uninstall()
         if self.engine is not None:
             self.engine.shutdown()
             self.llm.close()  # tensor parallel: the other ranks stop

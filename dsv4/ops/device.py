@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 import torch
 import triton
@@ -128,8 +129,8 @@ def chain_start(PDL: tl.constexpr):
 class CompileWatch:
     """Counts (and logs) the Triton specializations first met after a server's warm-up: each is
     a JIT compile (seconds with a cold cache) and, for an autotuned kernel, a benchmark of its
-    configs, inside a served step. `install` hooks
-    Triton's JIT cache-miss callback; `uninstall` restores the previous one."""
+    configs, inside a served step. `install` hooks Triton's JIT cache-miss callback; `uninstall`
+    restores the previous one."""
 
     def __init__(self, log) -> None:  # noqa: ANN001
         self.log, self.count, self.names, self._prev = log, 0, {}, None
@@ -161,10 +162,12 @@ def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001
     """What sets a new compile's key apart from the nearest one a JIT function already holds:
     "arg: new (was old)" for each argument whose type or specialization (int == 1, divisible by
     16, pointer alignment, a constexpr value) differs."""
-    import re
 
     def args(k: str) -> list[str]:
         return re.findall(r"\('[^']*', [^()]*\)", k)
+
+    def name(i: int) -> str:
+        return jit_function.arg_names[i] if i < len(jit_function.arg_names) else str(i)
 
     new = args(key)
     held = [args(k) for cache in jit_function.device_caches.values() for k in cache[0]]
@@ -172,20 +175,17 @@ def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001
     if not held:
         return "(its first compile)"
     near = min(held, key=lambda h: sum(a != b for a, b in zip(h, new)))
-    names = jit_function.arg_names
     change = ", ".join(
-        f"{names[i] if i < len(names) else i}: {b} (was {a})"
-        for i, (a, b) in enumerate(zip(near, new))
-        if a != b
+        f"{name(i)}: {b} (was {a})" for i, (a, b) in enumerate(zip(near, new)) if a != b
     )
-    unseen = [  # values no held compile had (the nearest key can tie with others)
-        f"{names[i] if i < len(names) else i}={b}"
-        for i, b in enumerate(new)
-        if all(h[i] != b for h in held)
-    ]
+    # values no held compile had (the nearest key can tie with others)
+    unseen = [f"{name(i)}={b}" for i, b in enumerate(new) if all(h[i] != b for h in held)]
     return (change or "(same arguments, other options)") + (
         f"; never before: {', '.join(unseen)}" if unseen else ""
     )
+
+
+_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters
 
 
 def autotune(configs: list, key: list[str], early_config_prune) -> object:  # noqa: ANN001
@@ -197,6 +197,3 @@ def autotune(configs: list, key: list[str], early_config_prune) -> object:  # no
         configs=configs, key=key, prune_configs_by={"early_config_prune": early_config_prune},
         **extra,
     )  # fmt: skip
-
-
-_AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters
