@@ -1438,39 +1438,6 @@ def probe_moe_big() -> None:
         moe_sm90.CONFIG = default
 
 
-def probe_moe_overlap() -> None:
-    # the sm90 experts' WIDE steps at prefill chunks (T = 1024 / 2048 / 4096 tokens): BLOCK_K,
-    # NUM_BUF and OVERLAP (each MMA left in flight while the next operand decodes) at row-blocks
-    # of 64 and 128 pairs, against the default pick; TFLOP/s on the products
-    from dsv4.ops import moe_sm90
-
-    experts = _moe_experts()
-    steps, block_m = dict(moe_sm90.WIDE_STEPS), moe_sm90.block_m
-    variants = [(256, 2, False), (128, 3, False), (128, 4, False), (128, 3, True),
-                (128, 4, True), (256, 3, True)]  # fmt: skip
-    for T in (1024, 2048, 4096):
-        x, weights, idx, nbytes = _moe_tokens(T, experts)
-        want = ref.moe_experts(x, weights, idx, experts)
-        flop = 2 * 3 * T * 6 * 4096 * 2048
-        inputs = (x, weights, idx, experts)
-        for rep in range(2):
-            _moe_variant(f"moe_overlap T={T} default ({rep})", inputs, dict(sm90=True), want,
-                         nbytes)  # fmt: skip
-            if ROWS and ROWS[-1]["probe"].startswith(f"moe_overlap T={T} default"):
-                print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
-            for bm in (64, 128):
-                for bk, nb, ov in variants:
-                    if bm == 128 and bk == 256 and nb > 2:
-                        continue  # past shared memory
-                    moe_sm90.WIDE_STEPS = {"BLOCK_K": bk, "NUM_BUF": nb, "OVERLAP": ov}
-                    moe_sm90.block_m = lambda pairs, bm=bm: bm  # noqa: ARG005
-                    name = f"moe_overlap T={T} BM {bm} BK {bk} NB {nb} OVERLAP {ov} ({rep})"
-                    _moe_variant(name, inputs, dict(sm90=True), want, nbytes)
-                    if ROWS and ROWS[-1]["probe"] == name:
-                        print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
-                    moe_sm90.WIDE_STEPS, moe_sm90.block_m = dict(steps), block_m
-
-
 def probe_moe_decode() -> None:
     # the sm90 experts at their default tiles, this tree's kernel against the previous one
     # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
@@ -2019,7 +1986,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_overlap": probe_moe_overlap, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -87,9 +87,6 @@ ROW_BLOCKS = ((2048, None), (3072, 16), (6144, 32), (16384, 64), (MAX_PAIRS, 128
 # T = 4096, BLOCK_M 128: 4972 against 6034; NUM_BUF 3 slower or past shared memory
 WIDE_MIN = 64
 WIDE = {"BLOCK_N": 128, "num_warps": 8, "maxnreg": (None, None)}
-# the steps of row-blocks of WIDE_MIN pairs and more (both kernels of a call: the gate-up kernel
-# writes h in the down kernel's column order)
-WIDE_STEPS = {"BLOCK_K": 256, "NUM_BUF": 2, "OVERLAP": False}
 
 
 def block_m(pairs: int) -> int:
@@ -233,7 +230,6 @@ def _experts_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,  # 128 or 256: a row's scales of a step are 1 or 2 int32 words
     NUM_BUF: gl.constexpr,
-    OVERLAP: gl.constexpr = False,  # each MMA left in flight while the next operand decodes
     PDL: gl.constexpr = False,  # chained launch (device.chain)
 ):
     chain_start(PDL)
@@ -301,58 +297,37 @@ def _experts_kernel(
     else:
         wb_smem = wa_smem
 
-    # ---- prologue: steps 0 .. AHEAD - 1 in flight; scales one step ahead in registers. OVERLAP:
-    # an MMA is retired only after the next one is issued (its operand decoded meanwhile), so a
-    # step's buffer is still read during the next step and the loads run one step less ahead
+    # ---- prologue: steps 0 .. NUM_BUF - 2 in flight; scales one step ahead in registers
     n_steps = K // BLOCK_K
-    AHEAD: gl.constexpr = NUM_BUF - 2 if OVERLAP else NUM_BUF - 1
-    gl.static_assert(AHEAD >= 1, "OVERLAP needs NUM_BUF >= 3")
-    for pb in gl.static_range(AHEAD):
+    for pb in gl.static_range(NUM_BUF - 1):
         _issue(x_smem, wa_smem, wb_smem, pb, pb, n_steps, x_ptr, x_offs, x_ok, wa, wb,
                w_tile, BLOCK_K, GATE_UP)  # fmt: skip
     sa0 = _scales(sa, s_offs, 0, SW)
     sb0 = _scales(sb, s_offs, 0, SW)
     acc_a = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     acc_b = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    w_last = gl.zeros([BLOCK_N, BLOCK_K], gl.bfloat16, layout=a_l)  # the operand in flight
 
     for step in range(n_steps):
         s1 = gl.minimum(step + 1, n_steps - 1)
         sa_k, sa0 = sa0, _scales(sa, s_offs, s1, SW)
         if GATE_UP:
             sb_k, sb0 = sb0, _scales(sb, s_offs, s1, SW)
-        # step's tiles landed for every thread; every warp is past the MMAs that read the buffer
-        # step + AHEAD takes (step - 1's without OVERLAP, step - 2's with it)
-        cp.wait_group(AHEAD - 1)
+        # step's tiles landed for every thread; every warp is past step - 1's MMAs and reads, so
+        # its buffer takes step + NUM_BUF - 1
+        cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
-        nxt = step + AHEAD
+        nxt = step + NUM_BUF - 1
         _issue(x_smem, wa_smem, wb_smem, nxt % NUM_BUF, nxt, n_steps, x_ptr, x_offs, x_ok, wa,
                wb, w_tile, BLOCK_K, GATE_UP)  # fmt: skip
         cur = step % NUM_BUF
         xs = x_smem.index(cur)
-        if OVERLAP:
-            # issue this MMA, then retire the previous one (the other matrix's, or the last
-            # step's): at most two decoded tiles live
-            acc_a, w = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, a_l)
-            if GATE_UP:
-                acc_b, w_last = warpgroup_mma_wait(1, deps=[acc_b, w_last])
-                acc_b, w_b = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, a_l)
-                # (acc_b passes through still in flight: the loop carries a tensor)
-                acc_a, acc_b, w = warpgroup_mma_wait(1, deps=[acc_a, acc_b, w])
-                w_last = w_b
-            else:
-                acc_a, w_last = warpgroup_mma_wait(1, deps=[acc_a, w_last])
-                w_last = w
-        else:
-            # one matrix at a time: its decoded tile (64 registers) lives until its MMA is done
-            acc_a, w = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, a_l)
-            acc_a = _wait(acc_a, w)
-            if GATE_UP:
-                acc_b, w = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, a_l)
-                acc_b = _wait(acc_b, w)
-    if OVERLAP:
-        acc_a, acc_b, w_last = warpgroup_mma_wait(0, deps=[acc_a, acc_b, w_last])
+        # one matrix at a time: its decoded tile (64 registers) lives until its MMA is done
+        acc_a, w = _mma_step(wa_smem.index(cur).load(a_l), sa_k, sel, xs, acc_a, a_l)
+        acc_a = _wait(acc_a, w)
+        if GATE_UP:
+            acc_b, w = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, a_l)
+            acc_b = _wait(acc_b, w)
     cp.wait_group(0)
 
     # ---- epilogue (the reference's cast points: each linear's output in bf16)
@@ -424,23 +399,13 @@ def scales_in_range(experts: torch.nn.ModuleList) -> bool:
     return ok
 
 
-def tiles(bm: int, N: int) -> dict:
-    """The kernels' tiles for row-blocks of bm pairs and N output columns: CONFIG at decode
-    batches; from WIDE_MIN pairs WIDE_STEPS, and WIDE's rows where its BLOCK_N divides N."""
-    if bm < WIDE_MIN:
-        return CONFIG
-    cfg = CONFIG | WIDE_STEPS | {"maxnreg": WIDE["maxnreg"]}
-    return cfg | WIDE if N % WIDE["BLOCK_N"] == 0 else cfg
-
-
 def supported(x: torch.Tensor, D: int, I: int, unit: int) -> bool:  # noqa: E741
     """These kernels can run: an sm_90 GPU, bf16 x, widths that BLOCK_K and BLOCK_N divide, every
     expert tensor 16-byte aligned. (Whether they should: MIN_PAIRS..MAX_PAIRS pairs and
     `scales_in_range`, decided by `moe.moe_experts`.)"""
     if not is_sm90(x.device):
         return False
-    bk = max(CONFIG["BLOCK_K"], WIDE_STEPS["BLOCK_K"])
-    bn = CONFIG["BLOCK_N"]
+    bk, bn = CONFIG["BLOCK_K"], CONFIG["BLOCK_N"]
     return x.dtype == torch.bfloat16 and D % bk == I % bk == D % bn == I % bn == 0 and unit == 16
 
 
@@ -458,7 +423,7 @@ def _launch(
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
     # pairs per row-block (BLOCK_M): as the rows were aligned (`block_m`)
     bm, N, K = rows.numel() // max(blk.numel(), 1), out.shape[1], x.shape[1]
-    cfg = tiles(bm, N)
+    cfg = CONFIG | WIDE if bm >= WIDE_MIN and N % WIDE["BLOCK_N"] == 0 else CONFIG
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     assert rows.numel() == blk.numel() * bm and bm in (8, 16, 32, 64, 128), (
         f"rows {rows.numel()} for {blk.numel()} blocks: not blocks of 8, 16, 32, 64 or 128 pairs"
@@ -470,7 +435,7 @@ def _launch(
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
         float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=cfg["NUM_BUF"],
-        OVERLAP=cfg.get("OVERLAP", False), num_warps=cfg["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
+        num_warps=cfg["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
     )  # fmt: skip
 
 
@@ -494,6 +459,5 @@ def experts(
     """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, block_m(P))` ->
     [P, D] bf16: each (token, slot) pair's expert output, the routing weight applied before w2."""
     h = torch.empty((rw.numel(), I), dtype=x.dtype, device=x.device)
-    bk = tiles(rows.numel() // max(blk.numel(), 1), I)["BLOCK_K"]
-    _launch(True, permute_columns(x, bk), rw, rows, blk, table, h, topk, limit)
+    _launch(True, permute_columns(x, CONFIG["BLOCK_K"]), rw, rows, blk, table, h, topk, limit)
     return down(h, rows, blk, table, x.shape[1])

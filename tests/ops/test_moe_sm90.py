@@ -206,29 +206,3 @@ def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: AN
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
     moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
     assert len(calls) == len(sizes)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("bm", [64, 128])
-@pytest.mark.parametrize("steps", [(128, 3, True), (128, 4, True), (256, 3, True), (128, 3, False)])
-def test_gpu_wide_steps_give_the_same_bits(monkeypatch, bm: int, steps: tuple) -> None:  # noqa: ANN001
-    # the WIDE row-blocks' steps (BLOCK_K, NUM_BUF, OVERLAP: each MMA in flight while the next
-    # operand decodes) change when the products are summed, not their order over K: the outputs
-    # equal the default steps' bit for bit, and the reference to its tolerance (skewed routing:
-    # full blocks, padding rows and empty experts)
-    D, I, E, k, T = 512, 256, 16, 6, 200  # noqa: E741
-    bk, nb, overlap = steps
-    if bm == 128 and bk == 256 and nb > 2:
-        pytest.skip("past shared memory")
-    experts = _experts(D, I, E, seed=11, device="cuda")
-    weights, idx = _routing(T, k, E, True, seed=4)
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    weights, idx = weights.cuda(), idx.cuda()
-    monkeypatch.setattr(moe_sm90, "block_m", lambda pairs: bm)  # noqa: ARG005
-    base = moe.moe_experts(x, weights, idx, experts, sm90=True)
-    monkeypatch.setattr(moe_sm90, "WIDE_STEPS", {"BLOCK_K": bk, "NUM_BUF": nb, "OVERLAP": overlap})
-    y = moe.moe_experts(x, weights, idx, experts, sm90=True)
-    assert torch.equal(y, base), (y.float() - base.float()).abs().max()
-    want = ref.moe_experts(x, weights, idx, experts)
-    assert _rel(y, want) < 1e-2, _rel(y, want)
