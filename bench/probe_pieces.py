@@ -1438,30 +1438,6 @@ def probe_moe_big() -> None:
         moe_sm90.CONFIG = default
 
 
-def probe_moe_order() -> None:
-    # the sm90 experts' grid order: row-blocks on the first axis (the default until the thirtieth
-    # session: at prefill sizes the 16-32 programs that read one row-block's x / h rows run a
-    # wave apart, so those rows come from HBM again) against N_FAST (a row-block's programs run
-    # together), at decode batches and prefill chunks; TFLOP/s on the products
-    from dsv4.ops import moe_sm90
-
-    experts = _moe_experts()
-    config, wide = dict(moe_sm90.CONFIG), dict(moe_sm90.WIDE)
-    for T in (16, 64, 512, 1024, 2048, 4096):
-        x, weights, idx, nbytes = _moe_tokens(T, experts)
-        want = ref.moe_experts(x, weights, idx, experts)
-        flop = 2 * 3 * T * 6 * 4096 * 2048
-        for rep in range(2):
-            for n_fast in (False, True):
-                moe_sm90.CONFIG = config | {"N_FAST": n_fast}
-                moe_sm90.WIDE = wide | {"N_FAST": n_fast}
-                name = f"moe_order T={T} N_FAST {n_fast} ({rep})"
-                _moe_variant(name, (x, weights, idx, experts), dict(sm90=True), want, nbytes)
-                if ROWS and ROWS[-1]["probe"] == name:
-                    print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
-        moe_sm90.CONFIG, moe_sm90.WIDE = config, wide
-
-
 def probe_moe_decode() -> None:
     # the sm90 experts at their default tiles, this tree's kernel against the previous one
     # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
@@ -2010,7 +1986,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_order": probe_moe_order, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

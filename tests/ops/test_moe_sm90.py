@@ -206,26 +206,3 @@ def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: AN
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
     moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
     assert len(calls) == len(sizes)
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("bm", [8, 64, 128])
-def test_gpu_grid_order_gives_the_same_bits(monkeypatch, bm: int) -> None:  # noqa: ANN001
-    # N_FAST (a row-block's programs on the grid's first axis) runs the same programs in another
-    # order: the same bits as row-blocks first, and the reference to its tolerance (skewed
-    # routing: full blocks, padding rows and empty experts)
-    D, I, E, k, T = 512, 256, 16, 6, 200  # noqa: E741
-    experts = _experts(D, I, E, seed=11, device="cuda")
-    weights, idx = _routing(T, k, E, True, seed=4)
-    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).cuda()
-    weights, idx = weights.cuda(), idx.cuda()
-    monkeypatch.setattr(moe_sm90, "block_m", lambda pairs: bm)  # noqa: ARG005
-    got = {}
-    for n_fast in (False, True):
-        monkeypatch.setattr(moe_sm90, "CONFIG", moe_sm90.CONFIG | {"N_FAST": n_fast})
-        monkeypatch.setattr(moe_sm90, "WIDE", moe_sm90.WIDE | {"N_FAST": n_fast})
-        got[n_fast] = moe.moe_experts(x, weights, idx, experts, sm90=True)
-    assert torch.equal(got[True], got[False])
-    want = ref.moe_experts(x, weights, idx, experts)
-    assert _rel(got[True], want) < 1e-2, _rel(got[True], want)
