@@ -117,8 +117,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="max running sequences",
     )  # fmt: skip
     p.add_argument(
-        "--chunk-size", "--chunked-prefill-size", type=int, default=512,
-        help="prefill chunk of one sequence (tokens)",
+        "--chunk-size", "--chunked-prefill-size", type=int, default=None,
+        help="prefill chunk of one sequence (tokens; default: --max-step-tokens, as vLLM)",
     )  # fmt: skip
     p.add_argument(
         "--max-step-tokens", "--max-num-batched-tokens", type=int, default=2048,

@@ -717,7 +717,7 @@ class ServerConfig:
     ops: str = "auto"
     max_seq_len: int = 4096
     max_seqs: int = 8
-    chunk_size: int = 512
+    chunk_size: int | None = None  # one sequence's prefill chunk; None = max_step_tokens
     max_step_tokens: int = 2048  # tokens one engine step runs (vLLM's max_num_batched_tokens)
     block_size: int | None = None  # tokens a state page covers; None = the model's default
     max_memory: int | None = None
@@ -744,7 +744,8 @@ class ServerConfig:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
-        if min(self.max_seqs, self.max_seq_len, self.chunk_size, self.max_step_tokens) <= 0:
+        chunk = self.max_step_tokens if self.chunk_size is None else self.chunk_size
+        if min(self.max_seqs, self.max_seq_len, chunk, self.max_step_tokens) <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
                 f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"

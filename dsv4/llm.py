@@ -57,7 +57,7 @@ class LLM:
         max_seqs: int = 8,
         max_seq_len: int = 4096,
         max_step_tokens: int = 2048,
-        chunk_size: int = 512,
+        chunk_size: int | None = None,
         max_memory: int | None = None,
         memory_fraction: float | None = None,
         block_size: int | None = None,
@@ -70,6 +70,10 @@ class LLM:
         prefix_snapshots: int | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        # one sequence's prefill chunk: by default the step budget, as vLLM's chunked prefill
+        # gives one prompt the whole max_num_batched_tokens (a 4096-token prompt at Flash width
+        # on an H200: 2 steps of 2048 took 517 ms, 8 of 512 1221 ms; docs/PERF.md)
+        chunk_size = max_step_tokens if chunk_size is None else chunk_size
         if min(max_seqs, max_seq_len, chunk_size, max_step_tokens) < 1:
             raise ValueError(
                 f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
@@ -325,9 +329,13 @@ class LLM:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         k_max = longest.bit_length()
         lengths = sorted({min((1 << k) + e, longest) for k in range(k_max) for e in (0, 1)})
+        bs = self.state.block_size
         for n in lengths:  # a first step of n tokens (prefix caching: the steps a prompt is
             # cut into); past one chunk, prompts one token longer than a chunk and the rest
             full, rest = divmod(n, per_prompt) if n > per_prompt else (0, n)
+            if rest == n == longest:  # the whole budget as one prompt's first chunk: a prompt
+                # past it (prefix caching cuts a prompt of n tokens at its last block boundary)
+                rest = min(-(-n // bs) * bs + 1, self.config.max_seq_len - 1)
             prompts = [[tok] * (per_prompt + 1)] * full + ([[tok] * rest] if rest else [])
             if len(prompts) <= min(s.max_running, len(s.free_slots)):
                 self.generate(prompts, one)

@@ -128,10 +128,14 @@ def test_default_llm_is_the_exact_cpu_path(llm):  # noqa: ANN001
     assert llm.engine.graphs is None
 
 
-def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, monkeypatch):  # noqa: ANN001
+@pytest.mark.parametrize("chunk", [None, 512])
+def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, chunk, monkeypatch):  # noqa: ANN001
     # one prefill step of each power-of-two length up to the step budget (and one token more):
     # up to the chunk size one prompt, past it several admitted together; then decode steps at
-    # every batch bucket up to max_seqs; nothing held afterwards
+    # every batch bucket up to max_seqs; nothing held afterwards. The default chunk is the step
+    # budget (as vLLM's); a smaller one takes the several-prompt steps
+    if chunk is not None:
+        llm = LLM(llm.model_dir, device="cpu", progress=False, chunk_size=chunk)
     steps = []
     run = llm.engine._run
     monkeypatch.setattr(
@@ -139,18 +143,22 @@ def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, monkeypatch):
     )
     assert llm.warmup() > 0
     s = llm.engine.scheduler
-    assert (s.chunk_size, s.max_step_tokens) == (512, 2048)
+    assert (s.chunk_size, s.max_step_tokens) == (chunk or 2048, 2048)
     prefills = {p[0] for p in steps if len(p) == 1 and p[0] > 1} | {1}
     lengths = {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512}
+    if chunk is None:  # one prompt a step up to the budget (the budget itself below)
+        lengths |= {513, 1024, 1025}
     # prefix caching (on by default) cuts a prompt at its last block boundary before the last
     # token: the warm-up meets the steps a prompt of each length takes
     assert s.cache is not None
     bs = llm.state.block_size
     want = {p for n in lengths for p in ((n - 1) // bs * bs, n - (n - 1) // bs * bs) if p}
+    if chunk is None:  # a prompt past the budget: its first step is the whole budget
+        want.add(2048)
     assert prefills == want
     # steps of several prompts: 513, 1024 (2 x 512), 1025 (+ 1), 2048 (4 x 512) tokens
     together = sorted(sum(p) for p in steps if len(p) > 1 and sum(p) > s.chunk_size)
-    assert together == [513, 1024, 1025, 2048], together
+    assert together == ([513, 1024, 1025, 2048] if chunk else []), together
     assert max(sum(p) for p in steps) == s.max_step_tokens
     decodes = {len(p) for p in steps if set(p) == {1}}
     assert decodes >= {1, 2, 4, 8}  # max_seqs 8 (and the multi-prompt steps' last tokens)
@@ -201,6 +209,9 @@ def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
     c = parse_args(["--model", str(llm.model_dir), "--page-size", "16", "--max-step-tokens", "64"])
     built = build_llm(c)
     assert built.state.block_size == 16 and built.engine.scheduler.max_step_tokens == 64
+    assert built.engine.scheduler.chunk_size == 64  # by default a chunk is the step budget
+    c = parse_args(["--model", str(llm.model_dir), "--chunk-size", "16"])
+    assert build_llm(c).engine.scheduler.chunk_size == 16
     with pytest.raises(ValueError, match="block_size=12 must be a multiple of ratio"):
         LLM(llm.model_dir, device="cpu", progress=False, block_size=12)
     with pytest.raises(ValueError, match="max_step_tokens=0 must be >= 1"):

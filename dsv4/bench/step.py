@@ -10,7 +10,7 @@ the index lists every layer shares), embedding, hc_head, norm, head and logits. 
 the full model is rest + sum over the target schedule (Flash: 43 layers) of the median time of each
 layer's type. MoE: layers are top-k routed unless asked for as `name:hash`; a target layer whose
 exact (type, MoE) was not measured uses the same type with the other MoE (listed in the JSON).
-Prefill: one sequence, chunked like the engine (--chunk, default 512; 0 = one chunk).
+Prefill: one sequence, chunked like the engine (--chunk, default 2048; 0 = one chunk).
 Speculative decoding (--draft-tokens K): each sequence runs 1 + K tokens a step, the pending
 token and K drafts, as the engine's verify step; tok/s counts one token a sequence (no draft
 accepted: each accepted draft adds one), and the floor is that of batch x (1 + K) tokens.
@@ -136,8 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--chunk",
         type=_int_at_least("--chunk", 0),
-        default=512,
-        help="prefill chunk (engine default 512; 0: one chunk)",
+        default=2048,
+        help="prefill chunk (the engine's default: its step budget, 2048; 0: one chunk)",
     )
     p.add_argument("--ops", choices=["ref", "triton"], default="ref")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -367,7 +367,7 @@ class Bench:
         self.g = torch.Generator(device=self.device).manual_seed(a.seed)
 
     def prefill(self) -> dict:
-        """One sequence of --prefill tokens in chunks of --chunk (the engine's default 512)."""
+        """One sequence of --prefill tokens in chunks of --chunk (the engine's default 2048)."""
         a = self.a
         chunk = a.chunk or a.prefill
         state = DecodeState(
