@@ -41,7 +41,7 @@ def _entry_rows(bt_row, w, epb, max_blocks):
 @triton.jit
 def _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, close_ptr, rows_ptr,
           ring_ptr, vis_ptr, cring_ptr, keys_ptr, keys_stride, keys_off,
-          M: tl.constexpr, OVERLAP: tl.constexpr, C: tl.constexpr, KEYS_LAST: tl.constexpr,
+          M: tl.constexpr, OVERLAP: tl.constexpr, C, KEYS_LAST: tl.constexpr,
           BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     # one compression ratio M, token t at position p:
     #   close_ptr [3, T]: w, dest, count ; rows_ptr [T, S]: the closing window's source rows
@@ -84,7 +84,10 @@ def _kind(t, slot, p, bt_row, max_blocks, max_seqs, block_size, base, close_ptr,
         tl.store(keys_ptr + t * keys_stride + keys_off + cw, keys, mask=ok)
 
 
-@triton.jit
+# CA / CB (entries a token's lists hold: the graph's position bound / ratio) grow with the
+# context: unspecialized, one compile serves every bound (they were constexprs, one compile a
+# bound, met by served steps after the warm-up: docs/PERF.md, 2026-12-01)
+@triton.jit(do_not_specialize=["CA", "CB"])
 def _decode_lists_kernel(
     slots_ptr,  # [T] int64 state slot of each token's sequence
     pos_ptr,  # [T] int64 position of each token
@@ -102,10 +105,10 @@ def _decode_lists_kernel(
     W: tl.constexpr,
     HAS_A: tl.constexpr,
     MA: tl.constexpr,
-    CA: tl.constexpr,
+    CA,
     HAS_B: tl.constexpr,
     MB: tl.constexpr,
-    CB: tl.constexpr,
+    CB,
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr = False,

@@ -135,3 +135,27 @@ def test_gpu_fill_equals_the_builders(graph_len: int):
     win = b._cache[("win", a.window_size, True)]
     want_sel = torch.cat([win, rows.gather(1, ent.remainder(rows.shape[1]))], dim=1)
     assert torch.equal(decode_lists.selected_rows(win, rows, ent), want_sel)
+
+
+@pytest.mark.gpu
+def test_gpu_fill_compiles_once_for_every_bound():
+    # the lists' widths (a graph's position bound / ratio) are not constexprs: the bounds a
+    # growing context captures graphs at meet no Triton compile after the first
+    import logging
+
+    from dsv4.ops.device import CompileWatch
+
+    st = _state((SLIDING, CSA, HCA), "cuda")
+    a = st.args
+    s, p = torch.tensor([1, 4], device="cuda"), torch.tensor([31, 200], device="cuda")
+    b = Batch.build_static(s, p, st, 256)
+    decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, 0)
+    watch = CompileWatch(logging.getLogger("test.decode_lists")).install()
+    try:
+        for bound in (320, 384, 448, 512):
+            b = Batch.build_static(s, p, st, bound)
+            decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, 0)
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    assert watch.count == 0, watch.names
