@@ -262,6 +262,7 @@ class Engine:
         work = self.scheduler.schedule()
         if not work:
             return []
+        self.scheduler.snapshots_inside(work)
         now = time.monotonic()
         for w in work:
             out = w.request.extra["out"]
@@ -286,6 +287,9 @@ class Engine:
         outs = self._postprocess(sampled, tokens, logprobs)
         if self.num_speculative_tokens:
             self._draft(work, h)
+            for w in work:  # finished in this step: no MTP pass wrote the snapshot's MTP ring
+                if w.snapshot is not None and w.request.slot is None:
+                    self.scheduler.cache.forget_snapshot(w.snapshot[1])
         self.scheduler.cache_prefixes(work)  # (after the MTP pass: its ring is in the snapshot)
         return outs
 
@@ -310,6 +314,7 @@ class Engine:
             [w.request.slot for w in work], [w.start for w in work], [w.length for w in work],
             self.state,
         )  # fmt: skip
+        batch.snapshots = _snapshots(work)
         flat = torch.tensor(
             [t for w in work for t in w.request.all_ids[w.start : w.start + w.n] + w.draft],
             dtype=torch.long,
@@ -450,6 +455,7 @@ class Engine:
         batch = Batch.build(
             [w.request.slot for w in work], [w.start for w in work], lens, self.state
         )
+        batch.snapshots = _snapshots(work)  # (the MTP layer's window ring too)
         x = self.model.mtp_forward(
             h[torch.tensor(rows, dtype=torch.long, device=dev)],
             torch.tensor(nxt, device=dev),
@@ -502,6 +508,11 @@ class Engine:
         self.state.restore_rows(saved, [True] * len(ahead))
         for r, ds in zip(reqs, drafts):
             r.draft = ds
+
+
+def _snapshots(work: list[Work]) -> tuple[tuple[int, int, int], ...]:
+    """`Batch.snapshots` of a step's work: (sequence, position, snapshot index)."""
+    return tuple((j, *w.snapshot) for j, w in enumerate(work) if w.snapshot is not None)
 
 
 def _logprob_entry(sample: SampleOutput, k: int, tok: int, n: int) -> dict:

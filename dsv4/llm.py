@@ -329,13 +329,9 @@ class LLM:
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         k_max = longest.bit_length()
         lengths = sorted({min((1 << k) + e, longest) for k in range(k_max) for e in (0, 1)})
-        bs = self.state.block_size
-        for n in lengths:  # a first step of n tokens (prefix caching: the steps a prompt is
-            # cut into); past one chunk, prompts one token longer than a chunk and the rest
+        for n in lengths:  # a first step of n tokens; past one chunk, prompts one token longer
+            # than a chunk and the rest
             full, rest = divmod(n, per_prompt) if n > per_prompt else (0, n)
-            if rest == n == longest:  # the whole budget as one prompt's first chunk: a prompt
-                # past it (prefix caching cuts a prompt of n tokens at its last block boundary)
-                rest = min(-(-n // bs) * bs + 1, self.config.max_seq_len - 1)
             prompts = [[tok] * (per_prompt + 1)] * full + ([[tok] * rest] if rest else [])
             if len(prompts) <= min(s.max_running, len(s.free_slots)):
                 self.generate(prompts, one)

@@ -244,6 +244,11 @@ class Compressor(nn.Module):
         self.ops.compress_keep(
             kv, gate, self.ape, batch.positions, m, st.kv_state, st.score_state, keep_rows
         )
+        if batch.snapshots:  # prefix caching: the ring at a block boundary inside the chunk
+            keep_rows = batch.snapshot_keep_rows(st.ring)
+            self.ops.compress_keep(
+                kv, gate, self.ape, batch.positions, m, st.kv_snap, st.score_snap, keep_rows
+            )
 
     def short_step(self, st: CompressorState, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A verify step's own rows: the state's step rows after the ring (fixed addresses, which
@@ -388,6 +393,9 @@ class Attention(nn.Module):
         if not batch.decode:  # a chunk's ring slots still hold its earlier tokens' windows
             tok, rows = batch.ring_writes(self.window)
             ls.window[rows] = kv[tok].to(ls.window.dtype)
+            if batch.snapshots:  # prefix caching: the ring at a block boundary in the chunk
+                tok, rows = batch.snapshot_writes(self.window)
+                ls.window_snap[rows] = kv[tok].to(ls.window.dtype)
         # ---- grouped low-rank projection
         o = self.ops.grouped_linear(
             o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt, *self.wo_a.scales()

@@ -8,8 +8,9 @@ DeepSeek-V4's state (`dsv4.state`) has two parts:
 So a cached prefix of P tokens (a multiple of the block size) is the pages of its blocks, shared
 by reference count, plus a snapshot of the rings at P (`DecodeState.save_snapshot`), copied into
 the new request's slot (`load_snapshot`). Snapshots are taken wherever a step leaves a sequence
-on a block boundary: prefill chunks (the scheduler ends a prompt's last chunk on one,
-`Scheduler._cut`) and decode steps, so generated tokens are cached too.
+on a block boundary (prefill chunks and decode steps, so generated tokens are cached too), and
+inside the chunk that crosses a prompt's last block boundary before its last token: the model
+writes the rings as they are there into the snapshot (`Scheduler.snapshots_inside`).
 
 Blocks are keyed exactly by (parent block id, the block's token ids): a trie, no hash that could
 collide. A request hits the longest chain of cached blocks ending at a snapshot that leaves it at
@@ -142,6 +143,16 @@ class PrefixCache:
         b.snapshot = self.free_snapshots.pop()
         self.with_snapshot[b.id] = b
         return b.snapshot
+
+    def forget_snapshot(self, i: int) -> None:
+        """Snapshot i was not completed (its request finished inside the step that was to write
+        it, before the MTP layer's pass): its block keeps its page, without a snapshot."""
+        for b in self.with_snapshot.values():
+            if b.snapshot == i:
+                del self.with_snapshot[b.id]
+                b.snapshot = None
+                self.free_snapshots.append(i)
+                return
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self) -> int | None:

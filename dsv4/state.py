@@ -13,6 +13,7 @@ The model turns positions into row index lists here; attention only ever sees in
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -38,6 +39,9 @@ class CompressorState:
     # S*R), then rows for the tokens of a short step (speculative verify steps: `Compressor`)
     kv_all: torch.Tensor | None = None
     score_all: torch.Tensor | None = None
+    # prefix caching: the snapshots of kv_state / score_state (`DecodeState.snapshots`)
+    kv_snap: torch.Tensor | None = None
+    score_snap: torch.Tensor | None = None
 
     @property
     def ring(self) -> int:
@@ -55,6 +59,7 @@ class LayerState:
     window: torch.Tensor  # [S*W, hd] ring of window K=V
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    window_snap: torch.Tensor | None = None  # prefix caching: the window ring's snapshots
 
 
 def kv_row(args: ModelArgs, dtype: torch.dtype, kv_format: str = "auto") -> tuple[int, torch.dtype]:
@@ -205,6 +210,13 @@ class DecodeState:
         self.snapshots = [
             t.new_zeros(num_snapshots * size, t.shape[1]) for t, size in self.all_rings
         ] if num_snapshots else []  # fmt: skip
+        if num_snapshots:  # each ring's snapshots beside it, for the model's writes inside a chunk
+            snaps = iter(self.snapshots)  # (the order of `rings`)
+            for ls in self.layers:
+                ls.window_snap = next(snaps)
+                for c in (ls.compressor, ls.indexer):
+                    if c is not None:
+                        c.kv_snap, c.score_snap = next(snaps), next(snaps)
 
     @staticmethod
     def blocks_for_budget(
@@ -267,6 +279,21 @@ class DecodeState:
         """Copy snapshot i into slot's rings: the slot continues from the snapshot's position."""
         rows, kept = self._snapshot_views(slot, i)
         torch._foreach_copy_(rows, kept)
+
+    def snapshot_prior(self, slot: int, i: int, at: int, start: int) -> None:
+        """Snapshot i of the rings at position `at` (a block boundary inside a prefill chunk that
+        starts at `start`), its rows from before the chunk: every ring's tokens at - ring ..
+        start - 1, copied from slot's rows now (the chunk may overwrite them). The chunk's own tokens before `at`
+        the model writes there itself (`Batch.snapshot_writes`, `snapshot_keep_rows`)."""
+        by_size = {}
+        for (t, size), sn in zip(self.all_rings, self.snapshots):
+            if size not in by_size:
+                lo = max(at - size, 0)
+                p = torch.arange(lo, max(lo, start), device=t.device)
+                by_size[size] = (slot * size + p % size, i * size + p % size)
+            src, dst = by_size[size]
+            if len(src):
+                sn.index_copy_(0, dst, t.index_select(0, src))
 
     def _snapshot_views(self, slot: int, i: int) -> tuple[list, list]:
         # (slot's rows of every ring, snapshot i's rows of the same rings)
@@ -336,6 +363,9 @@ class Batch:
     # > 0: a static decode step (`build_static`): every list keeps its shape for all positions
     # below graph_len, and windows that do not close are stored nowhere (dest -1)
     graph_len: int = 0
+    # prefix caching: (sequence, position `at`, snapshot i) for each sequence whose chunk crosses
+    # a block boundary `at` where the rings are snapshotted (`Scheduler.snapshots_inside`)
+    snapshots: tuple[tuple[int, int, int], ...] = ()
     _cache: dict = field(default_factory=dict, repr=False)
     _prepared: bool = field(default=False, repr=False)  # `prepare` ran
 
@@ -637,6 +667,35 @@ class Batch:
             return torch.where(rows >= 0, 2 * rows + half, -1)
 
         return self._memo(("close_rows", ratio, overlap), build)
+
+    def snapshot_writes(self, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, rows): the tokens of this step that snapshot i at position `at` holds in a
+        ring of `ring` rows (positions at - ring .. at - 1) and their rows there."""
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            first = [0, *itertools.accumulate(n for _, n in self.host_seqs)]
+            tok, rows = [], []
+            for j, at, i in self.snapshots:
+                start = self.host_seqs[j][0]
+                for p in range(max(at - ring, start), at):
+                    tok.append(first[j] + p - start)
+                    rows.append(i * ring + p % ring)
+            dev = self.positions.device
+            return torch.tensor(tok, dtype=torch.long, device=dev), torch.tensor(
+                rows, dtype=torch.long, device=dev
+            )
+
+        return self._memo(("snapshot", ring), build)
+
+    def snapshot_keep_rows(self, ring: int) -> torch.Tensor:
+        """[T] each token's row in its snapshot (`snapshot_writes`), -1 for the others."""
+
+        def build() -> torch.Tensor:
+            tok, rows = self.snapshot_writes(ring)
+            keep = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
+            return keep.index_copy(0, tok, rows)
+
+        return self._memo(("snapshot_keep", ring), build)
 
     def token_rows(self) -> torch.Tensor:
         """[T] 0 .. T-1: each token's row among the step's own rows."""

@@ -124,6 +124,48 @@ def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list) ->
     assert len(cache.free_snapshots) + len(cache.with_snapshot) == snaps
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_snapshot_inside_a_chunk_is_the_one_at_its_end(model_dir: Path, kv: str) -> None:
+    # a 70-token prompt in one chunk of 128 is not cut at its last block boundary (64): the model
+    # writes the rings there into the snapshot as it runs (the window rows before the chunk, the
+    # chunk's own, the compressors' open windows, the MTP layer's ring). They equal the snapshot
+    # a chunk ending at 64 leaves, and a prompt that goes on differently from 64 starts there
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = _prompts()[0]
+    snaps, steps = {}, {}
+    for chunk in (128, 64):
+        llm = LLM(model_dir, **dict(KW, chunk_size=chunk, kv_cache_dtype=kv,
+                                    speculative_config=spec))  # fmt: skip
+        run = llm.engine._run
+        steps[chunk] = []
+        llm.engine._run = lambda work, s=steps[chunk], run=run: (
+            s.append([w.n for w in work]) or run(work)
+        )
+        llm.generate(prompt, two)  # (the request lives on past its chunk: the MTP pass runs)
+        cache = llm.engine.scheduler.cache
+        (block,) = cache.with_snapshot.values()  # the one snapshot: at 64
+        depth = 0
+        while block is not None:
+            depth, block = depth + 1, block.parent
+        assert depth == 4
+        (i,) = [b.snapshot for b in cache.with_snapshot.values()]
+        st = llm.state
+        snaps[chunk] = [
+            sn[i * size : (i + 1) * size] for sn, (_, size) in zip(st.snapshots, st.all_rings)
+        ]
+    assert steps[128] == [[70], [1]] and steps[64] == [[64], [6], [1]]  # not cut / cut at 64
+    for k, (a, b) in enumerate(zip(snaps[128], snaps[64])):
+        assert a.abs().sum() > 0, k  # written
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5, msg=f"ring {k}")
+    # the prompts sharing 40 tokens hit nothing (no snapshot before 64); the repeat hits 64
+    llm = LLM(model_dir, **dict(KW, chunk_size=128, kv_cache_dtype=kv, speculative_config=spec))
+    kw = dict(KW, kv_cache_dtype=kv, speculative_config=spec)
+    want = _one_by_one(LLM(model_dir, enable_prefix_caching=False, **kw))
+    _same(_one_by_one(llm), want)
+    assert llm.engine.stats().prefix_cache_hits == 64  # prompt 3 only
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_generated_tokens_are_cached_too(model_dir: Path, k: int) -> None:
     # a follow-up prompt that repeats a prompt and its output (a multi-turn chat that keeps the
@@ -332,3 +374,28 @@ def test_insert_resumes_from_the_tail() -> None:
     assert [b.page for b in c.match([1, 2, 3, 4, 5, 6, 0])] == [10, 11, 12]
     # nothing new past the tail: the tail itself, already snapshotted
     assert c.insert([1, 2, 3, 4, 5, 6], [10, 11, 12], 3, (last, 3)) == (last, False)
+
+
+def test_forget_snapshot_keeps_the_blocks() -> None:
+    # a snapshot its step could not complete is given back; the chain stays cached, unmatched
+    c = _filled()
+    (i,) = [b.snapshot for b in c.with_snapshot.values()]
+    c.forget_snapshot(i)
+    assert not c.with_snapshot and i in c.free_snapshots and len(c.blocks) == 3
+    assert c.match([1, 2, 3, 4, 5, 6, 7]) == []
+    c.forget_snapshot(i)  # (twice: nothing)
+    assert c.free_snapshots.count(i) == 1
+
+
+def test_a_request_that_ends_in_its_snapshot_step_leaves_none(model_dir: Path) -> None:
+    # with speculative decoding the MTP layer's ring is written by the pass after the step, which
+    # a finished request does not get: the snapshot inside its last chunk is given back
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(model_dir, **dict(KW, chunk_size=128, speculative_config=spec))
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(_prompts()[0], one)
+    cache = llm.engine.scheduler.cache
+    assert not cache.with_snapshot and len(cache.blocks) == 4  # blocks to 64, no snapshot
+    llm = LLM(model_dir, **dict(KW, chunk_size=128))  # (no MTP pass: the snapshot is whole)
+    llm.generate(_prompts()[0], one)
+    assert len(llm.engine.scheduler.cache.with_snapshot) == 1
