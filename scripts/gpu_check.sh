@@ -105,8 +105,9 @@ for part in $PARTS; do
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 wide_now_c$c
         rm -f "$OUT"/step_wide_*_c$c.json
       done ;;
-    cut_ab)  # what prefix caching's cut costs a prompt: 300 tokens in one step, and cut at its
-      # last block boundary (256 + 44, `Scheduler._cut`), eager at Flash width
+    cut_ab)  # what prefix caching's cut cost a prompt until the thirtieth session (since then
+      # the snapshot is written inside the chunk): 300 tokens in one step, and cut at its last
+      # block boundary (256 + 44), eager at Flash width
       for c in 300 256; do
         STEP_ARGS="--prefill 300 --chunk $c" step_run "pass" 1 4096 cut_c$c
         rm -f "$OUT/step_cut_c$c.json"
