@@ -288,8 +288,9 @@ class Engine:
         if self.num_speculative_tokens:
             self._draft(work, h)
             for w in work:  # finished in this step: no MTP pass wrote the snapshot's MTP ring
-                if w.snapshot is not None and w.request.slot is None:
-                    self.scheduler.cache.forget_snapshot(w.snapshot[1])
+                if w.request.slot is None:
+                    for _, i in w.snapshots:
+                        self.scheduler.cache.forget_snapshot(i)
         self.scheduler.cache_prefixes(work)  # (after the MTP pass: its ring is in the snapshot)
         return outs
 
@@ -512,7 +513,7 @@ class Engine:
 
 def _snapshots(work: list[Work]) -> tuple[tuple[int, int, int], ...]:
     """`Batch.snapshots` of a step's work: (sequence, position, snapshot index)."""
-    return tuple((j, *w.snapshot) for j, w in enumerate(work) if w.snapshot is not None)
+    return tuple((j, at, i) for j, w in enumerate(work) for at, i in w.snapshots)
 
 
 def _logprob_entry(sample: SampleOutput, k: int, tok: int, n: int) -> dict:

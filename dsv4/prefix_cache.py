@@ -9,8 +9,9 @@ So a cached prefix of P tokens (a multiple of the block size) is the pages of it
 by reference count, plus a snapshot of the rings at P (`DecodeState.save_snapshot`), copied into
 the new request's slot (`load_snapshot`). Snapshots are taken wherever a step leaves a sequence
 on a block boundary (prefill chunks and decode steps, so generated tokens are cached too), and
-inside the chunk that crosses a prompt's last block boundary before its last token: the model
-writes the rings as they are there into the snapshot (`Scheduler.snapshots_inside`).
+inside a chunk: at a prompt's last block boundary before its last token, and where the blocks
+it shares with an earlier request end; the model writes the rings as they are there into the
+snapshot (`Scheduler.snapshots_inside`).
 
 Blocks are keyed exactly by (parent block id, the block's token ids): a trie, no hash that could
 collide. A request hits the longest chain of cached blocks ending at a snapshot that leaves it at
@@ -66,16 +67,23 @@ class PrefixCache:
     def match(self, ids: list[int]) -> list[Block]:
         """The longest chain of cached blocks over `ids` that ends at a snapshot and leaves at
         least the last token to run ([] if none)."""
-        bs, parent, chain, best = self.block_size, 0, [], 0
+        chain = self.shared(ids)
+        while chain and chain[-1].snapshot is None:
+            chain.pop()
+        return chain
+
+    def shared(self, ids: list[int]) -> list[Block]:
+        """The longest chain of cached blocks over `ids` that leaves at least the last token to
+        run, snapshots or not: where it goes past `match`, another request ran these tokens and
+        snapshotted none of its boundaries past the hit."""
+        bs, parent, chain = self.block_size, 0, []
         for j in range((len(ids) - 1) // bs):
             b = self.blocks.get((parent, tuple(ids[j * bs : (j + 1) * bs])))
             if b is None:
                 break
             chain.append(b)
             parent = b.id
-            if b.snapshot is not None:
-                best = j + 1
-        return chain[:best]
+        return chain
 
     def acquire(self, chain: list[Block]) -> None:
         """A request now holds these blocks' pages (and will read the last one's snapshot)."""

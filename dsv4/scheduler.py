@@ -30,6 +30,9 @@ class Request:
     num_computed: int = 0  # tokens whose state is in the pools
     num_cached: int = 0  # of them, found in the prefix cache at the latest admission
     cache_tail: Any = None  # (deepest Block the prefix cache holds for it, its block count)
+    # (the deepest cached block its tokens reach past its hit, that block's count): another
+    # request ran them without a snapshot there; this one's first chunk writes it
+    shared_at: Any = None
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_ids))
@@ -62,9 +65,9 @@ class Work:
     n: int
     draft: list[int] = field(default_factory=list)
     accepted: int = 0
-    # prefix caching: (position, snapshot index) where the model snapshots the rings inside this
-    # chunk (`Scheduler.snapshots_inside`)
-    snapshot: tuple[int, int] | None = None
+    # prefix caching: (position, snapshot index) of each snapshot of the rings the model writes
+    # inside this chunk (`Scheduler.snapshots_inside`)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def length(self) -> int:  # tokens this step runs for it: the known ones and the drafts
@@ -205,6 +208,8 @@ class Scheduler:
             return []
         chain = self.cache.match(req.all_ids)
         self.cache.acquire(chain)
+        shared = self.cache.shared(req.all_ids)
+        req.shared_at = (shared[-1], len(shared)) if len(shared) > len(chain) else None
         return chain
 
     def _start_from(self, req: Request, chain: list[Block]) -> None:
@@ -221,28 +226,48 @@ class Scheduler:
         req.num_computed = req.num_cached
 
     def snapshots_inside(self, work: list[Work]) -> None:
-        """Before a step: a prefill chunk that crosses its prompt's last block boundary before
-        the last token caches the blocks up to there and gets a snapshot index (`Work.snapshot`),
-        where the model writes the rings as they are at that boundary (`Batch.snapshots`), so a
-        prompt that goes on differently (or a follow-up turn) starts there. The chunk is not cut
-        at the boundary: one step, not two (a 300-token prompt cut into 256 + 44 took 1.46x as
-        long on an H200, docs/PERF.md). Chunk ends and decode steps on a boundary are snapshotted
-        after the step (`cache_prefixes`). No two snapshots of one step share an index."""
+        """Before a step: snapshot indices for block boundaries inside this step's prefill chunks
+        (`Work.snapshots`), where the model writes the rings as they are at the boundary
+        (`Batch.snapshots`):
+          - a prompt's last boundary before its last token, its blocks cached up to there, so a
+            prompt that goes on differently (or a follow-up turn) starts there. The chunk is not
+            cut at the boundary: one step, not two (a 300-token prompt cut into 256 + 44 took
+            1.5-2.5x as long on an H200, docs/PERF.md);
+          - the end of the blocks another request ran and left without a snapshot there, which
+            this request's tokens share past its hit (a system prompt shorter than a chunk: the
+            third request with it hits).
+        Chunk ends and decode steps on a boundary are snapshotted after the step
+        (`cache_prefixes`). No two snapshots of one step share an index; one sequence's lie at
+        least a ring apart (their rows in a step never overlap)."""
         if self.cache is None:
             return
         bs, taken = self.state.block_size, 0
+        apart = max(size for _, size in self.state.all_rings)
         for w in work:
-            r = w.request
+            r, places = w.request, []
+            if not r.cacheable or w.draft:
+                continue
+            if r.shared_at is not None:  # (its first chunk only)
+                block, n = r.shared_at
+                r.shared_at = None
+                live = self.cache.blocks.get(block.key) is block and block.snapshot is None
+                if live and w.start < n * bs < w.start + w.n:
+                    places.append((n * bs, block))
             at = (r.num_tokens - 1) // bs * bs
-            if not r.cacheable or w.draft or not w.start < at < w.start + w.n:
-                continue
-            last, fresh = self.cache.insert(r.all_ids, r.pages, at // bs, r.cache_tail)
-            if last is None:
-                continue
-            r.cache_tail = (last, at // bs)
-            if fresh and taken < self.state.num_snapshots:
-                w.snapshot = (at, self.cache.snapshot_slot(last))
-                self.state.snapshot_prior(r.slot, w.snapshot[1], at, w.start)
+            if w.start < at < w.start + w.n:
+                last, fresh = self.cache.insert(r.all_ids, r.pages, at // bs, r.cache_tail)
+                if last is not None:
+                    r.cache_tail = (last, at // bs)
+                    if fresh:
+                        places.append((at, last))
+            for at, block in places:
+                if taken == self.state.num_snapshots or any(
+                    abs(at - a) < apart for a, _ in w.snapshots
+                ):
+                    continue
+                i = self.cache.snapshot_slot(block)
+                self.state.snapshot_prior(r.slot, i, at, w.start)
+                w.snapshots.append((at, i))
                 taken += 1
 
     def cache_prefixes(self, work: list[Work]) -> None:
