@@ -300,7 +300,7 @@ class Engine:
         its drafts, in order)."""
         k = self.num_speculative_tokens
         if self.graphs is not None and all(
-            w.n == 1 and w.samples and len(w.draft) == k for w in work
+            w.n == 1 and w.samples and len(w.draft) == k and not w.snapshots for w in work
         ):
             # one new token per sequence (and its k drafts): a captured step, where one serves
             out = self.graphs.run(

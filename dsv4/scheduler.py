@@ -31,7 +31,7 @@ class Request:
     num_cached: int = 0  # of them, found in the prefix cache at the latest admission
     cache_tail: Any = None  # (deepest Block the prefix cache holds for it, its block count)
     # (the deepest cached block its tokens reach past its hit, that block's count): another
-    # request ran them without a snapshot there; this one's first chunk writes it
+    # request ran them without a snapshot there; the chunk of this one that reaches it writes it
     shared_at: Any = None
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
@@ -247,11 +247,12 @@ class Scheduler:
             r, places = w.request, []
             if not r.cacheable or w.draft:
                 continue
-            if r.shared_at is not None:  # (its first chunk only)
+            if r.shared_at is not None and r.shared_at[1] * bs <= w.start + w.n:
+                # (the chunk that reaches it, its end included: the chain is another request's,
+                # so `cache_prefixes` would not snapshot it)
                 block, n = r.shared_at
                 r.shared_at = None
-                live = self.cache.blocks.get(block.key) is block and block.snapshot is None
-                if live and w.start < n * bs < w.start + w.n:
+                if self.cache.blocks.get(block.key) is block and block.snapshot is None:
                     places.append((n * bs, block))
             at = (r.num_tokens - 1) // bs * bs
             if w.start < at < w.start + w.n:

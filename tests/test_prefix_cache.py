@@ -404,3 +404,24 @@ def test_a_request_that_ends_in_its_snapshot_step_leaves_none(model_dir: Path) -
     llm = LLM(model_dir, **dict(KW, chunk_size=128))  # (no MTP pass: the snapshot is whole)
     llm.generate(_prompts()[0], one)
     assert len(llm.engine.scheduler.cache.with_snapshot) == 1
+
+
+def test_shared_blocks_past_a_hit_get_their_snapshot(model_dir: Path) -> None:
+    # A (20 tokens) leaves a snapshot at 16; B = A[:16] + 44 hits it and leaves one at 48 (its
+    # second block, 16..31, has none); C = B[:40] + 10 hits 16, runs into that block and writes
+    # its snapshot at 32 inside its chunk (the rows of 16..31 from its own run); D = B[:33] + 9
+    # then hits 32. Every output equals the uncached one
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(1, 300, (20,), generator=g).tolist()
+    b = a[:16] + torch.randint(1, 300, (44,), generator=g).tolist()
+    c = b[:40] + torch.randint(1, 300, (10,), generator=g).tolist()
+    d = b[:33] + torch.randint(1, 300, (9,), generator=g).tolist()
+    plain = LLM(model_dir, enable_prefix_caching=False, **KW)
+    want = [plain.generate(p, GREEDY)[0] for p in (a, b, c, d)]
+    llm = LLM(model_dir, **KW)
+    hits = []
+    for p in (a, b, c, d):
+        before = llm.engine.stats().prefix_cache_hits
+        _same([llm.generate(p, GREEDY)[0]], [want[len(hits)]])
+        hits.append(llm.engine.stats().prefix_cache_hits - before)
+    assert hits == [0, 16, 16, 32]
