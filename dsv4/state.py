@@ -283,8 +283,9 @@ class DecodeState:
     def snapshot_prior(self, slot: int, i: int, at: int, start: int) -> None:
         """Snapshot i of the rings at position `at` (a block boundary inside a prefill chunk that
         starts at `start`), its rows from before the chunk: every ring's tokens at - ring ..
-        start - 1, copied from slot's rows now (the chunk may overwrite them). The chunk's own tokens before `at`
-        the model writes there itself (`Batch.snapshot_writes`, `snapshot_keep_rows`)."""
+        start - 1, copied from slot's rows now (the chunk may overwrite them). The model writes
+        the chunk's own tokens before `at` there itself (`Batch.snapshot_writes`,
+        `snapshot_keep_rows`)."""
         by_size = {}
         for (t, size), sn in zip(self.all_rings, self.snapshots):
             if size not in by_size:
