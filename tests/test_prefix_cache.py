@@ -79,10 +79,15 @@ def test_without_the_snapshot_the_outputs_differ(model_dir: Path, plain: list) -
     assert any(o.token_ids != w.token_ids or o.logprobs != w.logprobs for o, w in zip(outs, plain))
 
 
-def test_batched_hits_and_chunks(model_dir: Path, plain: list) -> None:
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_batched_hits_and_chunks(model_dir: Path, plain: list, chunk: int) -> None:
     # all at once: later requests of one batch find what the first ones cached in earlier steps
-    # (or, prefilled side by side, keep their own pages: the second block stays private)
-    llm = LLM(model_dir, enable_prefix_caching=True, max_step_tokens=40, **KW)
+    # (or, prefilled side by side, keep their own pages: the second block stays private).
+    # Chunks of 128 with a step of 256: several snapshots written inside one step's chunks
+    step = 40 if chunk == 32 else 256
+    llm = LLM(
+        model_dir, enable_prefix_caching=True, max_step_tokens=step, **(KW | {"chunk_size": chunk})
+    )
     prompts = _prompts()
     first = llm.generate(prompts[:1], GREEDY)
     rest = llm.generate(prompts[1:], GREEDY)
@@ -103,13 +108,15 @@ def test_fp8_state_and_speculative_decoding(model_dir: Path, kv: str) -> None:
     assert llm.engine.stats().num_draft_tokens > 0
 
 
-def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list) -> None:
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_page_pressure_evicts_before_preempting(model_dir: Path, plain: list, chunk: int) -> None:
     # a pool of 6 pages (a request of 70 + 6 tokens needs 5): cached blocks are dropped, least
     # recently used leaves first, before any request is preempted, and snapshots recycled
+    # (chunks of 128: snapshots written inside chunks)
     args, snaps = tiny_args(vocab_size=300), 3
     fixed = (KW["max_seqs"] + snaps) * bytes_per_seq(args, torch.float32)  # slots + snapshots
     page = bytes_per_token(args, torch.float32) * KW["block_size"]
-    kw = dict(KW, max_memory=int(fixed + 6.5 * page))
+    kw = dict(KW, max_memory=int(fixed + 6.5 * page), chunk_size=chunk)
     g = torch.Generator().manual_seed(1)
     strangers = [torch.randint(1, 300, (60,), generator=g).tolist() for _ in range(3)]
     want = LLM(model_dir, enable_prefix_caching=False, **kw).generate(strangers, GREEDY)
