@@ -29,6 +29,13 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
 )
 
 
+def _chunk_size(text: str) -> int | None:
+    """--chunk-size: tokens, or -1 (SGLang's --chunked-prefill-size -1, no chunking): None, a
+    chunk as long as the step budget allows."""
+    n = int(text)
+    return None if n == -1 else n
+
+
 def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerConfig)
     """The LLM that `source`'s model and engine flags describe."""
     from dsv4.llm import LLM
@@ -117,8 +124,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="max running sequences",
     )  # fmt: skip
     p.add_argument(
-        "--chunk-size", "--chunked-prefill-size", type=int, default=None,
-        help="prefill chunk of one sequence (tokens; default: --max-step-tokens, as vLLM)",
+        "--chunk-size", "--chunked-prefill-size", type=_chunk_size, default=None,
+        help="prefill chunk of one sequence (tokens; default and -1, SGLang's 'no chunking': "
+        "--max-step-tokens, as vLLM)",
     )  # fmt: skip
     p.add_argument(
         "--max-step-tokens", "--max-num-batched-tokens", type=int, default=2048,

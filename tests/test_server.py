@@ -968,6 +968,9 @@ def test_serve_flags(capsys):  # noqa: ANN001
                         "256", "--max-num-batched-tokens", "512", "--page-size", "512", "--tp-size",
                         "1"])  # fmt: skip
     assert (peers.max_seq_len, peers.max_seqs, peers.chunk_size) == (1024, 4, 256)
+    assert parse_args(["--chunked-prefill-size", "-1"]).chunk_size is None  # SGLang: no chunks
+    assert parse_args([]).chunk_size is None  # the step budget, as vLLM
+    assert main(["--chunk-size", "0"]) == 2 and "chunk_size=0" in capsys.readouterr().err
     assert (peers.max_step_tokens, peers.block_size, peers.tensor_parallel_size) == (512, 512, 1)
     sg = parse_args(["--context-length", "2048", "--max-running-requests", "2"])
     assert (sg.max_seq_len, sg.max_seqs, sg.max_step_tokens, sg.block_size) == (2048, 2, 2048, None)
