@@ -36,6 +36,9 @@ def _chunk_size(text: str) -> int | None:
     return None if n == -1 else n
 
 
+_chunk_size.__name__ = "int"  # argparse's message for a bad value: "invalid int value"
+
+
 def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerConfig)
     """The LLM that `source`'s model and engine flags describe."""
     from dsv4.llm import LLM
