@@ -336,6 +336,11 @@ class LLM:
             if len(prompts) <= min(s.max_running, len(s.free_slots)):
                 self.generate(prompts, one)
                 self._forget()
+        k = min(4, s.max_running, len(s.free_slots))
+        if per_prompt == longest and k > 1:  # (chunks as long as the budget: a step of the
+            # whole budget over several prompts, as concurrent long prompts make, once)
+            self.generate([[tok] * (longest // k)] * k, one)
+            self._forget()
         top = 1 << (s.max_running - 1).bit_length()  # the largest bucket (DecodeGraphs pads up)
         batches = sorted({min(1 << k, s.max_running) for k in range(top.bit_length())})
         # (speculative decoding: long enough for a step that verifies all k drafts)

@@ -151,9 +151,10 @@ def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, chunk, monkey
     # (prefix caching, on by default, snapshots inside a chunk: a prompt is not cut)
     assert s.cache is not None
     assert prefills == lengths
-    # steps of several prompts: 513, 1024 (2 x 512), 1025 (+ 1), 2048 (4 x 512) tokens
-    together = sorted(sum(p) for p in steps if len(p) > 1 and sum(p) > s.chunk_size)
-    assert together == ([513, 1024, 1025, 2048] if chunk else []), together
+    # steps of several prompts past 512 tokens: with chunks of 512, 513, 1024 (2 x 512), 1025 (+ 1),
+    # 2048 (4 x 512); with chunks of the budget, one step of 4 x 512
+    together = sorted(sum(p) for p in steps if len(p) > 1 and sum(p) > 512)
+    assert together == ([513, 1024, 1025, 2048] if chunk else [2048]), together  # (4 x 512)
     assert max(sum(p) for p in steps) == s.max_step_tokens
     decodes = {len(p) for p in steps if set(p) == {1}}
     assert decodes >= {1, 2, 4, 8}  # max_seqs 8 (and the multi-prompt steps' last tokens)
