@@ -263,6 +263,16 @@ class Engine:
         if not work:
             return []
         self.scheduler.snapshots_inside(work)
+        try:
+            outs = self._step(work)
+        except BaseException:
+            self.scheduler.release_snapshots(work)  # (none is left half-written)
+            raise
+        self.scheduler.cache_prefixes(work)  # (after the MTP pass: its ring is in the snapshot)
+        return outs
+
+    def _step(self, work: list[Work]) -> list[RequestOutput]:
+        # the step's work run, sampled and post-processed; its snapshots inside chunks filed
         now = time.monotonic()
         for w in work:
             out = w.request.extra["out"]
@@ -284,14 +294,13 @@ class Engine:
         tokens, logprobs = self._sample(sampled, logits)
         self.state.restore_rows(saved, [j > w.accepted + 1 for w, j in ahead])
         self.scheduler.advance(work)
+        self.scheduler.file_snapshots(work)  # (before finished requests let go of their pages)
         outs = self._postprocess(sampled, tokens, logprobs)
         if self.num_speculative_tokens:
-            self._draft(work, h)
-            for w in work:  # finished in this step: no MTP pass wrote the snapshot's MTP ring
+            self._draft(work, h)  # (it writes the snapshots' MTP rings)
+            for w in work:  # finished in this step: no MTP pass wrote its snapshots' ring
                 if w.request.slot is None:
-                    for _, i in w.snapshots:
-                        self.scheduler.cache.forget_snapshot(i)
-        self.scheduler.cache_prefixes(work)  # (after the MTP pass: its ring is in the snapshot)
+                    self.scheduler.release_snapshots([w])
         return outs
 
     def _run(self, work: list[Work]) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -513,7 +522,7 @@ class Engine:
 
 def _snapshots(work: list[Work]) -> tuple[tuple[int, int, int], ...]:
     """`Batch.snapshots` of a step's work: (sequence, position, snapshot index)."""
-    return tuple((j, at, i) for j, w in enumerate(work) for at, i in w.snapshots)
+    return tuple((j, at, i) for j, w in enumerate(work) for at, i, _ in w.snapshots)
 
 
 def _logprob_entry(sample: SampleOutput, k: int, tok: int, n: int) -> dict:

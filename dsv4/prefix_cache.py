@@ -144,13 +144,25 @@ class PrefixCache:
 
     def snapshot_slot(self, b: Block) -> int:
         """A snapshot index for block b (the least recently used one's, if none is free)."""
+        i = self.reserve_snapshot()
+        self.attach_snapshot(b, i)
+        return i
+
+    def reserve_snapshot(self) -> int:
+        """A snapshot index no block holds (the least recently used one's, if none is free),
+        for a step to write: after it, `attach_snapshot` or `free_snapshot`."""
         if not self.free_snapshots:
             _, old = self.with_snapshot.popitem(last=False)
             self.free_snapshots.append(old.snapshot)
             old.snapshot = None
-        b.snapshot = self.free_snapshots.pop()
+        return self.free_snapshots.pop()
+
+    def attach_snapshot(self, b: Block, i: int) -> None:
+        b.snapshot = i
         self.with_snapshot[b.id] = b
-        return b.snapshot
+
+    def free_snapshot(self, i: int) -> None:
+        self.free_snapshots.append(i)
 
     def forget_snapshot(self, i: int) -> None:
         """Snapshot i was not completed (its request finished inside the step that was to write

@@ -65,9 +65,11 @@ class Work:
     n: int
     draft: list[int] = field(default_factory=list)
     accepted: int = 0
-    # prefix caching: (position, snapshot index) of each snapshot of the rings the model writes
-    # inside this chunk (`Scheduler.snapshots_inside`)
-    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # prefix caching: (position, snapshot index, the block it is for: None = the request's own,
+    # cached after the step) of each snapshot of the rings the model writes inside this chunk
+    # (`Scheduler.snapshots_inside`, `file_snapshots`)
+    snapshots: list[tuple[int, int, Any]] = field(default_factory=list)
+    filed: bool = False  # the snapshots are attached to their blocks (or given back)
 
     @property
     def length(self) -> int:  # tokens this step runs for it: the known ones and the drafts
@@ -229,16 +231,18 @@ class Scheduler:
         """Before a step: snapshot indices for block boundaries inside this step's prefill chunks
         (`Work.snapshots`), where the model writes the rings as they are at the boundary
         (`Batch.snapshots`):
-          - a prompt's last boundary before its last token, its blocks cached up to there, so a
-            prompt that goes on differently (or a follow-up turn) starts there. The chunk is not
-            cut at the boundary: one step, not two (a 300-token prompt cut into 256 + 44 took
-            1.5-2.5x as long on an H200, docs/PERF.md);
+          - a prompt's last boundary before its last token, so a prompt that goes on differently
+            (or a follow-up turn) starts there. The chunk is not cut at the boundary: one step,
+            not two (a 300-token prompt cut into 256 + 44 took 1.5-2.5x as long on an H200,
+            docs/PERF.md);
           - the end of the blocks another request ran and left without a snapshot there, which
             this request's tokens share past its hit (a system prompt shorter than a chunk: the
             third request with it hits).
-        Chunk ends and decode steps on a boundary are snapshotted after the step
-        (`cache_prefixes`). No two snapshots of one step share an index; one sequence's lie at
-        least a ring apart (their rows in a step never overlap)."""
+        The indices are reserved here and filed after the model ran (`file_snapshots`; a failed
+        step gives them back, `release_snapshots`), so no block is cached before its pages are
+        written. Chunk ends and decode steps on a boundary are snapshotted after the step
+        (`cache_prefixes`). At most num_snapshots a step; one sequence's lie at least a ring
+        apart (their rows in a step never overlap)."""
         if self.cache is None:
             return
         bs, taken = self.state.block_size, 0
@@ -256,20 +260,49 @@ class Scheduler:
                     places.append((n * bs, block))
             at = (r.num_tokens - 1) // bs * bs
             if w.start < at < w.start + w.n:
-                last, fresh = self.cache.insert(r.all_ids, r.pages, at // bs, r.cache_tail)
-                if last is not None:
-                    r.cache_tail = (last, at // bs)
-                    if fresh:
-                        places.append((at, last))
+                places.append((at, None))
             for at, block in places:
                 if taken == self.state.num_snapshots or any(
-                    abs(at - a) < apart for a, _ in w.snapshots
+                    abs(at - a) < apart for a, _, _ in w.snapshots
                 ):
                     continue
-                i = self.cache.snapshot_slot(block)
+                i = self.cache.reserve_snapshot()
                 self.state.snapshot_prior(r.slot, i, at, w.start)
-                w.snapshots.append((at, i))
+                w.snapshots.append((at, i, block))
                 taken += 1
+
+    def file_snapshots(self, work: list[Work]) -> None:
+        """After the model ran the step (before finished requests let go of their pages): cache
+        each snapshot's blocks and attach it, or give the index back (the blocks are another
+        request's pages, or someone snapshotted them meanwhile)."""
+        bs = self.state.block_size
+        for w in work:
+            r = w.request
+            for at, i, block in w.snapshots:
+                if block is None:  # the request's own chain, cached up to `at` now
+                    block, fresh = self.cache.insert(r.all_ids, r.pages, at // bs, r.cache_tail)
+                    if block is not None:
+                        r.cache_tail = (block, at // bs)
+                    ok = fresh
+                else:
+                    ok = self.cache.blocks.get(block.key) is block and block.snapshot is None
+                if ok:
+                    self.cache.attach_snapshot(block, i)
+                else:
+                    self.cache.free_snapshot(i)
+            w.filed = True
+
+    def release_snapshots(self, work: list[Work]) -> None:
+        """Snapshots a step did not complete (it failed; or the request finished in it, so the
+        MTP layer's pass did not write their ring): reserved indices go back, filed ones are
+        detached from their blocks (which stay cached, pages written)."""
+        for w in work:
+            for _, i, _ in w.snapshots:
+                if w.filed:
+                    self.cache.forget_snapshot(i)
+                else:
+                    self.cache.free_snapshot(i)
+            w.snapshots = []
 
     def cache_prefixes(self, work: list[Work]) -> None:
         """After a step (its MTP pass included): where a request's kept state now ends on a block

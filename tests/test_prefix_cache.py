@@ -432,3 +432,25 @@ def test_shared_blocks_past_a_hit_get_their_snapshot(model_dir: Path) -> None:
         _same([llm.generate(p, GREEDY)[0]], [want[len(hits)]])
         hits.append(llm.engine.stats().prefix_cache_hits - before)
     assert hits == [0, 16, 16, 32]
+
+
+def test_a_failed_step_caches_nothing_it_did_not_write(model_dir: Path, plain: list) -> None:
+    # a snapshot inside a chunk is reserved before the step and filed after the model ran: a
+    # step that fails leaves no block cached and no snapshot taken; the prompt then runs as new
+    llm = LLM(model_dir, **dict(KW, chunk_size=128))
+    eng, cache = llm.engine, llm.engine.scheduler.cache
+    free = sorted(cache.free_snapshots)
+    run = eng._run
+
+    def boom(work):  # noqa: ANN001, ANN202
+        assert [len(w.snapshots) for w in work] == [1]  # the one at 64, reserved
+        raise RuntimeError("boom")
+
+    eng._run = boom
+    rid = eng.add_request(_prompts()[0], GREEDY)
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.step()
+    assert not cache.blocks and sorted(cache.free_snapshots) == free
+    eng.abort(rid)
+    eng._run = run
+    _same(_one_by_one(llm), plain)
