@@ -245,7 +245,7 @@ class Scheduler:
         apart (their rows in a step never overlap)."""
         if self.cache is None:
             return
-        bs, taken = self.state.block_size, 0
+        bs, taken, seen = self.state.block_size, 0, set()
         apart = max(size for _, size in self.state.all_rings)
         for w in work:
             r, places = w.request, []
@@ -260,7 +260,12 @@ class Scheduler:
                     places.append((n * bs, block))
             at = (r.num_tokens - 1) // bs * bs
             if w.start < at < w.start + w.n:
-                places.append((at, None))
+                # (not where the cache has one, or another prompt of this step takes one: the
+                # same tokens, n > 1 completions)
+                prefix = tuple(r.all_ids[:at])
+                if prefix not in seen and len(self.cache.match(r.all_ids[: at + 1])) < at // bs:
+                    places.append((at, None))
+                    seen.add(prefix)
             for at, block in places:
                 if taken == self.state.num_snapshots or any(
                     abs(at - a) < apart for a, _, _ in w.snapshots

@@ -454,3 +454,18 @@ def test_a_failed_step_caches_nothing_it_did_not_write(model_dir: Path, plain: l
     eng.abort(rid)
     eng._run = run
     _same(_one_by_one(llm), plain)
+
+
+def test_same_prompts_in_one_step_reserve_one_snapshot(model_dir: Path) -> None:
+    # n = 3 completions are three requests with one prompt, prefilled in one step: one snapshot
+    # is reserved at its last boundary (the others would find the blocks another's pages and
+    # give theirs back, after evicting a snapshot for nothing); a repeat reserves none
+    llm = LLM(model_dir, **dict(KW, chunk_size=128))
+    cache, calls = llm.engine.scheduler.cache, []
+    reserve = cache.reserve_snapshot
+    cache.reserve_snapshot = lambda: calls.append(1) or reserve()
+    sp = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=2, ignore_eos=True)
+    llm.generate(_prompts()[0], sp)
+    assert len(calls) == 1 and len(cache.with_snapshot) == 1
+    llm.generate(_prompts()[0] + [1, 2], GREEDY)  # (hits 64: nothing past it to snapshot)
+    assert len(calls) == 1
