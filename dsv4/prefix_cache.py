@@ -67,10 +67,15 @@ class PrefixCache:
     def match(self, ids: list[int]) -> list[Block]:
         """The longest chain of cached blocks over `ids` that ends at a snapshot and leaves at
         least the last token to run ([] if none)."""
-        chain = self.shared(ids)
-        while chain and chain[-1].snapshot is None:
-            chain.pop()
-        return chain
+        return self.hit(self.shared(ids))
+
+    @staticmethod
+    def hit(shared: list[Block]) -> list[Block]:
+        """`match` of the chain `shared` gave: cut back to its last snapshot."""
+        n = len(shared)
+        while n and shared[n - 1].snapshot is None:
+            n -= 1
+        return shared[:n]
 
     def shared(self, ids: list[int]) -> list[Block]:
         """The longest chain of cached blocks over `ids` that leaves at least the last token to
@@ -164,15 +169,17 @@ class PrefixCache:
     def free_snapshot(self, i: int) -> None:
         self.free_snapshots.append(i)
 
-    def forget_snapshot(self, i: int) -> None:
+    def forget_snapshot(self, i: int) -> bool:
         """Snapshot i was not completed (its request finished inside the step that was to write
-        it, before the MTP layer's pass): its block keeps its page, without a snapshot."""
+        it, before the MTP layer's pass): its block keeps its page, without a snapshot. False if
+        no block holds i."""
         for b in self.with_snapshot.values():
             if b.snapshot == i:
                 del self.with_snapshot[b.id]
                 b.snapshot = None
                 self.free_snapshots.append(i)
-                return
+                return True
+        return False
 
     # ---- eviction ----------------------------------------------------------------------------
     def evict(self) -> int | None:

@@ -69,7 +69,6 @@ class Work:
     # cached after the step) of each snapshot of the rings the model writes inside this chunk
     # (`Scheduler.snapshots_inside`, `file_snapshots`)
     snapshots: list[tuple[int, int, Any]] = field(default_factory=list)
-    filed: bool = False  # the snapshots are attached to their blocks (or given back)
 
     @property
     def length(self) -> int:  # tokens this step runs for it: the known ones and the drafts
@@ -208,9 +207,9 @@ class Scheduler:
         # the cached prefix `req` starts from, held from here on ([] without caching)
         if self.cache is None or not req.cacheable:
             return []
-        chain = self.cache.match(req.all_ids)
+        shared = self.cache.shared(req.all_ids)  # (one walk of the trie for both)
+        chain = self.cache.hit(shared)
         self.cache.acquire(chain)
-        shared = self.cache.shared(req.all_ids)
         req.shared_at = (shared[-1], len(shared)) if len(shared) > len(chain) else None
         return chain
 
@@ -279,10 +278,11 @@ class Scheduler:
     def file_snapshots(self, work: list[Work]) -> None:
         """After the model ran the step (before finished requests let go of their pages): cache
         each snapshot's blocks and attach it, or give the index back (the blocks are another
-        request's pages, or someone snapshotted them meanwhile)."""
+        request's pages, or someone snapshotted them meanwhile). `Work.snapshots` keeps the
+        attached ones."""
         bs = self.state.block_size
         for w in work:
-            r = w.request
+            r, attached = w.request, []
             for at, i, block in w.snapshots:
                 if block is None:  # the request's own chain, cached up to `at` now
                     block, fresh = self.cache.insert(r.all_ids, r.pages, at // bs, r.cache_tail)
@@ -293,9 +293,10 @@ class Scheduler:
                     ok = self.cache.blocks.get(block.key) is block and block.snapshot is None
                 if ok:
                     self.cache.attach_snapshot(block, i)
+                    attached.append((at, i, block))
                 else:
                     self.cache.free_snapshot(i)
-            w.filed = True
+            w.snapshots = attached
 
     def release_snapshots(self, work: list[Work]) -> None:
         """Snapshots a step did not complete (it failed; or the request finished in it, so the
@@ -303,9 +304,7 @@ class Scheduler:
         detached from their blocks (which stay cached, pages written)."""
         for w in work:
             for _, i, _ in w.snapshots:
-                if w.filed:
-                    self.cache.forget_snapshot(i)
-                else:
+                if not self.cache.forget_snapshot(i):  # (reserved, not filed yet)
                     self.cache.free_snapshot(i)
             w.snapshots = []
 

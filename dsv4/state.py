@@ -690,13 +690,9 @@ class Batch:
 
     def snapshot_keep_rows(self, ring: int) -> torch.Tensor:
         """[T] each token's row in its snapshot (`snapshot_writes`), -1 for the others."""
-
-        def build() -> torch.Tensor:
-            tok, rows = self.snapshot_writes(ring)
-            keep = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
-            return keep.index_copy(0, tok, rows)
-
-        return self._memo(("snapshot_keep", ring), build)
+        return self._memo(
+            ("snapshot_keep", ring), lambda: self._row_per_token(*self.snapshot_writes(ring))
+        )
 
     def token_rows(self) -> torch.Tensor:
         """[T] 0 .. T-1: each token's row among the step's own rows."""
@@ -708,12 +704,12 @@ class Batch:
         """[T] the ring row of each token `ring_writes` keeps (its sequence's last `ring`), -1
         for the others."""
 
-        def build() -> torch.Tensor:
-            tok, rows = self.ring_writes(ring)
-            keep = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
-            return keep.index_copy(0, tok, rows.long())
+        return self._memo(("keep_rows", ring), lambda: self._row_per_token(*self.ring_writes(ring)))
 
-        return self._memo(("keep_rows", ring), build)
+    def _row_per_token(self, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # (tokens, their rows) -> [T] each token's row, -1 for the tokens not listed
+        keep = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
+        return keep.index_copy(0, tok, rows.long())
 
     def closing_ring_rows(self, ratio: int, overlap: bool) -> torch.Tensor:
         """Decode: the slots of `closing_windows` in the compressor ring, where all of them are once
