@@ -15,6 +15,7 @@ cleared), against the fixed cost of any launch measured the same way:
     form's tiles and register caps at batch 1;
   - moe_prefill: the sm90 experts at wider row-blocks against tl.dot_scaled, T = 512..4096;
   - moe_big: the experts at 2048 / 4096-token chunks: tl.dot_scaled, own decode and sm90 tiles;
+  - moe_ws: the warp-specialised sm90 experts (several tiles) against the WIDE tiles, T = 2048, 4096;
   - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
     prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
@@ -1438,6 +1439,33 @@ def probe_moe_big() -> None:
         moe_sm90.CONFIG = default
 
 
+def probe_moe_ws() -> None:
+    # the routed experts at prefill chunks (T = 2048, 4096 tokens, k=6): the warp-specialised
+    # kernel (`moe_sm90.WS`, several of its tiles) against the WIDE tiles of the one-partition
+    # kernel, interleaved twice (T = 2048 / 4096: row-blocks of 64 / 128 pairs); TFLOP/s on the
+    # products (3 matrices of D x inter per pair)
+    from dsv4.ops import moe_sm90
+
+    experts = _moe_experts()
+    ws = dict(moe_sm90.WS)
+    variants = [("wide", False, ws)] + [
+        (f"ws {v}", True, {**ws, **v})
+        for v in ({}, {"BOTH_MAX_M": 0}, {"BOTH_MAX_M": 128}, {"NUM_BUF": 3})
+    ]
+    for T in (2048, 4096):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        flop = 2 * 3 * T * 6 * 4096 * 2048
+        for rep in range(2):
+            for name, on, tile in variants:
+                moe_sm90.WARP_SPECIALIZED, moe_sm90.WS = on, tile
+                label = f"moe_ws T={T} {name} ({rep})"
+                _moe_variant(label, (x, weights, idx, experts), dict(sm90=True), want, nbytes)
+                if ROWS and ROWS[-1]["probe"] == label:
+                    print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
+    moe_sm90.WARP_SPECIALIZED, moe_sm90.WS = True, ws
+
+
 def probe_moe_decode() -> None:
     # the sm90 experts at their default tiles, this tree's kernel against the previous one
     # (bench/moe_sm90_prev.py, untracked: git show <commit>:dsv4/ops/moe_sm90.py), interleaved
@@ -1986,7 +2014,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab]
+#   scripts/gpu_check.sh [tests] [ops] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -104,6 +104,14 @@ for part in $PARTS; do
           1 4096 wide_before_c$c
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 wide_now_c$c
         rm -f "$OUT"/step_wide_*_c$c.json
+      done ;;
+    ws_ab)  # prefill of 4096 tokens in chunks of 4096 (2048: PREFILL_CHUNKS): the routed experts'
+      # WIDE row-blocks on the one-partition kernel (as until the thirty-first session) and on
+      # the warp-specialised one
+      for c in ${PREFILL_CHUNKS:-4096}; do
+        STEP_ARGS="--prefill 4096 --chunk $c" step_run "import dsv4.ops.moe_sm90 as m; m.WARP_SPECIALIZED = False" \
+          1 4096 ws_before_c$c
+        STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 ws_now_c$c
       done ;;
     cut_ab)  # what prefix caching's cut cost a prompt until the thirtieth session (since then
       # the snapshot is written inside the chunk): 300 tokens in one step, and cut at its last

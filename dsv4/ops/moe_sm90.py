@@ -35,6 +35,13 @@ permuted once per call within each BK-column block (`permute_columns`: column 8w
 i * BK/8 + w) and operand B of A_i is one contiguous [BM, BK/8] slice. The gate-up kernel writes
 h in the down kernel's permuted order, so the down kernel gathers plain rows.
 
+Prefill-sized row-blocks (WIDE_MIN pairs and more) take a warp-specialised form of the same
+kernel (`_experts_ws_kernel`, `WS`): a load partition brings each step's x tile and weight words
+into NUM_BUF buffers by cp.async and signals an mbarrier per buffer; two MMA partitions (one
+warpgroup of 64 weight rows each) decode and multiply, free the buffer through a second mbarrier,
+and store their own rows. The one-partition kernel's warps met at a CTA barrier every step; here
+the MMA warpgroups wait only for their data, so one decodes while the other's MMAs run.
+
 No CPU path: Gluon has no interpreter. `tests/ops/test_moe_sm90.py` checks the column permutations
 and runs the decode's PTX in a small interpreter against `quant.dequant_mxfp4` on the CPU; on an
 sm_90 GPU it reads every weight back bit for bit and checks the kernels against the reference.
@@ -50,6 +57,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -87,6 +95,19 @@ ROW_BLOCKS = ((2048, None), (3072, 16), (6144, 32), (16384, 64), (MAX_PAIRS, 128
 # T = 4096, BLOCK_M 128: 4972 against 6034; NUM_BUF 3 slower or past shared memory
 WIDE_MIN = 64
 WIDE = {"BLOCK_N": 128, "num_warps": 8, "maxnreg": (None, None)}
+# those row-blocks on the warp-specialised kernel (`_experts_ws_kernel`): two MMA partitions of
+# num_warps (one warpgroup, 64 weight rows, MMA_REGS registers each) and a load partition of
+# LOAD_WARPS warps with LOAD_REGS registers; maxnreg bounds the whole program (12 warps: 168 x 384
+# threads fill the register file). ptxas -v (sm_90a): no spills (72 B in the load partition at 56
+# registers). BOTH_MAX_M: W1's and W3's MMAs in flight together up to this BLOCK_M. H200 (probe
+# moe_ws, thirty-first session), Flash's routed experts at T = 2048 / 4096 tokens (row-blocks of
+# 64 / 128): 3053-3064 / 4238-4262 us with both in flight, 3087 / 4093-4134 us one after the other,
+# against 3208-3224 / 4799-4800 on the WIDE tiles; 3 buffers 3118 / 4218-4236, 2 buffers 3345 /
+# 4426-4441; one MMA partition of 8 warps (the two warpgroups in step through its barriers)
+# 3210-3232 / 4296-4297
+WS = {"BLOCK_N": 128, "BLOCK_K": 128, "NUM_BUF": 4, "num_warps": 4, "MMA_REGS": 216,
+      "LOAD_WARPS": 4, "LOAD_REGS": 72, "BOTH_MAX_M": 64, "maxnreg": (168, 168)}  # fmt: skip
+WARP_SPECIALIZED = True  # WIDE row-blocks take WS (False: the WIDE tiles of `_experts_kernel`)
 
 
 def block_m(pairs: int) -> int:
@@ -208,6 +229,22 @@ def _issue(x_smem, wa_smem, wb_smem, b, step, n_steps, x_ptr, x_offs, x_ok, wa, 
 
 
 @gluon.jit
+def _expert_tensors(tbl_ptr, wbase_ptr, sbase_ptr, e, E, GATE_UP: gl.constexpr):  # noqa: ANN001, ANN202
+    # expert e's weight words and scale words: (W1, W3, S1, S3), or (W2, W2, S2, S2)
+    if GATE_UP:
+        wa = wbase_ptr + gl.load(tbl_ptr + W1 * E + e) * 16
+        wb = wbase_ptr + gl.load(tbl_ptr + W3 * E + e) * 16
+        sa = sbase_ptr + gl.load(tbl_ptr + S1 * E + e) * 16
+        sb = sbase_ptr + gl.load(tbl_ptr + S3 * E + e) * 16
+    else:
+        wa = wbase_ptr + gl.load(tbl_ptr + W2 * E + e) * 16
+        sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
+        wb, sb = wa, sa
+    i32 = gl.pointer_type(gl.int32)
+    return wa.to(i32), wb.to(i32), sa.to(i32), sb.to(i32)
+
+
+@gluon.jit
 def _experts_kernel(
     x_ptr,  # gate-up: x [T, K] bf16 with permuted columns ; down: h [P, K] (permuted by gate-up)
     rw_ptr,  # [P] fp32 routing weights (gate-up)
@@ -271,20 +308,8 @@ def _experts_kernel(
     offs_w = gl.arange(0, BK8, layout=gl.SliceLayout(0, a_l))
     sel = (offs_w // 4) * 0x1111  # the byte selector of each word's scale group
     words_per_row = K // 8
-    if GATE_UP:
-        wa = wbase_ptr + gl.load(tbl_ptr + W1 * E + e) * 16
-        wb = wbase_ptr + gl.load(tbl_ptr + W3 * E + e) * 16
-        sa = sbase_ptr + gl.load(tbl_ptr + S1 * E + e) * 16
-        sb = sbase_ptr + gl.load(tbl_ptr + S3 * E + e) * 16
-    else:
-        wa = wbase_ptr + gl.load(tbl_ptr + W2 * E + e) * 16
-        sa = sbase_ptr + gl.load(tbl_ptr + S2 * E + e) * 16
-        wb, sb = wa, sa
+    wa, wb, sa, sb = _expert_tensors(tbl_ptr, wbase_ptr, sbase_ptr, e, E, GATE_UP)
     w_tile = offs_gn[:, None] * words_per_row + offs_gw[None, :]
-    wa = wa.to(gl.pointer_type(gl.int32))
-    wb = wb.to(gl.pointer_type(gl.int32))
-    sa = sa.to(gl.pointer_type(gl.int32))
-    sb = sb.to(gl.pointer_type(gl.int32))
     s_offs = offs_n * (K // 128)
 
     offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
@@ -332,9 +357,17 @@ def _experts_kernel(
             acc_b, w = _mma_step(wb_smem.index(cur).load(a_l), sb_k, sel, xs, acc_b, a_l)
             acc_b = _wait(acc_b, w)
     cp.wait_group(0)
+    _epilogue(acc_a, acc_b, rw_ptr, rows_ptr, out_ptr, pid_n * BLOCK_N, pid_m, N, limit,
+              stride_ot, mma, GATE_UP, H_BK, BLOCK_M, BLOCK_N)  # fmt: skip
 
-    # ---- epilogue (the reference's cast points: each linear's output in bf16)
-    offs_on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+
+@gluon.jit
+def _epilogue(acc_a, acc_b, rw_ptr, rows_ptr, out_ptr, row0, pid_m, N, limit, stride_ot,
+              mma: gl.constexpr, GATE_UP: gl.constexpr, H_BK: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # acc [BLOCK_N, BLOCK_M]: output columns row0.. of the row-block's pairs, stored in bf16 (the
+    # reference's cast points: each linear's output)
+    offs_on = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     pair = gl.load(rows_ptr + pid_m * BLOCK_M + offs_om)
     pair_ok = pair >= 0
@@ -354,6 +387,163 @@ def _experts_kernel(
     else:
         o_ptrs = out_ptr + pair[None, :] * stride_ot + offs_on[:, None]
         gl.store(o_ptrs, a.to(gl.bfloat16), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warp-specialised form (prefill-sized row-blocks)
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _ws_loads(x_smem, wa_smem, wb_smem, ready, empty, x_ptr, rows_ptr, pid_m, stride_xt, wa, wb,
+              pid_n, K, TOPK: gl.constexpr, GATE_UP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # the load partition: every step's x tile and weight words into the buffer the MMA
+    # partition freed (`empty`), by cp.async; `ready` completes when this partition's copies of
+    # the step have landed (each thread arrives once its own copies are done)
+    NW: gl.constexpr = gl.num_warps()
+    NUM_BUF: gl.constexpr = x_smem.shape[0]
+    BK8: gl.constexpr = BLOCK_K // 8
+    TPW_K: gl.constexpr = BLOCK_K // 8 if BLOCK_K // 8 < 32 else 32
+    g_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [NW, 1], [1, 0])
+    gw_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BK8 // 4), BK8 // 4], [NW, 1], [1, 0])
+    offs_gm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, g_l))
+    offs_gk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, g_l))
+    pair_g = gl.load(rows_ptr + pid_m * BLOCK_M + offs_gm)
+    x_offs = (gl.maximum(pair_g, 0) // TOPK)[:, None] * stride_xt + offs_gk[None, :]
+    x_ok = (pair_g >= 0)[:, None]
+    offs_gn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gw_l))
+    offs_gw = gl.arange(0, BK8, layout=gl.SliceLayout(0, gw_l))
+    w_tile = offs_gn[:, None] * (K // 8) + offs_gw[None, :]
+    for step in range(K // BLOCK_K):
+        b = step % NUM_BUF
+        # the buffer's previous step read by every MMA warp (a fresh barrier passes phase 1)
+        mbarrier.wait(empty.index(b), ((step // NUM_BUF) & 1) ^ 1)
+        cp.async_copy_global_to_shared(x_smem.index(b), (x_ptr + step * BLOCK_K) + x_offs,
+                                       mask=x_ok)  # fmt: skip
+        cp.async_copy_global_to_shared(wa_smem.index(b), (wa + step * BK8) + w_tile)
+        if GATE_UP:
+            cp.async_copy_global_to_shared(wb_smem.index(b), (wb + step * BK8) + w_tile)
+        cp.mbarrier_arrive(ready.index(b), increment_count=False)
+
+
+@gluon.jit
+def _ws_mma(x_smem, wa_smem, wb_smem, ready, empty, sa, sb, rw_ptr, rows_ptr, out_ptr, pid_n,
+            pid_m, N, K, limit, stride_ot, HALF: gl.constexpr, GATE_UP: gl.constexpr,
+            H_BK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            BLOCK_K: gl.constexpr, BOTH: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # an MMA partition (one warpgroup): weight rows HALF * BLOCK_N / 2 .. of the program's. Per
+    # step: wait for the buffer, decode its half of the weight words in registers into the
+    # wgmma A operand, multiply by the x tile, free the buffer (each partition arrives once);
+    # then its own epilogue. The two partitions synchronise only through the buffers, so one
+    # decodes while the other's MMAs run. BOTH: W1's and W3's MMAs in flight together (two
+    # decoded tiles live), else one after the other
+    NW: gl.constexpr = gl.num_warps()
+    NUM_BUF: gl.constexpr = x_smem.shape[0]
+    BH: gl.constexpr = BLOCK_N // 2
+    BK8: gl.constexpr = BLOCK_K // 8
+    SW: gl.constexpr = BLOCK_K // 128
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    row0 = pid_n * BLOCK_N + HALF * BH
+    offs_n = row0 + gl.arange(0, BH, layout=gl.SliceLayout(1, a_l))
+    offs_w = gl.arange(0, BK8, layout=gl.SliceLayout(0, a_l))
+    sel = (offs_w // 4) * 0x1111
+    s_offs = offs_n * (K // 128)
+    n_steps = K // BLOCK_K
+    sa0 = _scales(sa, s_offs, 0, SW)
+    sb0 = _scales(sb, s_offs, 0, SW)
+    acc_a = gl.zeros([BH, BLOCK_M], gl.float32, layout=mma)
+    acc_b = gl.zeros([BH, BLOCK_M], gl.float32, layout=mma)
+    for step in range(n_steps):
+        b = step % NUM_BUF
+        s1 = gl.minimum(step + 1, n_steps - 1)
+        sa_k, sa0 = sa0, _scales(sa, s_offs, s1, SW)
+        if GATE_UP:
+            sb_k, sb0 = sb0, _scales(sb, s_offs, s1, SW)
+        mbarrier.wait(ready.index(b), (step // NUM_BUF) & 1)
+        fence_async_shared()  # the cp.async writes before the MMA's reads
+        xs = x_smem.index(b)
+        wa = wa_smem.index(b).slice(HALF * BH, BH).load(a_l)
+        acc_a, wa = _mma_step(wa, sa_k, sel, xs, acc_a, a_l)
+        if GATE_UP:
+            if BOTH:
+                wb = wb_smem.index(b).slice(HALF * BH, BH).load(a_l)
+                acc_b, wb = _mma_step(wb, sb_k, sel, xs, acc_b, a_l)
+                acc_a, acc_b, wa, wb = warpgroup_mma_wait(0, deps=[acc_a, acc_b, wa, wb])
+            else:
+                acc_a = _wait(acc_a, wa)
+                wb = wb_smem.index(b).slice(HALF * BH, BH).load(a_l)
+                acc_b, wb = _mma_step(wb, sb_k, sel, xs, acc_b, a_l)
+                acc_b = _wait(acc_b, wb)
+        else:
+            acc_a = _wait(acc_a, wa)
+        mbarrier.arrive(empty.index(b), count=1)
+    _epilogue(acc_a, acc_b, rw_ptr, rows_ptr, out_ptr, row0, pid_m, N, limit, stride_ot, mma,
+              GATE_UP, H_BK, BLOCK_M, BH)  # fmt: skip
+
+
+@gluon.jit
+def _experts_ws_kernel(
+    x_ptr, rw_ptr, rows_ptr, blk_ptr, tbl_ptr, wbase_ptr, sbase_ptr, out_ptr, N, K, E, limit,
+    stride_xt, stride_ot,
+    GATE_UP: gl.constexpr,
+    TOPK: gl.constexpr,
+    H_BK: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    MMA_REGS: gl.constexpr,  # the second MMA partition's registers (the first, the default
+    # partition, gets what maxnreg leaves)
+    LOAD_WARPS: gl.constexpr,  # the load partition's warps
+    LOAD_REGS: gl.constexpr,  # and its registers
+    BOTH: gl.constexpr,
+    PDL: gl.constexpr = False,
+):  # fmt: skip  # noqa: ANN001
+    # `_experts_kernel`'s arguments and result. Its per-step CTA barrier and cp.async issue were
+    # where its prefill-sized programs waited (Nsight, docs/PERF.md thirtieth session): here a
+    # load partition fills NUM_BUF buffers ahead, and two MMA partitions (num_warps = 4 each)
+    # take BLOCK_N / 2 weight rows each; mbarriers hand the buffers over
+    chain_start(PDL)
+    BK8: gl.constexpr = BLOCK_K // 8
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    e = gl.load(blk_ptr + pid_m)
+    if e < 0:
+        return
+    wa, wb, sa, sb = _expert_tensors(tbl_ptr, wbase_ptr, sbase_ptr, e.to(gl.int64), E, GATE_UP)
+    x_sl: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=BK8 * 2, element_bitwidth=16, rank=2
+    )
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_M, BLOCK_K], x_sl)
+    wa_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
+    if GATE_UP:
+        wb_smem = gl.allocate_shared_memory(gl.int32, [NUM_BUF, BLOCK_N, BK8], w_sl)
+    else:
+        wb_smem = wa_smem
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (_ws_mma, (x_smem, wa_smem, wb_smem, ready, empty, sa, sb, rw_ptr, rows_ptr, out_ptr,
+                       pid_n, pid_m, N, K, limit, stride_ot, 0, GATE_UP, H_BK, BLOCK_M, BLOCK_N,
+                       BLOCK_K, BOTH)),
+            (_ws_mma, (x_smem, wa_smem, wb_smem, ready, empty, sa, sb, rw_ptr, rows_ptr, out_ptr,
+                       pid_n, pid_m, N, K, limit, stride_ot, 1, GATE_UP, H_BK, BLOCK_M, BLOCK_N,
+                       BLOCK_K, BOTH)),
+            (_ws_loads, (x_smem, wa_smem, wb_smem, ready, empty, x_ptr, rows_ptr, pid_m,
+                         stride_xt, wa, wb, pid_n, K, TOPK, GATE_UP, BLOCK_M, BLOCK_N, BLOCK_K)),
+        ],
+        [gl.num_warps(), LOAD_WARPS],
+        [MMA_REGS, LOAD_REGS],
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +602,13 @@ def supported(x: torch.Tensor, D: int, I: int, unit: int) -> bool:  # noqa: E741
     return x.dtype == torch.bfloat16 and D % bk == I % bk == D % bn == I % bn == 0 and unit == 16
 
 
+def _tiles(bm: int, N: int) -> dict:
+    # the tiles of a kernel with row-blocks of bm pairs and N output columns
+    if bm >= WIDE_MIN and N % WIDE["BLOCK_N"] == 0:
+        return CONFIG | (WS if WARP_SPECIALIZED else WIDE)
+    return CONFIG
+
+
 def _launch(
     gate_up: bool,
     x: torch.Tensor,
@@ -422,11 +619,13 @@ def _launch(
     out: torch.Tensor,
     topk: int,
     limit: float,
+    h_bk: int = 0,
 ) -> None:  # noqa: ANN001
     # one kernel over N = out's columns, K = x's: gate-up (W1, W3, SwiGLU) or down (W2)
-    # pairs per row-block (BLOCK_M): as the rows were aligned (`block_m`)
+    # pairs per row-block (BLOCK_M): as the rows were aligned (`block_m`) ; h_bk: the down
+    # kernel's BLOCK_K (gate-up: the column order of h)
     bm, N, K = rows.numel() // max(blk.numel(), 1), out.shape[1], x.shape[1]
-    cfg = CONFIG | WIDE if bm >= WIDE_MIN and N % WIDE["BLOCK_N"] == 0 else CONFIG
+    cfg = _tiles(bm, N)
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     assert rows.numel() == blk.numel() * bm and bm in (8, 16, 32, 64, 128), (
         f"rows {rows.numel()} for {blk.numel()} blocks: not blocks of 8, 16, 32, 64 or 128 pairs"
@@ -435,10 +634,14 @@ def _launch(
     assert x.shape[0] * x.stride(0) < 2**31, f"x of {x.shape[0]} rows x {x.stride(0)}"
     cap = cfg["maxnreg"][0 if gate_up else 1]
     assert blk.numel() < 65536, f"{blk.numel()} row-blocks: past the grid's second axis"
-    _experts_kernel[(N // bn, blk.numel())](
+    ws = {k: cfg[k] for k in ("MMA_REGS", "LOAD_WARPS", "LOAD_REGS") if k in cfg}
+    if ws:
+        ws["BOTH"] = bm <= cfg["BOTH_MAX_M"]
+    kernel = _experts_ws_kernel if ws else _experts_kernel
+    kernel[(N // bn, blk.numel())](
         x, rw, rows, blk, table.offs, table.wbase, table.sbase, out, N, K, table.offs.shape[1],
-        float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=bk,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=cfg["NUM_BUF"],
+        float(limit), x.stride(0), out.stride(0), GATE_UP=gate_up, TOPK=topk, H_BK=h_bk or bk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_BUF=cfg["NUM_BUF"], **ws,
         num_warps=cfg["num_warps"], **({"maxnreg": cap} if cap else {}), **chain(x.device),
     )  # fmt: skip
 
@@ -462,6 +665,9 @@ def experts(
 ) -> torch.Tensor:
     """x [T, D] bf16, rw [P] fp32, rows / blk from `moe.align_rows(idx, E, block_m(P))` ->
     [P, D] bf16: each (token, slot) pair's expert output, the routing weight applied before w2."""
+    bm = rows.numel() // max(blk.numel(), 1)
+    gate_up, dn = _tiles(bm, I), _tiles(bm, x.shape[1])
     h = torch.empty((rw.numel(), I), dtype=x.dtype, device=x.device)
-    _launch(True, permute_columns(x, CONFIG["BLOCK_K"]), rw, rows, blk, table, h, topk, limit)
+    _launch(True, permute_columns(x, gate_up["BLOCK_K"]), rw, rows, blk, table, h, topk, limit,
+            dn["BLOCK_K"])  # fmt: skip
     return down(h, rows, blk, table, x.shape[1])

@@ -206,3 +206,30 @@ def test_gpu_verify_step_pairs_take_the_kernel(monkeypatch) -> None:  # noqa: AN
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
     moe.moe_experts(x, weights.cuda(), idx.cuda(), experts)
     assert len(calls) == len(sizes)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T", [1100, 2800])  # row-blocks of 64 and of 128 pairs
+def test_gpu_warp_specialized_over_many_steps(T: int, monkeypatch) -> None:  # noqa: ANN001
+    # the warp-specialised kernel (WIDE row-blocks) over 8-16 steps of 4 buffers, so its
+    # barriers' phases wrap several times: against the reference; against the one-partition
+    # kernel's WIDE tiles (BLOCK_K 256) at its own default tiles (BLOCK_K 128: another summation
+    # order) and, at BLOCK_K 256 on 2 buffers, bit for bit
+    D, I, E, k = 2048, 1024, 16, 6  # noqa: E741
+    experts = _experts(D, I, E, seed=11, device="cuda")
+    weights, idx = _routing(T, k, E, False, seed=T)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16).cuda()
+    weights, idx = weights.cuda(), idx.cuda()
+    bm = moe_sm90.block_m(T * k)
+    assert bm >= moe_sm90.WIDE_MIN and "LOAD_WARPS" in moe_sm90._tiles(bm, I)
+    y = moe.moe_experts(x, weights, idx, experts, sm90=True)
+    want = ref.moe_experts(x, weights, idx, experts)
+    assert _rel(y, want) < 1e-2, _rel(y, want)
+    monkeypatch.setattr(moe_sm90, "WARP_SPECIALIZED", False)
+    wide = moe.moe_experts(x, weights, idx, experts, sm90=True)
+    assert _rel(y, wide) < 5e-3, _rel(y, wide)
+    monkeypatch.setattr(moe_sm90, "WARP_SPECIALIZED", True)
+    monkeypatch.setattr(moe_sm90, "WS", {**moe_sm90.WS, "BLOCK_K": 256, "NUM_BUF": 2,
+                                         "BOTH_MAX_M": 0})  # fmt: skip
+    assert torch.equal(moe.moe_experts(x, weights, idx, experts, sm90=True), wide)
