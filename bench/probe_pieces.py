@@ -16,6 +16,7 @@ cleared), against the fixed cost of any launch measured the same way:
   - moe_prefill: the sm90 experts at wider row-blocks against tl.dot_scaled, T = 512..4096;
   - moe_big: the experts at 2048 / 4096-token chunks: tl.dot_scaled, own decode and sm90 tiles;
   - moe_ws: the warp-specialised sm90 experts (several tiles) against the WIDE tiles, T = 2048, 4096;
+    and against the default tiles at T = 512, 1024;
   - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
     prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
@@ -1464,6 +1465,17 @@ def probe_moe_ws() -> None:
                 if ROWS and ROWS[-1]["probe"] == label:
                     print(f"    {flop / ROWS[-1]['us'] / 1e6:.0f} TFLOP/s", flush=True)
     moe_sm90.WARP_SPECIALIZED, moe_sm90.WS = True, ws
+    # narrower row-blocks (T = 512 / 1024: 16 / 32 pairs) on the warp-specialised kernel too
+    wide_min = moe_sm90.WIDE_MIN
+    for T in (512, 1024):
+        x, weights, idx, nbytes = _moe_tokens(T, experts)
+        want = ref.moe_experts(x, weights, idx, experts)
+        for rep in range(2):
+            for name, least in (("default", wide_min), ("ws", 16)):
+                moe_sm90.WIDE_MIN = least
+                label = f"moe_ws T={T} {name} ({rep})"
+                _moe_variant(label, (x, weights, idx, experts), dict(sm90=True), want, nbytes)
+    moe_sm90.WIDE_MIN = wide_min
 
 
 def probe_moe_decode() -> None:

@@ -140,12 +140,19 @@ class CompileWatch:
         fn = kw.get("fn")
         name = getattr(fn, "name", "?")
         self.names[name] = self.names.get(name, 0) + 1
+        key = str(kw.get("key"))
         try:
-            what = specialization_change(fn.jit_function, str(kw.get("key")))
+            what = specialization_change(fn.jit_function, key)
+            # the whole specialization of the scalars and constexprs (pointers left out)
+            whole = ", ".join(
+                f"{n}={a}" for n, a in zip(fn.jit_function.arg_names,
+                                           re.findall(r"\('[^']*', [^()]*\)", key))
+                if not a.startswith("('*")
+            )  # fmt: skip
         except Exception:  # noqa: BLE001 (a Triton version that keys its cache otherwise)
-            what = str(kw.get("repr", name))
-        self.log.warning("late compile #%d: %s %s (a shape the warm-up missed)", self.count, name,
-                         what)  # fmt: skip
+            what, whole = str(kw.get("repr", name)), "?"
+        self.log.warning("late compile #%d: %s %s (a shape the warm-up missed) [%s]", self.count,
+                         name, what, whole)  # fmt: skip
         return False  # (True would skip the compile)
 
     def install(self) -> CompileWatch:
@@ -169,20 +176,26 @@ def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001
     def name(i: int) -> str:
         return jit_function.arg_names[i] if i < len(jit_function.arg_names) else str(i)
 
+    def options(k: str) -> dict[str, str]:  # the launch options after the arguments
+        return dict(re.findall(r"'(\w+)': ([^,{}]+)", k[k.rfind("]") + 1 :]))
+
     new = args(key)
-    held = [args(k) for cache in jit_function.device_caches.values() for k in cache[0]]
-    held = [h for h in held if len(h) == len(new)]
+    held = [(args(k), k) for cache in jit_function.device_caches.values() for k in cache[0]]
+    held = [(h, k) for h, k in held if len(h) == len(new)]
     if not held:
         return "(its first compile)"
-    near = min(held, key=lambda h: sum(a != b for a, b in zip(h, new)))
+    near, near_key = min(held, key=lambda hk: sum(a != b for a, b in zip(hk[0], new)))
     change = ", ".join(
         f"{name(i)}: {b} (was {a})" for i, (a, b) in enumerate(zip(near, new)) if a != b
     )
+    if not change:  # the same arguments: which launch options differ
+        was, now = options(near_key), options(key)
+        diff = [f"{o}={now.get(o)} (was {was.get(o)})" for o in sorted(set(was) | set(now))
+                if was.get(o) != now.get(o)]  # fmt: skip
+        change = f"(same arguments, other options: {', '.join(diff) or '?'})"
     # values no held compile had (the nearest key can tie with others)
-    unseen = [f"{name(i)}={b}" for i, b in enumerate(new) if all(h[i] != b for h in held)]
-    return (change or "(same arguments, other options)") + (
-        f"; never before: {', '.join(unseen)}" if unseen else ""
-    )
+    unseen = [f"{name(i)}={b}" for i, b in enumerate(new) if all(h[i] != b for h, _ in held)]
+    return change + (f"; never before: {', '.join(unseen)}" if unseen else "")
 
 
 _AUTOTUNE_PARAMS = inspect.signature(triton.autotune).parameters

@@ -22,7 +22,7 @@ from dsv4.ops import ref
 from dsv4.ops.device import chain, chain_start, num_sms, split_reduction
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_ps"])  # per-step counts: one compile
 def _gate_dots_kernel(
     x_ptr,  # [T, D]
     w_ptr,  # [E, D]
@@ -83,7 +83,7 @@ def _softplus(z):
     return tl.where(z > 20.0, z, lp)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "stride_ps"])  # per-step counts: one compile
 def _gate_route_kernel(
     part_ptr,  # [splits, T, E] fp32
     bias_ptr,  # [E] fp32 (not HASH)

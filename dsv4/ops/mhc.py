@@ -81,7 +81,7 @@ def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS
 # ---------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_wss"])  # per-step counts: one compile
 def _hc_mixes_partial_kernel(
     x_ptr,  # [T, K] (x: [T, n, D] contiguous, K = n*D), bf16 / fp32
     fn_ptr,  # [M, K] fp32

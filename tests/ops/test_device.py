@@ -150,6 +150,10 @@ def test_specialization_change_names_the_argument() -> None:
         Fn, "[('*bf16', 'D'), ('i32', 1), ('constexpr', 64)]{'num_warps': 4}"
     )  # (nearest: either held key; new is only the combination)
     assert said.endswith("(was ('i32', ''))") or said.endswith("(was ('constexpr', 16))"), said
+    said = device.specialization_change(
+        Fn, "[('*bf16', 'D'), ('i32', 1), ('constexpr', 16)]{'num_warps': 8}"
+    )  # the same arguments, another launch option
+    assert said == "(same arguments, other options: num_warps=8 (was 4))", said
     Fn.device_caches = {}
     assert device.specialization_change(Fn, "[('*bf16', 'D')]") == "(its first compile)"
 

@@ -73,3 +73,24 @@ def test_moe_gate_on_gpu(T: int) -> None:
     assert (idx == want_idx).float().mean() > 0.99
     same = (idx == want_idx).all(1)
     torch.testing.assert_close(wt[same], want_w[same], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_gate_compiles_once_per_token_tile() -> None:
+    # the token count is not specialized: a served step of any count in one BLOCK_T's range
+    # meets no Triton compile once one count of that range ran (a late compile in a served
+    # burst, docs/PERF.md thirty-first session: T even, not a multiple of 16)
+    import logging
+
+    from dsv4.ops.device import CompileWatch
+
+    x, w, bias = _inputs(64, 24, 256, torch.bfloat16, device="cuda")
+    gate.moe_gate(x[:33], w, bias, 6, 2.5)
+    watch = CompileWatch(logging.getLogger("test.gate")).install()
+    try:
+        for T in (34, 48, 50, 64):  # (BLOCK_T 64, one token block: the same splits)
+            gate.moe_gate(x[:T], w, bias, 6, 2.5)
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    assert watch.count == 0, watch.names

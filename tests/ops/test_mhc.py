@@ -290,3 +290,25 @@ def test_mhc_gpu_flash(T: int) -> None:
     out_ref = ref.hc_post(y.float(), x.float(), post, comb)
     assert out.dtype == torch.bfloat16
     assert _rel(out, out_ref) < TOL[torch.bfloat16], f"{_rel(out, out_ref):.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_hc_pre_compiles_once_per_token_tile() -> None:
+    # hc_pre's split-K partials take the token count unspecialized: counts in one BLOCK_T's
+    # range (33..64: 32-token tiles) meet no Triton compile once one of them ran
+    import logging
+
+    from dsv4.ops.device import CompileWatch
+
+    n, D, iters = 4, 256, 20
+    x = _x(64, n, D, torch.bfloat16, "cuda", seed=3)
+    fn, scale, base = _params((2 + n) * n, n * D, 3, "cuda", seed=4)
+    mhc.hc_pre(x[:33], fn, scale, base, EPS, EPS, iters)
+    watch = CompileWatch(logging.getLogger("test.mhc")).install()
+    try:
+        for T in (34, 48, 50, 64):
+            mhc.hc_pre(x[:T], fn, scale, base, EPS, EPS, iters)
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    assert [k for k in watch.names if "mixes" in k] == [], watch.names
