@@ -56,6 +56,14 @@ def _bound_at_least(n: int) -> int:
     return bound
 
 
+def position_bounds(max_seq_len: int) -> list[int]:
+    """Every position bound a decode step can take (graph_key's), smallest first."""
+    bounds = [min(_bound_at_least(MIN_LEN), max_seq_len)]
+    while bounds[-1] < max_seq_len:
+        bounds.append(min(_bound_at_least(bounds[-1] + 1), max_seq_len))
+    return bounds
+
+
 def graph_key(n: int, last_pos: int, max_seq_len: int) -> tuple[int, int]:
     """(batch bucket, position bound) of a decode step of n sequences, largest position last_pos."""
     return _pow2_at_least(n), min(_bound_at_least(max(last_pos + 1, MIN_LEN)), max_seq_len)
@@ -88,6 +96,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.failed: set[tuple[int, int, int]] = set()
         self.pool = None
+        self.q = tokens_per_seq
 
     def key(self, n: int, last_pos: int, q: int = 1) -> tuple[int, int, int]:
         return (*graph_key(n, last_pos, self.state.max_seq_len), q)
@@ -119,6 +128,26 @@ class DecodeGraphs:
             return None
         graph.replay()
         return (None if q == 1 else self.out_h[: n * q]), self.out[: n * q]
+
+    @torch.inference_mode()
+    def compile_all(self, slot: int) -> int:
+        """Run the forward of every step a graph can serve (each batch bucket at each position
+        bound) once eagerly on `slot` at position 0, uncaptured: the Triton specializations the
+        bounds take (the indexer's tiles and select blocks per context octave, the attention's
+        splits) compile here, at the server's warm-up, not inside the capture that first meets
+        a bound mid-serving (docs/PERF.md, 2026-12-01). The slot's ring rows and first window
+        are overwritten: call it with no sequence in the slot and no cached block in its table.
+        Returns the number of steps run."""
+        buckets = [1 << k for k in range(self.max_batch.bit_length())]
+        bounds = position_bounds(self.state.max_seq_len)
+        self.slots.fill_(slot)
+        self.starts.zero_()
+        self.ids.zero_()
+        for bound in bounds:
+            for B in buckets:
+                self._forward((B, bound, self.q))
+        torch.cuda.synchronize()
+        return len(bounds) * len(buckets)
 
     def _forward(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         B, bound, q = key

@@ -237,7 +237,7 @@ class Engine:
 
     def tell(self, what: str, *args: object) -> None:
         """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
-        ("step", "score" with its arguments, or "stop")."""
+        ("step", "score" with its arguments, "compile_graphs" or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)
@@ -254,6 +254,20 @@ class Engine:
                 self.tell("stop")
         finally:
             self.graphs = None
+
+    def compile_graphs(self) -> int:
+        """Every rank (rank 0 tells the others): run each decode graph's step once eagerly on a
+        free slot (`DecodeGraphs.compile_all`), so the bounds a long generation reaches later do
+        not compile kernels inside their capture. Only with no request in the engine. Returns the
+        steps run (0 without graphs)."""
+        s = self.scheduler
+        if self.graphs is None:
+            return 0
+        if s.running or s.waiting:
+            raise EngineError("compile_graphs needs an empty engine")
+        if self.leads:
+            self.tell("compile_graphs")
+        return self.graphs.compile_all(s.free_slots[-1])
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

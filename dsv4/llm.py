@@ -245,6 +245,8 @@ class LLM:
             try:
                 if what == "step":
                     self.engine.step()
+                elif what == "compile_graphs":
+                    self.engine.compile_graphs()
                 else:  # "score" (parallel.COMMANDS)
                     self.score(*args)
             except Exception:  # rank 0 fails the same call and aborts what it ran
@@ -319,8 +321,12 @@ class LLM:
         longer than a chunk are several prompts admitted together, as concurrent requests are;
         the tile sizes that grow with a step's rows (rows per program of the norms and RoPE, the
         experts' row blocks, the router's token tiles) were the compiles a served burst still
-        met when the warm-up stopped at one chunk (docs/PERF.md, 2026-12-01). The engine is left
-        empty; returns the seconds it took."""
+        met when the warm-up stopped at one chunk (docs/PERF.md, 2026-12-01). Then each length
+        again as a second chunk (after a first of a whole chunk: a prefix-cache hit's shapes),
+        and with CUDA graphs every graph's step at every position bound, run once uncaptured
+        (`Engine.compile_graphs`): the compiles a served burst met there (docs/PERF.md,
+        2026-12-01, thirty-second session). The engine is left empty; returns the seconds it
+        took."""
         t0 = time.perf_counter()
         s = self.engine.scheduler
         longest = min(s.max_step_tokens, self.config.max_seq_len - 2)
@@ -336,6 +342,13 @@ class LLM:
             if len(prompts) <= min(s.max_running, len(s.free_slots)):
                 self.generate(prompts, one)
                 self._forget()
+        # a chunk after the first: n tokens at `per_prompt` cached or prefilled positions (a
+        # prefix-cache hit, or a long prompt's second chunk): the attention's key counts and the
+        # indexer's candidates there are not those of a first chunk of n tokens
+        for n in lengths:
+            if n <= per_prompt and per_prompt + n <= self.config.max_seq_len - 2:
+                self.generate([[tok] * (per_prompt + n)], one)
+                self._forget()
         k = min(4, s.max_running, len(s.free_slots))
         if per_prompt == longest and k > 1:  # (chunks as long as the budget: a step of the
             # whole budget over several prompts, as concurrent long prompts make, once)
@@ -349,12 +362,16 @@ class LLM:
         for b in batches:  # prefill of b, then decode steps of b sequences
             self.generate([[tok] * 4] * b, decode)
             self._forget()
+        # every graph's step at every position bound, eagerly: what a long generation meets
+        # later (the indexer's tiles per context octave) compiles now
+        steps = self.engine.compile_graphs()
         if s.cache is not None:  # its counters start with the served requests
             s.cache.queries = s.cache.hits = 0
         took = time.perf_counter() - t0
         log.info(
-            "warm-up: prefills of %d lengths (1..%d), decodes of %s sequences, %.1f s",
-            len(lengths), longest, batches, took,
+            "warm-up: prefills of %d lengths (1..%d), decodes of %s sequences, %d graph steps "
+            "compiled, %.1f s",
+            len(lengths), longest, batches, steps, took,
         )  # fmt: skip
         return took
 

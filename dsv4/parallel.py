@@ -141,7 +141,7 @@ CONTROL_TIMEOUT = timedelta(days=365)
 _CONTROL = None
 
 
-COMMANDS = ("step", "score", "stop")  # what rank 0 tells the other ranks to do
+COMMANDS = ("step", "score", "compile_graphs", "stop")  # what rank 0 tells the other ranks to do
 
 
 def send(what: str, payload: object = None) -> None:

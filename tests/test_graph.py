@@ -121,6 +121,17 @@ def test_graph_keys() -> None:
         assert b == min(x for x in bounds if x > p)
 
 
+def test_position_bounds() -> None:
+    # every bound graph_key gives, smallest first, ending at max_seq_len
+    from dsv4.cuda_graphs import graph_key, position_bounds
+
+    assert position_bounds(256) == [256]
+    assert position_bounds(300) == [256, 300]
+    assert position_bounds(1024) == [256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    for n in (1000, 4096, 5100):
+        assert position_bounds(n) == sorted({graph_key(1, p, n)[1] for p in range(n)})
+
+
 def test_cuda_graphs_need_cuda_and_triton(tmp_path) -> None:  # noqa: ANN001
     from dsv4.config import ConfigError
     from dsv4.llm import LLM
@@ -197,3 +208,41 @@ def test_graphs_keep_no_logits_each(tmp_path, monkeypatch) -> None:  # noqa: ANN
     llm.generate([list(range(2, 250))], sp)  # decode steps cross position 256: bounds 256, 320
     assert [k for k, _ in grown] == [(1, 256, 1), (1, 320, 1)] and not llm.engine.graphs.failed
     assert grown[1][1] < vocab * 4 // 2, grown
+
+
+@pytest.mark.gpu
+def test_warmed_bounds_compile_nothing_later(tmp_path) -> None:  # noqa: ANN001
+    # the warm-up runs every graph's step once at every position bound (Engine.compile_graphs):
+    # a generation that later crosses bounds captures their graphs but compiles no kernel.
+    # Until the thirty-second session the indexer's tiles and select blocks per context octave
+    # compiled inside those captures (docs/PERF.md)
+    import logging
+
+    from dsv4.cuda_graphs import position_bounds
+    from dsv4.llm import LLM
+    from dsv4.ops.device import CompileWatch
+    from dsv4.sampling import SamplingParams
+    from dsv4.tiny import make_tiny, tiny_args
+
+    tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))
+    kw = dict(device="cuda", ops="triton", dtype="bfloat16", quantized=True, max_seqs=2)
+    llm = LLM(tiny, cuda_graphs=True, max_seq_len=1024, progress=False, **kw)
+    ran = []
+    compile_all = llm.engine.graphs.compile_all
+    llm.engine.graphs.compile_all = lambda slot: ran.append(compile_all(slot)) or ran[-1]
+    llm.warmup()
+    assert ran == [len(position_bounds(1024)) * 2]  # buckets 1 and 2
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for first in (2, 3):  # 256 + 400 positions each
+        llm.add_request(list(range(first, first + 256)), sp)
+    llm.engine.step()  # both prefills (watched from the first decode step on)
+    watch = CompileWatch(logging.getLogger("test.graph")).install()
+    try:
+        while llm.engine.has_work():
+            llm.engine.step()
+    finally:
+        watch.uninstall()
+    graphs = llm.engine.graphs
+    assert {b for _, b, _ in graphs.graphs} >= {256, 320, 384, 448, 512, 640}
+    assert not graphs.failed
+    assert watch.count == 0, watch.names

@@ -136,13 +136,24 @@ def test_warmup_meets_every_shape_and_leaves_the_engine_empty(llm, chunk, monkey
     # budget (as vLLM's); a smaller one takes the several-prompt steps
     if chunk is not None:
         llm = LLM(llm.model_dir, device="cpu", progress=False, chunk_size=chunk)
-    steps = []
+    steps, starts = [], []
     run = llm.engine._run
     monkeypatch.setattr(
-        llm.engine, "_run", lambda work: steps.append([w.n for w in work]) or run(work)
+        llm.engine,
+        "_run",
+        lambda work: (
+            (steps.append([w.n for w in work]), starts.append([w.start for w in work]))
+            and run(work)
+        ),
     )
     assert llm.warmup() > 0
     s = llm.engine.scheduler
+    # each length up to a chunk again as a second chunk, after a first of a whole chunk (the
+    # shapes of a prefix-cache hit), where the prompt fits max_seq_len (4096)
+    per = chunk or 2048
+    seconds = {p[0] for p, st in zip(steps, starts) if len(p) == 1 and st == [per]}
+    want = {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024, 1025}
+    assert seconds == {n for n in want if n <= per and per + n <= 4094}, seconds
     assert (s.chunk_size, s.max_step_tokens) == (chunk or 2048, 2048)
     prefills = {p[0] for p in steps if len(p) == 1 and p[0] > 1} | {1}
     lengths = {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512}
