@@ -757,6 +757,191 @@ def probe_tma_swizzle() -> None:
     copy_floor("copy of the same bytes (torch copy_)", nbytes)
 
 
+# ---- 1D bulk copies (cp.async.bulk) by inline PTX on `global_smem`: rows at any 16-byte stride
+# (Gluon 3.6 has no 1D bulk copy; the twenty-third session found that inline PTX may address the
+# kernel's shared memory as `global_smem` + the offset of its one buffer, 0 in the sm_90a PTX)
+
+
+@gluon.jit
+def _bar_init(bar_off, count, pred):  # noqa: ANN001, ANN202
+    # mbarrier.init at byte bar_off of shared memory (lanes where pred)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a; setp.ne.s32 p, $2, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p mbarrier.init.shared::cta.b64 [a], $3; "
+        "@p fence.mbarrier_init.release.cluster; mov.u32 $0, 0; }",
+        "=r,r,r,r",
+        [bar_off, pred.to(gl.int32), count],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _bar_expect(bar_off, nbytes, pred):  # noqa: ANN001, ANN202
+    # arrive on the barrier at bar_off, expecting nbytes of bulk copies (lanes where pred)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a; setp.ne.s32 p, $2, 0; mov.u32 a, global_smem; "
+        "add.u32 a, a, $1; @p mbarrier.arrive.expect_tx.shared::cta.b64 _, [a], $3; "
+        "mov.u32 $0, 0; }",
+        "=r,r,r,r",
+        [bar_off, pred.to(gl.int32), nbytes],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _bulk_row(dst_off, src, bar_off, pred, NBYTES: gl.constexpr):  # noqa: ANN001, ANN202
+    # one NBYTES-byte row from global address src (int64) to byte dst_off of shared memory,
+    # completing on the barrier at bar_off (lanes where pred)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a, b; setp.ne.s32 p, $3, 0; mov.u32 a, global_smem; "
+        "add.u32 b, a, $4; add.u32 a, a, $1; "
+        f"@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [a], [$2], {NBYTES}, [b]; "
+        "mov.u32 $0, 0; }",
+        "=r,r,l,r,r",
+        [dst_off, src, pred.to(gl.int32), bar_off],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _bar_wait(bar_off, phase):  # noqa: ANN001, ANN202
+    # every lane waits for the barrier at bar_off to complete phase `phase`
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+        "WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [a], $2; @!p bra WAIT; "
+        "mov.u32 $0, 0; }",
+        "=r,r,r",
+        [bar_off, phase],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _bulk_issue(idx_row, kv_addr, j, k0, k1, tid, BN: gl.constexpr, NUM_BUF: gl.constexpr):  # noqa: ANN001, ANN202
+    # tile j of the split: BN key rows (1 KB each) into buffer j % NUM_BUF, rows 1040 bytes apart;
+    # its barrier in the pad of the buffers' row `slot`
+    slot = j % NUM_BUF
+    kidx = k0 + j * BN + tid
+    ok = (tid < BN) & (kidx < k1)
+    row = gl.load(idx_row + kidx, mask=ok, other=0)
+    n = gl.minimum(k1 - (k0 + j * BN), BN)
+    bar = slot * 1040 + 1024 + tid * 0
+    _bar_expect(bar, n * 1024 + tid * 0, tid == 0)
+    src = kv_addr + gl.maximum(row, 0).to(gl.int64) * 1024
+    _bulk_row((slot * BN + tid) * 1040, src, bar, ok, 1024)
+
+
+@gluon.jit
+def _bulk_gather_kernel(kv_ptr, idx_ptr, out_ptr, K, keys_per_split, stride_it,
+                        BN: gl.constexpr, NUM_BUF: gl.constexpr, CHECK: gl.constexpr):  # fmt: skip
+    # the gathers of sparse attention by 1D bulk copies (NUM_BUF - 1 tiles in flight), rows
+    # 1040 bytes apart (the 16-byte pad keeps reads of 8 rows' same columns off one bank, what a
+    # key tile read as wgmma's register operand needs); CHECK: every tile read back through the
+    # padded layout and stored (out [T, K, 512] bf16), else no math
+    NT: gl.constexpr = 32 * gl.num_warps()
+    t = gl.program_id(0)
+    sp = gl.program_id(1)
+    k0 = sp * keys_per_split
+    k1 = gl.minimum(k0 + keys_per_split, K)
+    idx_row = idx_ptr + t.to(gl.int64) * stride_it
+    n_tiles = gl.cdiv(k1 - k0, BN)
+    # the kernel's one buffer (at byte 0 of shared memory: checked on the compiled kernel by
+    # the probe): rows of 512 bf16 + 16 pad bytes; buffer b's barrier in row b's pad
+    pad_l: gl.constexpr = gl.PaddedSharedLayout.with_identity_for(
+        [[512, 8]], [NUM_BUF * BN, 512], [1, 0]
+    )
+    raw = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF * BN, 512], pad_l)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    tid = gl.arange(0, NT, layout=lay)
+    kv_addr = kv_ptr.to(gl.int64, bitcast=True)
+    _bar_init(tid * 1040 + 1024, tid * 0 + 1, tid < NUM_BUF)
+    gl.thread_barrier()
+    for j in gl.static_range(NUM_BUF - 1):
+        if j < n_tiles:
+            _bulk_issue(idx_row, kv_addr, j, k0, k1, tid, BN, NUM_BUF)
+    acc = tid * 0
+    for j in range(n_tiles):
+        # (every thread waited on the buffer the next copies reuse one iteration ago; the CTA
+        # barrier keeps a slow thread's reads of it before them)
+        gl.thread_barrier()
+        if j + NUM_BUF - 1 < n_tiles:
+            _bulk_issue(idx_row, kv_addr, j + NUM_BUF - 1, k0, k1, tid, BN, NUM_BUF)
+        acc += _bar_wait((j % NUM_BUF) * 1040 + 1024 + tid * 0, ((j // NUM_BUF) & 1) + tid * 0)
+        if CHECK:
+            c_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, gl.num_warps()], [1, 0])
+            r = gl.arange(0, BN, layout=gl.SliceLayout(1, c_l))
+            c = gl.arange(0, 512, layout=gl.SliceLayout(0, c_l))
+            kidx = k0 + j * BN + r
+            dst = out_ptr + (t.to(gl.int64) * K + kidx[:, None]) * 512 + c[None, :]
+            for b in gl.static_range(NUM_BUF):
+                if j % NUM_BUF == b:
+                    tile = raw.slice(b * BN, BN, dim=0).load(c_l)
+                    gl.store(dst, tile, mask=(kidx < k1)[:, None])
+    if not CHECK:
+        keep = raw.slice(0, 1, dim=0).load(
+            gl.BlockedLayout([1, 4], [1, 32], [1, gl.num_warps()], [1, 0])
+        )
+        gl.store(
+            out_ptr + (t * gl.num_programs(1) + sp) * NT + tid,
+            acc + gl.sum(gl.sum(keep.to(gl.float32), 1), 0).to(gl.int32),
+        )
+
+
+def probe_bulk_gather() -> None:
+    # can 1D bulk copies (cp.async.bulk, inline PTX) gather the T=64 attention rows as fast as
+    # the [2, 256] TMA boxes (72% of copy bandwidth, eighth session), and at a 1040-byte row
+    # stride (what conflict-free reads of a key tile as wgmma's register operand need)? Checked
+    # against the rows first
+    T = 64
+    one, ix, nbytes = _gather_rows(T)
+    K = ix.shape[1]
+    t4 = 4
+    out = torch.zeros(t4, K, 512, dtype=torch.bfloat16, device="cuda")
+    ck = _bulk_gather_kernel[(t4, 2)](
+        one, ix, out, K, triton.cdiv(K, 2), ix.stride(0), BN=32, NUM_BUF=2, CHECK=True,
+        num_warps=4,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    ok = int((out == one[ix[:t4].long()]).all(-1).sum())
+    # (a wrong base of the buffer in the inline PTX, or another allocation below it, puts rows
+    # elsewhere: this count catches both)
+    print(f"bulk gather: rows right {ok}/{t4 * K}; shared bytes {ck.metadata.shared}", flush=True)
+    for bn, nb, splits in ((16, 4, 5), (16, 4, 10), (16, 8, 5), (32, 2, 2), (32, 4, 2),
+                           (32, 4, 5), (64, 2, 2), (16, 8, 2)):  # fmt: skip
+        kps = triton.cdiv(K, splits)
+        o = torch.empty(T * splits * 128, dtype=torch.int32, device="cuda")
+        us(
+            f"bulk gather T=64 x 640 rows: BN {bn}, {nb} buffers, {splits} splits",
+            lambda bn=bn, nb=nb, splits=splits, kps=kps, o=o: _bulk_gather_kernel[(T, splits)](
+                one, ix, o, K, kps, ix.stride(0), BN=bn, NUM_BUF=nb, CHECK=False, num_warps=4
+            ),
+            nbytes=nbytes,
+        )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows2 = one.view(-1, 256)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc2 = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
+    kps = triton.cdiv(K, 5)
+    o = torch.empty(T * 5, dtype=torch.int32, device="cuda")
+    us(
+        "tma gather T=64 x 640 rows ([2, 256] boxes): BN 16, 4 buffers, 5 splits",
+        lambda: _tma_gather_kernel[(T, 5)](
+            desc2, ix, o, K, kps, ix.stride(0), BN=16, NUM_BUF=4, num_warps=4
+        ),
+        nbytes=nbytes,
+    )
+    copy_floor("copy of the same bytes (torch copy_)", nbytes)
+
+
 def probe_attn_fp8() -> None:
     # decode attention over FP8 entries (584 B rows) against the same rows in bf16, one source
     # (the engine's decode form): the default, and fixed tiles x splits with the GPU's decode
@@ -2026,7 +2211,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
