@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
+import traceback
 
 import torch
 import triton
@@ -151,8 +153,8 @@ class CompileWatch:
             )  # fmt: skip
         except Exception:  # noqa: BLE001 (a Triton version that keys its cache otherwise)
             what, whole = str(kw.get("repr", name)), "?"
-        self.log.warning("late compile #%d: %s %s (a shape the warm-up missed) [%s]", self.count,
-                         name, what, whole)  # fmt: skip
+        self.log.warning("late compile #%d: %s %s (a shape the warm-up missed) [%s] from %s",
+                         self.count, name, what, whole, call_site())  # fmt: skip
         return False  # (True would skip the compile)
 
     def install(self) -> CompileWatch:
@@ -163,6 +165,19 @@ class CompileWatch:
     def uninstall(self) -> None:
         if triton.knobs.runtime.jit_cache_hook is self:
             triton.knobs.runtime.jit_cache_hook = self._prev
+
+
+def call_site(depth: int = 4) -> str:
+    """Where the running launch came from: the innermost `depth` frames of the dsv4 package
+    outside this module, innermost first ("model.py:312 forward < engine.py:90 step")."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the dsv4 package
+    frames = [
+        f for f in traceback.extract_stack()
+        if f.filename.startswith(here) and os.path.abspath(f.filename) != os.path.abspath(__file__)
+    ]  # fmt: skip
+    return " < ".join(
+        f"{os.path.relpath(f.filename, here)}:{f.lineno} {f.name}" for f in frames[::-1][:depth]
+    ) or "?"
 
 
 def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001

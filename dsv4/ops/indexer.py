@@ -76,7 +76,7 @@ SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the un
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles"])
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
     w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
@@ -96,30 +96,32 @@ def _index_score_kernel(
     stride_it,
     stride_ot,
     w_scale,
+    tiles,  # candidate tiles of BLOCK_N per program (<= SCAN; a runtime count: one compile for all)
     UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
     PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
     KEYS_ON_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,  # candidate tiles of BLOCK_N per program
+    SCAN: tl.constexpr,  # tiles the visibility scan spans: 1 when tiles is 1, else MAX_SCORE_TILES
     HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
     PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
 ):
-    # read TILES*BLOCK_N visible key rows (d each) + q_t + w_t ; write TILES*BLOCK_N int32
+    # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
     chain_start(PDL)
     pid_c = tl.program_id(0)
     t = tl.program_id(1)
-    c0 = pid_c * TILES * BLOCK_N
+    c0 = pid_c * tiles * BLOCK_N
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
     out_row = out_ptr + t.to(tl.int64) * stride_ot
 
     # ---- tiles past the chunk's last visible candidate (decode suffix, causal prefill) are skipped
-    offs_chunk = c0 + tl.arange(0, TILES * BLOCK_N)
-    idx_chunk = tl.load(idx_row + offs_chunk, mask=offs_chunk < C, other=-1)
+    offs_chunk = c0 + tl.arange(0, SCAN * BLOCK_N)
+    in_chunk = (offs_chunk < C) & (offs_chunk < c0 + tiles * BLOCK_N)
+    idx_chunk = tl.load(idx_row + offs_chunk, mask=in_chunk, other=-1)
     last = tl.max(tl.where(idx_chunk >= 0, offs_chunk, -1))  # -1 when none is visible
     n_live = (tl.maximum(last + 1 - c0, 0) + BLOCK_N - 1) // BLOCK_N
 
@@ -176,7 +178,7 @@ def _index_score_kernel(
             tl.atomic_add(fine, 1, mask=vis, sem="relaxed")
             coarse += tl.histogram((u >> COARSE_SHIFT).to(tl.int32), COARSE_BINS, mask=vis)
 
-    for i in range(n_live, TILES):
+    for i in range(n_live, tiles):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_row + offs_n, tl.full([BLOCK_N], INT32_MIN, tl.int32), mask=offs_n < C)
 
@@ -587,11 +589,13 @@ def _hist_select(
     )  # fmt: skip
 
 
+MAX_SCORE_TILES = 16  # candidate tiles a score program takes at most (q is re-read per program)
+
+
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
-    # candidate tiles per program: about `programs` programs, at most 16 tiles (q is re-read per
-    # program)
+    # candidate tiles per program: about `programs` programs, at most MAX_SCORE_TILES
     per = max(1, (T * n_tiles) // programs)
-    return min(16, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
+    return min(MAX_SCORE_TILES, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
 
 
 class ScoreConfig(NamedTuple):
@@ -631,14 +635,14 @@ def _scores(
         *(hist or (skey, skey)),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
-        skey.stride(0), float(weight_scale),
+        skey.stride(0), float(weight_scale), tiles,
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
         KEYS_ON_M=cfg.keys_on_m,
         BLOCK_H=max(16, triton.next_power_of_2(Hi)),
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_N=block_n,
-        TILES=tiles,
+        SCAN=1 if tiles == 1 else MAX_SCORE_TILES,
         HIST=hist is not None,
         KEY_FP8=key_fp8,
         DECODE=decode_mode(q.device),

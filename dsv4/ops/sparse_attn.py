@@ -49,6 +49,7 @@ FEW_TOKENS_FP8_SHARED = 68 * 1024  # 64 KB
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
 SM90_MIN_TOKENS = 32
 SM90_MIN_TOKENS_FP8 = 16
+WINDOW_KEYS = 128  # a sliding window's keys (prefill tiles are tuned for at most this many, or more)
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
 # FP8 entries on a GPU: `kv_fp8.load_entries`' DECODE (None: `fp8_decode`'s choice)
 FP8_DECODE = None
@@ -506,6 +507,17 @@ def fixed_tile(programs: int, h_pad: int, entries: bool, shared: int) -> dict | 
     return None
 
 
+def _tune_key(programs: int, num_splits: int, keys_per_split: int, sms: int) -> int:
+    """The autotuner's key: octaves of the programs and of the keys per split. A prefill (one
+    split filling the SMs) is tuned per programs octave and two key classes only (the window
+    alone, or more), so a prefix hit's chunk at any position meets a tuned key: the key
+    counts' octaves were late autotunes in a served burst (docs/PERF.md thirty-third session)."""
+    key = 32 * min(programs * num_splits, 1 << 14).bit_length()
+    if num_splits == 1 and programs >= sms:
+        return key + 1 + (keys_per_split > WINDOW_KEYS)
+    return key + min(keys_per_split, 1 << 14).bit_length()
+
+
 def _default_splits(
     programs: int, K: int, device: torch.device, per_split: int = PROGRAMS_PER_SPLIT
 ) -> int:
@@ -671,8 +683,7 @@ def sparse_attn(
     rows = sum(s.shape[0] for s in kv)
     assert rows < 2**31, f"the kv sources hold {rows} rows: indices must fit int32"
     assert max(s.stride(0) for s in kv) < 2**31, "kv row strides must fit int32"
-    tune_key = 32 * min(T * head_blocks * num_splits, 1 << 14).bit_length()
-    tune_key += min(keys_per_split, 1 << 14).bit_length()
+    tune_key = _tune_key(T * head_blocks, num_splits, keys_per_split, num_sms(q.device))
     args = (
         q, *srcs, attn_sink, topk_idxs, o, part, ml,
         n0, n1, H, K, keys_per_split, scale * LOG2E, tune_key,

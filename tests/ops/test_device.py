@@ -167,3 +167,15 @@ def test_autotuned_kernels_keep_their_picks() -> None:
     can = "cache_results" in inspect.signature(triton.autotune).parameters
     for tuned in (sparse_attn._sparse_attn_tuned, moe._gate_up_tuned, moe._down_tuned):
         assert tuned.cache_results is can or (can and triton.knobs.runtime.interpret)
+
+
+def test_call_site_names_the_package_frames() -> None:
+    import os
+
+    import dsv4
+
+    assert device.call_site() == "?"  # no frame of the package (this test calls it)
+    ns = {"call_site": device.call_site}
+    model = os.path.join(os.path.dirname(dsv4.__file__), "model.py")
+    exec(compile("\n\ndef forward():\n    return call_site()\n", model, "exec"), ns)  # noqa: S102
+    assert ns["forward"]() == "model.py:4 forward"

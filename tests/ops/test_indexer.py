@@ -365,3 +365,37 @@ def test_index_topk_gpu_hist_graph(T: int, integer: bool, sort: bool) -> None:
         assert bad == 0, f"{bad} positions differ"
         for ws in indexer._hist_workspace(q.device):
             assert not ws.any(), ws.nonzero()[:4]
+
+
+@pytest.mark.gpu
+def test_gpu_score_compiles_once_across_tile_counts() -> None:
+    # the score kernel's tiles per program are a runtime count: decodes at batch sizes and
+    # contexts that give 2, 4, 8 or 16 tiles a program meet no Triton compile once one of them ran
+    # (late compiles in a served burst, docs/PERF.md thirty-second session: TILES 2, 4, 8)
+    import logging
+
+    from dsv4.ops.device import CompileWatch
+
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for tiles in (2, 4, 8, 16):  # T * n_tiles // programs in [tiles, 2 tiles): that many tiles
+        T, n_tiles = 16, -(-tiles * programs // 16)
+        assert indexer._score_tiles(T, n_tiles, programs) == tiles
+        cases.append((T, 64 * n_tiles))
+    q, weights, keys, cand = _inputs(16, 64, 128, cases[-1][1], torch.bfloat16, device="cuda")
+    w_sc = 0.01
+    indexer._scores(q, weights, keys, cand[:, : cases[0][1]], weight_scale=w_sc)
+    watch = CompileWatch(logging.getLogger("test.indexer")).install()
+    try:
+        for T, C in cases[1:]:
+            got = indexer._scores(q, weights, keys, cand[:, :C], weight_scale=w_sc)
+            want = _ref_scores(q, weights * w_sc, keys, cand[:, :C])
+            torch.cuda.synchronize()
+            flip = got ^ ((got >> 31) & 0x7FFFFFFF)  # the order-preserving keys back to fp32
+            vis = cand[:, :C] >= 0
+            torch.testing.assert_close(
+                flip.view(torch.float32)[vis], want[vis], rtol=2e-2, atol=1e-3
+            )
+    finally:
+        watch.uninstall()
+    assert watch.count == 0, watch.names

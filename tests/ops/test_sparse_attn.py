@@ -364,3 +364,15 @@ def test_small_shared_tiles_only_on_small_gpus(monkeypatch) -> None:  # noqa: AN
     monkeypatch.setattr(sa_mod, "shared_memory", lambda device: 101376)
     small = {sa_mod._shape(c) for c in sa_mod._prune(_configs(), args)}
     assert set(sa_mod.SMALL_SHARED_SHAPES) <= small and len(small) == len(big) + 4
+
+
+def test_tune_key_prefill_classes() -> None:
+    # a prefill (one split, the SMs filled) keys its autotune by the programs' octave and two key
+    # classes; decodes (split, or few programs) by the keys per split's octave too
+    key = sa_mod._tune_key
+    prefill = {key(1000, 1, k, 132) for k in (129, 200, 640, 1152, 5000)}
+    assert len(prefill) == 1
+    assert key(1000, 1, 128, 132) != key(1000, 1, 640, 132)
+    assert key(1000, 1, 640, 132) != key(3000, 1, 640, 132)  # another octave of programs
+    assert key(64, 2, 320, 132) != key(64, 2, 160, 132)  # a decode's key octaves
+    assert key(100, 1, 320, 132) != key(100, 1, 640, 132)  # few programs: as a decode
