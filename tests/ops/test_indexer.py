@@ -387,7 +387,7 @@ def test_gpu_score_compiles_once_across_tile_counts() -> None:
     indexer._scores(q, weights, keys, cand[:, : cases[0][1]], weight_scale=w_sc)
     watch = CompileWatch(logging.getLogger("test.indexer")).install()
     try:
-        for T, C in cases[1:]:
+        for _, C in cases[1:]:
             got = indexer._scores(q, weights, keys, cand[:, :C], weight_scale=w_sc)
             want = _ref_scores(q, weights * w_sc, keys, cand[:, :C])
             torch.cuda.synchronize()
