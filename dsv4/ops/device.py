@@ -175,9 +175,12 @@ def call_site(depth: int = 4) -> str:
         f for f in traceback.extract_stack()
         if f.filename.startswith(here) and os.path.abspath(f.filename) != os.path.abspath(__file__)
     ]  # fmt: skip
-    return " < ".join(
-        f"{os.path.relpath(f.filename, here)}:{f.lineno} {f.name}" for f in frames[::-1][:depth]
-    ) or "?"
+    return (
+        " < ".join(
+            f"{os.path.relpath(f.filename, here)}:{f.lineno} {f.name}" for f in frames[::-1][:depth]
+        )
+        or "?"
+    )
 
 
 def specialization_change(jit_function, key: str) -> str:  # noqa: ANN001

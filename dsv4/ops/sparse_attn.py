@@ -49,7 +49,9 @@ FEW_TOKENS_FP8_SHARED = 68 * 1024  # 64 KB
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
 SM90_MIN_TOKENS = 32
 SM90_MIN_TOKENS_FP8 = 16
-WINDOW_KEYS = 128  # a sliding window's keys (prefill tiles are tuned for at most this many, or more)
+WINDOW_KEYS = (
+    128  # a sliding window's keys (prefill tiles are tuned for at most this many, or more)
+)
 PROGRAMS_PER_SPLIT = 2  # H200, T=16: 21.9 vs 23.35 us with 1; T=1 and T=64 the same
 # FP8 entries on a GPU: `kv_fp8.load_entries`' DECODE (None: `fp8_decode`'s choice)
 FP8_DECODE = None
