@@ -183,6 +183,26 @@ def test_index_topk_segment_levels(integer: bool, select: str) -> None:
     _check(q, weights, keys, cand, 4, segment=64, select=select)
 
 
+def _path_rows(integer: bool) -> tuple[torch.Tensor, ...]:
+    # rows that take each path of the k-th largest search (T=8, C=300). Equal keys must score
+    # equal wherever they sit in a tile: the interpreter's dot is the host BLAS, whose rounding can
+    # differ by row (an AMD host gave 1-ulp splits), so the distinct-score inputs are multiples of
+    # 1/16 too, and every score is exact in fp32 whatever the summation order
+    q, weights, keys, cand = _inputs(
+        8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
+    )
+    if not integer:
+        q, weights, keys = ((x * 16).round() / 16 for x in (q, weights, keys))
+    cand[1, torch.rand(300, generator=torch.Generator().manual_seed(1)) < 0.3] = -1
+    cand[2] = cand[2, 0]  # every score equal: max == min of the visible keys
+    cand[3, ::2] = cand[3, 0]  # one score on every other entry, the rest hidden
+    cand[3, 1::2] = -1
+    cand[4, :-1] = -1  # one visible entry, in the last segment
+    cand[5] = -1  # none visible
+    cand[6, :200] = -1  # whole segments with no visible entry
+    return q, weights, keys, cand
+
+
 @pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("topk", [1, 16, 64])
@@ -194,17 +214,7 @@ def test_index_topk_search_paths(topk: int, integer: bool, select: str) -> None:
     # k keys (topk=16: the last 16 of the second level's 80, topk=64: the last 44 of C=300).
     # Integer scores: many exact ties, the count jumps past k and the search runs to the last bit;
     # distinct scores: it stops early once exactly k keys are at or above the prefix
-    q, weights, keys, cand = _inputs(
-        8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
-    )
-    cand[1, torch.rand(300, generator=torch.Generator().manual_seed(1)) < 0.3] = -1
-    cand[2] = cand[2, 0]  # every score equal: max == min of the visible keys
-    cand[3, ::2] = cand[3, 0]  # one score on every other entry, the rest hidden
-    cand[3, 1::2] = -1
-    cand[4, :-1] = -1  # one visible entry, in the last segment
-    cand[5] = -1  # none visible
-    cand[6, :200] = -1  # whole segments with no visible entry
-    _check(q, weights, keys, cand, topk, segment=64, select=select)
+    _check(*_path_rows(integer), topk, segment=64, select=select)
 
 
 @pytest.mark.parametrize("select", ["hist", "hist-unsorted"])
@@ -217,16 +227,7 @@ def test_index_topk_hist_full_bin(topk: int, integer: bool, select: str, monkeyp
     # visible, none visible, ...)
     monkeypatch.setattr(indexer, "HIST_FAST", 32)
     monkeypatch.setattr(indexer, "HIST_CAND", 16)
-    q, weights, keys, cand = _inputs(
-        8, 4, 16, 300, torch.float32, p_hidden=0.0, n_keys=7 if integer else None, integer=integer
-    )
-    cand[2] = cand[2, 0]
-    cand[3, ::2] = cand[3, 0]
-    cand[3, 1::2] = -1
-    cand[4, :-1] = -1
-    cand[5] = -1
-    cand[6, :200] = -1
-    _check(q, weights, keys, cand, topk, segment=64, select=select)
+    _check(*_path_rows(integer), topk, segment=64, select=select)
 
 
 def test_index_topk_hist_workspace() -> None:
@@ -396,6 +397,31 @@ def test_gpu_score_compiles_once_across_tile_counts() -> None:
             torch.testing.assert_close(
                 flip.view(torch.float32)[vis], want[vis], rtol=2e-2, atol=1e-3
             )
+    finally:
+        watch.uninstall()
+    assert watch.count == 0, watch.names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("select,C", [("levels", 128), ("hist", 8192)])
+def test_gpu_topk_compiles_once_across_candidate_counts(select: str, C: int) -> None:
+    # served candidate counts take every value (the compressed entries grow one per 4 or 128
+    # tokens), so lengths and row strides are not specialized on divisibility by 16: counts of one
+    # block class meet no Triton compile once one ran (late compiles in a served burst, docs/PERF.md
+    # thirty-third session), and stay exact on integer inputs
+    import logging
+
+    from dsv4.ops.device import CompileWatch
+
+    q, weights, keys, cand = _inputs(
+        4, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=True, device="cuda"
+    )
+    topk = 64 if select == "levels" else 512
+    _check(q, weights, keys, cand, topk, select=select, sort=False)
+    watch = CompileWatch(logging.getLogger("test.indexer")).install()
+    try:
+        for n in (C - 1, C - 3, C - 8, C - 15, C - 16 - 5):  # not multiples of 16, one class
+            _check(q, weights, keys, cand[:, :n].contiguous(), topk, select=select, sort=False)
     finally:
         watch.uninstall()
     assert watch.count == 0, watch.names
