@@ -9,7 +9,7 @@ import torch
 
 from dsv4.config import flash_args
 from dsv4.llm import LLM
-from dsv4.state import Batch, DecodeState, bytes_per_seq, bytes_per_token
+from dsv4.state import ENTRY_ALIGN, Batch, DecodeState, bytes_per_seq, bytes_per_token
 from dsv4.tiny import make_tiny, tiny_args
 
 
@@ -68,7 +68,9 @@ def test_host_index_lists_match_the_device_formulas():
             tok = b.closing_windows(ratio, ratio == 4)[0]
             assert torch.equal(tok, ((pos + 1).remainder(ratio) == 0).nonzero().squeeze(1))
             cand, count = b.visible_entries(ratio)
-            assert cand.shape[1] == max(int(count.max()), 1)
+            # an eager step's width: the most visible, rounded up to a multiple of 16
+            assert cand.shape[1] == -(-max(int(count.max()), 1) // 16) * 16
+            assert cand.shape[1] % ENTRY_ALIGN == 0 and not (cand[:, int(count.max()) :] >= 0).any()
         for ring in (8, 128):
             last = pos >= b.start_pos[seq] + b.lens[seq] - ring
             assert torch.equal(b.ring_writes(ring)[0], last.nonzero().squeeze(1))

@@ -76,8 +76,7 @@ SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the un
 # ---------------------------------------------------------------------------------------------
 
 
-# served candidate counts take every value: not specialized on divisibility by 16 (one compile)
-@triton.jit(do_not_specialize=["C", "stride_it", "stride_ot", "tiles"])
+@triton.jit(do_not_specialize=["tiles"])
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
     w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
@@ -262,7 +261,7 @@ def _kth_largest(u, valid, kk):
     return thr, need
 
 
-@triton.jit(do_not_specialize=["L", "C", "K", "stride_ir", "stride_or"])
+@triton.jit
 def _index_select_kernel(
     in_ptr,  # [R, L] int32 keys (position = column) or int64 packed (key << 32 | C-1-pos)
     out_ptr,  # FINAL: [R, K] int64 positions ; else [R, n_seg*K] int64 packed winners per segment
@@ -431,7 +430,7 @@ def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
              mask=(offs_k >= n_win + n_pick) & (offs_k < K))  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["C", "K", "stride_kt", "stride_bt", "stride_ot"])
+@triton.jit
 def _index_hist_select_kernel(
     key_ptr,  # [T, C] int32 score keys (INT32_MIN = not visible)
     hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the kernel returns

@@ -185,7 +185,10 @@ def _gather_rows(rows, valid, c0, mask, q, D, NOPE, ENTRIES: tl.constexpr, UPCAS
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n0", "n1", "K", "keys_per_split", "stride_it", "tune_key"])
+# stride_mt = splits * 2H: per-step (a late compile in a served burst when 2H is not a multiple of 16)
+@triton.jit(
+    do_not_specialize=["n0", "n1", "K", "keys_per_split", "stride_it", "stride_mt", "tune_key"]
+)
 def _sparse_attn_kernel(
     q_ptr,  # [T, H, D] bf16/fp32 (last dim contiguous)
     kv0_ptr,  # [n0, D] rows 0..n0-1 of the concatenation (row stride stride_k0n)
@@ -382,7 +385,7 @@ _sparse_attn_tuned = autotune(_configs(), ["tune_key", "D", "H_PAD", "SPLIT"], _
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_mt"])
 def _sparse_attn_combine_kernel(
     part_ptr,  # [T, S, H, D] fp32
     ml_ptr,  # [T, S, 2, H] fp32

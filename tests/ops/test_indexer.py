@@ -405,13 +405,14 @@ def test_gpu_score_compiles_once_across_tile_counts() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("select,C", [("levels", 128), ("hist", 8192)])
 def test_gpu_topk_compiles_once_across_candidate_counts(select: str, C: int) -> None:
-    # served candidate counts take every value (the compressed entries grow one per 4 or 128
-    # tokens), so lengths and row strides are not specialized on divisibility by 16: counts of one
-    # block class meet no Triton compile once one ran (late compiles in a served burst, docs/PERF.md
-    # thirty-third session), and stay exact on integer inputs
+    # served candidate counts take every value; the model's rows come padded to a multiple of 16
+    # (`state.ENTRY_ALIGN`, -1 past the visible ones), so lengths and row strides keep one
+    # specialization: counts of one block class meet no Triton compile once one ran (late compiles
+    # in a served burst, docs/PERF.md thirty-third session), and stay exact on integer inputs
     import logging
 
     from dsv4.ops.device import CompileWatch
+    from dsv4.state import ENTRY_ALIGN
 
     q, weights, keys, cand = _inputs(
         4, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=True, device="cuda"
@@ -421,7 +422,10 @@ def test_gpu_topk_compiles_once_across_candidate_counts(select: str, C: int) -> 
     watch = CompileWatch(logging.getLogger("test.indexer")).install()
     try:
         for n in (C - 1, C - 3, C - 8, C - 15, C - 16 - 5):  # not multiples of 16, one class
-            _check(q, weights, keys, cand[:, :n].contiguous(), topk, select=select, sort=False)
+            width = -(-n // ENTRY_ALIGN) * ENTRY_ALIGN
+            rows = cand[:, :width].clone()
+            rows[:, n:] = -1
+            _check(q, weights, keys, rows, topk, select=select, sort=False)
     finally:
         watch.uninstall()
     assert watch.count == 0, watch.names
