@@ -741,14 +741,22 @@ def probe_tma_swizzle() -> None:
             ),
             nbytes=nbytes,
         )
-    # the eighth session's best gather by [2, 256] boxes (row-major tiles wgmma cannot read)
+    _box_gather_references(one, ix, nbytes)
+
+
+def _box_gather_references(one: torch.Tensor, ix: torch.Tensor, nbytes: int) -> None:
+    # the eighth session's best gather by [2, 256] TMA boxes (row-major tiles wgmma cannot read),
+    # and a plain copy of the same bytes: the references a gather probe is read against
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, K = ix.shape
     rows2 = one.view(-1, 256)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc2 = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
     kps = triton.cdiv(K, 5)
     o = torch.empty(T * 5, dtype=torch.int32, device="cuda")
     us(
-        "tma gather T=64 x 640 rows ([2, 256] boxes): BN 16, 4 buffers, 5 splits",
+        f"tma gather T={T} x {K} rows ([2, 256] boxes): BN 16, 4 buffers, 5 splits",
         lambda: _tma_gather_kernel[(T, 5)](
             desc2, ix, o, K, kps, ix.stride(0), BN=16, NUM_BUF=4, num_warps=4
         ),
@@ -925,21 +933,7 @@ def probe_bulk_gather() -> None:
             ),
             nbytes=nbytes,
         )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    rows2 = one.view(-1, 256)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    desc2 = TensorDescriptor(rows2, list(rows2.shape), list(rows2.stride()), [2, 256], layout)
-    kps = triton.cdiv(K, 5)
-    o = torch.empty(T * 5, dtype=torch.int32, device="cuda")
-    us(
-        "tma gather T=64 x 640 rows ([2, 256] boxes): BN 16, 4 buffers, 5 splits",
-        lambda: _tma_gather_kernel[(T, 5)](
-            desc2, ix, o, K, kps, ix.stride(0), BN=16, NUM_BUF=4, num_warps=4
-        ),
-        nbytes=nbytes,
-    )
-    copy_floor("copy of the same bytes (torch copy_)", nbytes)
+    _box_gather_references(one, ix, nbytes)
 
 
 def probe_attn_fp8() -> None:
