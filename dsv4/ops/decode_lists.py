@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.device import chain, chain_start
+from dsv4.ops.device import cdiv, chain, chain_start, next_power_of_2
 
 # Batch.prepare runs this kernel on a GPU (H200, as CUDA graphs: 6.3 vs 194-290 us for the torch
 # builders at 4K, 9.7-15.4 vs 267-399 at 128K; decode step batch 1 7.36 -> 7.11 ms: docs/PERF.md)
@@ -193,7 +193,7 @@ def fill(
         assert bt.dtype == torch.long and bt.stride(1) == 1, "block table: int64 rows"
         a, b = kinds
         dummy = (wring,) * 6
-        chunks = triton.cdiv(max(k[3] if k else 1 for k in kinds), CHUNK)
+        chunks = cdiv(max(k[3] if k else 1 for k in kinds), CHUNK)
         _decode_lists_kernel[(T, chunks)](
             batch.slots, batch.positions, bt, win, wring, tok,
             *(a[4:] if a else dummy), *(b[4:] if b else dummy),
@@ -243,6 +243,6 @@ def selected_rows(win: torch.Tensor, ent_rows: torch.Tensor, ent: torch.Tensor) 
     if T:
         _selected_rows_kernel[(T,)](
             win, ent_rows, ent, out, ent_rows.shape[1], K, ent_rows.stride(0), W=W,
-            BLOCK=min(BLOCK, triton.next_power_of_2(max(K, 1))), num_warps=4, **chain(win.device),
+            BLOCK=min(BLOCK, next_power_of_2(max(K, 1))), num_warps=4, **chain(win.device),
         )  # fmt: skip
     return out

@@ -15,6 +15,17 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host code: Triton's is a constexpr_function, ~1.6 us a call on the host
+    (fourteen of them were ~20 us of every eager FP8 projection, docs/PERF.md)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (the same values: 0 for n <= 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def num_sms(device: torch.device, interpreter: int = 4) -> int:
     """Streaming multiprocessors of a CUDA device. On the CPU (the Triton interpreter) `interpreter`
     stands in: small, so the tests exercise the launchers' split heuristics."""
@@ -53,10 +64,10 @@ def split_reduction(
     """(elements per split, splits) of a reduction over `length` taken `block` at a time, so that
     `programs` output tiles times the splits approach `target` programs: at most `most` splits,
     each a multiple of `block`, none empty."""
-    blocks = triton.cdiv(length, block)
+    blocks = cdiv(length, block)
     splits = max(1, min(blocks, most, target // programs))
-    per_split = triton.cdiv(blocks, splits) * block
-    return per_split, triton.cdiv(length, per_split)
+    per_split = cdiv(blocks, splits) * block
+    return per_split, cdiv(length, per_split)
 
 
 def arrival_counts(owner: str, device: torch.device, size: int) -> torch.Tensor:

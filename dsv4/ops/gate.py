@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import chain, chain_start, num_sms, split_reduction
+from dsv4.ops.device import cdiv, chain, chain_start, next_power_of_2, num_sms, split_reduction
 
 
 @triton.jit(do_not_specialize=["T", "stride_ps"])  # per-step counts: one compile
@@ -172,12 +172,12 @@ def moe_gate(
     idx_out = torch.empty((T, k), dtype=torch.int64, device=x.device)
     if T == 0:
         return w_out, idx_out
-    block_t = min(64, max(16, triton.next_power_of_2(T)))
+    block_t = min(64, max(16, next_power_of_2(T)))
     block_e, block_k = 16, 128
-    programs = triton.cdiv(E, block_e) * triton.cdiv(T, block_t)
+    programs = cdiv(E, block_e) * cdiv(T, block_t)
     d_per_split, splits = split_reduction(D, block_k, programs, 2 * num_sms(x.device), 16)
     part = torch.empty((splits, T, E), dtype=torch.float32, device=x.device)
-    _gate_dots_kernel[(triton.cdiv(E, block_e), triton.cdiv(T, block_t), splits)](
+    _gate_dots_kernel[(cdiv(E, block_e), cdiv(T, block_t), splits)](
         x, weight, part, T, E, D, d_per_split, x.stride(0), weight.stride(0),
         part.stride(0), part.stride(1),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, UPCAST=not on_gpu,
@@ -187,7 +187,7 @@ def moe_gate(
     _gate_route_kernel[(T,)](
         part, part if bias is None else bias, w_out if idx is None else idx, w_out, idx_out,
         E, splits, float(route_scale), part.stride(0), part.stride(1),
-        K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(E),
-        S_PAD=triton.next_power_of_2(splits), HASH=idx is not None, num_warps=1, **chain(x.device),
+        K=k, K_PAD=next_power_of_2(k), E_PAD=next_power_of_2(E),
+        S_PAD=next_power_of_2(splits), HASH=idx is not None, num_warps=1, **chain(x.device),
     )  # fmt: skip
     return w_out, idx_out

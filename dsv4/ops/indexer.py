@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, pdl
+from dsv4.ops.device import arrival_counts, cdiv, chain, chain_start, next_power_of_2, num_sms, pdl
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
@@ -568,9 +568,9 @@ def _hist_select(
     in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
-    block_k = max(16, triton.next_power_of_2(K))
-    block_l = min(triton.next_power_of_2(C), segment)
-    n_seg = triton.cdiv(C, block_l)
+    block_k = max(16, next_power_of_2(K))
+    block_l = min(next_power_of_2(C), segment)
+    n_seg = cdiv(C, block_l)
     buf = torch.empty(T, (K if sort else n_seg * K) + C, dtype=torch.int64, device=skey.device)
     wcnt = buf if sort else torch.empty(T, n_seg, dtype=torch.int32, device=skey.device)
     griddep = pdl(skey.device)
@@ -579,9 +579,9 @@ def _hist_select(
         skey.stride(0), buf.stride(0), out.stride(0), wcnt,
         BLOCK_L=block_l,
         BLOCK_K=block_k,
-        FAST=max(2 * block_k, min(HIST_FAST, triton.next_power_of_2(C))),
+        FAST=max(2 * block_k, min(HIST_FAST, next_power_of_2(C))),
         SORT=sort,
-        NSEG=triton.next_power_of_2(n_seg),
+        NSEG=next_power_of_2(n_seg),
         CAND=HIST_CAND,
         PDL=griddep,
         launch_pdl=griddep and (n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
@@ -595,7 +595,7 @@ MAX_SCORE_TILES = 16  # candidate tiles a score program takes at most (q is re-r
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
     # candidate tiles per program: about `programs` programs, at most MAX_SCORE_TILES
     per = max(1, (T * n_tiles) // programs)
-    return min(MAX_SCORE_TILES, 1 << (per.bit_length() - 1), triton.next_power_of_2(n_tiles))
+    return min(MAX_SCORE_TILES, 1 << (per.bit_length() - 1), next_power_of_2(n_tiles))
 
 
 class ScoreConfig(NamedTuple):
@@ -627,10 +627,10 @@ def _scores(
     key_fp8 = key_scale is not None
     same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype
     tensor_core = q.is_cuda and same and q.dtype != torch.float32
-    block_n = cfg.block_n if C >= 64 else max(16, triton.next_power_of_2(C))
-    n_tiles = triton.cdiv(C, block_n)
+    block_n = cfg.block_n if C >= 64 else max(16, next_power_of_2(C))
+    n_tiles = cdiv(C, block_n)
     tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
-    _index_score_kernel[(triton.cdiv(n_tiles, tiles), T)](
+    _index_score_kernel[(cdiv(n_tiles, tiles), T)](
         q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
         *(hist or (skey, skey)),
         C, Hi, d,
@@ -639,8 +639,8 @@ def _scores(
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
         KEYS_ON_M=cfg.keys_on_m,
-        BLOCK_H=max(16, triton.next_power_of_2(Hi)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_H=max(16, next_power_of_2(Hi)),
+        BLOCK_D=max(16, next_power_of_2(d)),
         BLOCK_N=block_n,
         SCAN=1 if tiles == 1 else MAX_SCORE_TILES,
         HIST=hist is not None,
@@ -713,7 +713,7 @@ def index_topk(
     if T == 0 or K == 0:
         return out
 
-    block_k = max(16, triton.next_power_of_2(K))
+    block_k = max(16, next_power_of_2(K))
     max_l = max(segment, 4 * block_k)
     griddep = pdl(q.device)
     if select is None:
@@ -741,8 +741,8 @@ def index_topk(
     x, L = skey, C
     while True:
         final = L <= max_l
-        block_l = max(16, triton.next_power_of_2(L)) if final else max_l
-        n_seg = triton.cdiv(L, block_l)
+        block_l = max(16, next_power_of_2(L)) if final else max_l
+        n_seg = cdiv(L, block_l)
         dst = out if final else torch.empty(T, n_seg * K, dtype=torch.int64, device=q.device)
         # launched early (programmatic dependent launch) only as a small grid: on an H200, T=1
         # 27.1 vs 28.5 us, but T=16 (128 first-level programs) 72.0 vs 70.1

@@ -32,7 +32,15 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import arrival_counts, chain, chain_start, num_sms, split_reduction
+from dsv4.ops.device import (
+    arrival_counts,
+    cdiv,
+    chain,
+    chain_start,
+    next_power_of_2,
+    num_sms,
+    split_reduction,
+)
 from dsv4.ops.kv_fp8 import cast_rne, decode_codes, decode_mode, exp2i, rne_bf16
 
 FP8_BLOCK = 128  # the scale tile of the checkpoint format
@@ -219,7 +227,7 @@ def _grouped(
         assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 2, (
             f"fp8 weight must be float8_e4m3fn [out, in] (got {weight.dtype} {tuple(weight.shape)})"
         )
-        exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+        exp = (cdiv(N, FP8_BLOCK), cdiv(K, FP8_BLOCK))
         assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == exp, (
             f"fp8 scale must be float8_e8m0fnu {exp} (got {scale.dtype} {tuple(scale.shape)})"
         )
@@ -263,20 +271,20 @@ def _grouped(
         # output tiles of 128 rows down to 32 until the grid covers the SMs twice (H200 sweep,
         # bench/probe_pieces.py linear, T=1: wq_a 9.0 us, wkv 8.1, wo_b 20.3 at 32 rows x 8/8/4
         # splits; 16-row tiles or 1 split 12-33 us; wq_b 17.6 at 64 rows, 1 split)
-        block_m, step = min(64, max(16, triton.next_power_of_2(M))), 1
-        block_n = min(128, max(16, triton.next_power_of_2(R)))
-        while block_n > 32 and triton.cdiv(R, block_n) * triton.cdiv(M, block_m) * G < 2 * sms:
+        block_m, step = min(64, max(16, next_power_of_2(M))), 1
+        block_n = min(128, max(16, next_power_of_2(R)))
+        while block_n > 32 and cdiv(R, block_n) * cdiv(M, block_m) * G < 2 * sms:
             block_n //= 2
-    tiles_m = triton.cdiv(M, block_m)
+    tiles_m = cdiv(M, block_m)
     if tiles is not None:
         block_n, step = tiles[0], tiles[2] if gemv and len(tiles) > 2 else step
     # then up to 8 K splits toward 4 programs per SM
-    programs = triton.cdiv(R, block_n) * tiles_m * G
+    programs = cdiv(R, block_n) * tiles_m * G
     most, target = (8, 4 * sms) if tiles is None else (tiles[1], tiles[1] * programs)
     k_per_split, splits = split_reduction(K, FP8_BLOCK * step, programs, target, most)
     y = torch.empty((M, G, R), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, G, R), dtype=torch.float32, device=x.device) if splits > 1 else y
-    grid = (triton.cdiv(R, block_n), tiles_m, G * splits)
+    grid = (cdiv(R, block_n), tiles_m, G * splits)
     assert splits == 1 or grid[0] * grid[1] * G <= MAX_SPLIT_TILES, f"{grid} {G}: too many tiles"
     codes = weight.view(torch.uint8) if gemv and scaled else weight
     scales = scale.view(torch.uint8) if scaled else codes  # (a dummy unscaled)
@@ -317,7 +325,7 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     pass: 3 bytes an element moved, where the reference's fp32 steps take ~290 us on a 32 MB weight
     (H200)."""
     N, K = weight.shape
-    exp = (triton.cdiv(N, FP8_BLOCK), triton.cdiv(K, FP8_BLOCK))
+    exp = (cdiv(N, FP8_BLOCK), cdiv(K, FP8_BLOCK))
     assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1, (
         f"fp8 weight must be float8_e4m3fn [out, in] rows (got {weight.dtype} {tuple(weight.shape)})"
     )
@@ -326,7 +334,7 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     )
     out = torch.empty((N, K), dtype=dtype, device=weight.device)
     block_n, block_k = 32, 256
-    grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    grid = (cdiv(N, block_n), cdiv(K, block_k))
     _dequant_kernel[grid](
         weight.view(torch.uint8), scale.view(torch.uint8), out, N, K,
         weight.stride(0), scale.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,

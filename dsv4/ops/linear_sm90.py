@@ -36,7 +36,6 @@ CPU and the kernel against the reference on an sm_90 GPU.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -46,7 +45,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsv4.ops.device import chain, chain_start, is_sm90, num_sms, split_reduction
+from dsv4.ops.device import (
+    cdiv,
+    chain,
+    chain_start,
+    is_sm90,
+    next_power_of_2,
+    num_sms,
+    split_reduction,
+)
 
 BLOCK_K = 128  # columns per step: one scale block
 # BLOCK_N weight rows per program (64 per warpgroup: num_warps = BLOCK_N / 16), NUM_BUF steps of
@@ -289,8 +296,8 @@ def fp8_grouped(
     M, G, K = x.shape
     R = weight.shape[0] // G
     bn = CONFIG["BLOCK_N"]
-    block_m = min(BLOCK_M_MAX, max(8, triton.next_power_of_2(M)))
-    tiles_m = triton.cdiv(M, block_m)
+    block_m = min(BLOCK_M_MAX, max(8, next_power_of_2(M)))
+    tiles_m = cdiv(M, block_m)
     programs = R // bn * tiles_m * G
     sms = num_sms(x.device)
     k_per_split, splits = split_reduction(K, BLOCK_K, programs, 4 * sms, 8)

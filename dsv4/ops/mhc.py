@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.libdevice import fast_dividef
 
-from dsv4.ops.device import chain, chain_start, pdl
+from dsv4.ops.device import cdiv, chain, chain_start, next_power_of_2, pdl
 from dsv4.ops.kv_fp8 import cast_rne, rne_bf16
 from dsv4.ops.rope import check_norm_weight
 
@@ -59,20 +59,20 @@ class _MixConfig(NamedTuple):
 def _mix_config(T: int, M: int, K: int, D: int, programs: int = _TARGET_PROGRAMS) -> _MixConfig:
     """Heuristic tiles for T tokens, M mix rows, K = n*D: ~`programs` programs to stream `fn` and x,
     and a workspace [splits, T, M+1] fp32 of at most max(512 KB, 1/8 of bf16 x)."""
-    block_t = 1 if T == 1 else min(64, max(16, triton.next_power_of_2(T)))
+    block_t = 1 if T == 1 else min(64, max(16, next_power_of_2(T)))
     if block_t == 64 and T <= 64:
         block_t = 32  # two token blocks at T=64: more programs, half the workspace of 256 splits
-    block_k = min(128 if block_t == 1 else 64, triton.next_power_of_2(K))
-    n_tblocks = triton.cdiv(T, block_t)
-    max_splits = triton.cdiv(K, block_k)
+    block_k = min(128 if block_t == 1 else 64, next_power_of_2(K))
+    n_tblocks = cdiv(T, block_t)
+    max_splits = cdiv(K, block_k)
     ws_bytes = max(1 << 19, T * K // 4)
     want = max(1, min(programs // n_tblocks, ws_bytes // (T * (M + 1) * 4)))
     splits = min(max_splits, 1 << (want.bit_length() - 1))
-    split_k = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    split_k = cdiv(cdiv(K, splits), block_k) * block_k
     # collapse: (T, D / block_d) programs, block_d in [256, 1024]: ~256 programs from T = 16 up
     chunks = max(1, programs // T)
-    block_d = min(1024, max(256, triton.next_power_of_2(triton.cdiv(D, chunks))))
-    block_d = min(block_d, triton.next_power_of_2(D))
+    block_d = min(1024, max(256, next_power_of_2(cdiv(D, chunks))))
+    block_d = min(block_d, next_power_of_2(D))
     return _MixConfig(block_t, block_k, split_k, block_d, 8 if block_t >= 64 else 4)
 
 
@@ -449,15 +449,15 @@ def _hc_collapse(
     norm_block = cfg.block_d if cfg is not None else NORM_BLOCK_D
     cfg = cfg or _mix_config(T, M, K, D, _TARGET_PROGRAMS if x.is_cuda else 1)
     assert cfg.split_k % cfg.block_k == 0, f"split_k {cfg.split_k} % block_k {cfg.block_k}"
-    splits = triton.cdiv(K, cfg.split_k)
+    splits = cdiv(K, cfg.split_k)
     ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
 
     # x: read T*n*D here and again in the finish (from L2 at decode, from HBM at long prefill) ;
     # fn: read M*n*D fp32 once per token block ; ws: write + read splits*T*(M+1) fp32
-    grid1 = (splits, triton.cdiv(T, cfg.block_t))
+    grid1 = (splits, cdiv(T, cfg.block_t))
     _hc_mixes_partial_kernel[grid1](
         x, hc_fn, ws, T, K, cfg.split_k, x.stride(0), hc_fn.stride(0), ws.stride(0), ws.stride(1),
-        M=M, M_PAD=max(16, triton.next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
+        M=M, M_PAD=max(16, next_power_of_2(M + 1)), BLOCK_T=cfg.block_t,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, **chain(x.device),
     )  # fmt: skip
     return _finish(x, ws, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, has_comb,
@@ -493,17 +493,17 @@ def _finish(
         finish_warps = NORM_WARPS if norm else 1
     if norm:
         check_norm_weight(norm_weight, D)
-        block_d = min(norm_block or NORM_BLOCK_D, triton.next_power_of_2(D))
+        block_d = min(norm_block or NORM_BLOCK_D, next_power_of_2(D))
         grid2 = (T, 1 + int(has_comb))
     else:
         block_d = collapse_block or _mix_config(T, M, n * D, D).block_d
-        grid2 = (T, triton.cdiv(D, block_d) + int(has_comb))
+        grid2 = (T, cdiv(D, block_d) + int(has_comb))
     _hc_pre_finish_kernel[grid2](
         x, ws, hc_scale, hc_base, y, norm_weight if norm else y, post, comb, D, n * D, splits,
         float(norm_eps), float(hc_eps), int(sinkhorn_iters), x.stride(0), x.stride(1),
-        ws.stride(0), ws.stride(1), y.stride(0), M=M, N=n, N_PAD=triton.next_power_of_2(n),
-        S_PAD=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_COMB=has_comb, NORM=norm,
-        D_CHUNKS=triton.cdiv(D, block_d), RNE_BF16=rne_bf16(x),
+        ws.stride(0), ws.stride(1), y.stride(0), M=M, N=n, N_PAD=next_power_of_2(n),
+        S_PAD=next_power_of_2(splits), BLOCK_D=block_d, HAS_COMB=has_comb, NORM=norm,
+        D_CHUNKS=cdiv(D, block_d), RNE_BF16=rne_bf16(x),
         PDL=griddep, launch_pdl=early,
         FAST_DIV=FAST_SINKHORN and x.is_cuda, num_warps=finish_warps,
     )  # fmt: skip
@@ -583,9 +583,7 @@ def hc_post(
     out = torch.empty((T, n, D), dtype=y.dtype, device=y.device)
     if T == 0:
         return out
-    _post_launch(
-        y, residual, post, comb, out, min(triton.next_power_of_2(D), 256 if T <= 16 else 1024)
-    )
+    _post_launch(y, residual, post, comb, out, min(next_power_of_2(D), 256 if T <= 16 else 1024))
     return out
 
 
@@ -603,12 +601,12 @@ def _post_launch(
     T, n, D = residual.shape
     mix = hc_fn is not None
     M = hc_fn.shape[0] if mix else 1
-    _hc_post_kernel[(T, triton.cdiv(D, block_d))](
+    _hc_post_kernel[(T, cdiv(D, block_d))](
         y, residual, post, comb, out, hc_fn if mix else y, ws if mix else y, D, y.stride(0),
         residual.stride(0), residual.stride(1), out.stride(0), out.stride(1),
         hc_fn.stride(0) if mix else 0, ws.stride(0) if mix else 0, ws.stride(1) if mix else 0,
-        N=n, N_PAD=triton.next_power_of_2(n), BLOCK_D=block_d, MIX=mix, M=M,
-        M_PAD=max(16, triton.next_power_of_2(M + 1)),
+        N=n, N_PAD=next_power_of_2(n), BLOCK_D=block_d, MIX=mix, M=M,
+        M_PAD=max(16, next_power_of_2(M + 1)),
         RNE_BF16=rne_bf16(y), num_warps=4, **chain(y.device),
     )  # fmt: skip
 
@@ -644,8 +642,8 @@ def hc_post_pre(
     _check_pre_args(x, hc_fn, hc_scale, hc_base, sinkhorn_iters)
     M = hc_fn.shape[0]
     # ~_POST_PRE_PROGRAMS programs stream fn, at most 64 columns each (the fn tile in registers)
-    block_d = block_d or min(64, max(16, triton.next_power_of_2(T * D // _POST_PRE_PROGRAMS)))
-    splits = triton.cdiv(D, block_d)
+    block_d = block_d or min(64, max(16, next_power_of_2(T * D // _POST_PRE_PROGRAMS)))
+    splits = cdiv(D, block_d)
     ws = torch.empty((splits, T, M + 1), dtype=torch.float32, device=x.device)
     _post_launch(y, residual, post, comb, x, block_d, hc_fn, ws)
     return (x,) + _finish(x, ws, hc_scale, hc_base, norm_eps, hc_eps, sinkhorn_iters, True,

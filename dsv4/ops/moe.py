@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops import ref
-from dsv4.ops.device import autotune, chain, chain_start
+from dsv4.ops.device import autotune, cdiv, chain, chain_start, next_power_of_2
 from dsv4.ops.kv_fp8 import cast_rne, exp2i, rne_bf16
 
 _DOT_TYPES = (torch.float32, torch.bfloat16, torch.float16)  # x dtypes with a kernel path
@@ -291,9 +291,9 @@ def swiglu(
     h = torch.empty_like(g)
     if T == 0 or n == 0:
         return h
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(1024, next_power_of_2(n))
     w = weights.contiguous() if weights is not None else g
-    _swiglu_kernel[(T, triton.cdiv(n, block))](
+    _swiglu_kernel[(T, cdiv(n, block))](
         g, u, w, h, n, float(limit), g.stride(0), u.stride(0), h.stride(0),
         HAS_WEIGHT=weights is not None, RNE_BF16=rne_bf16(g),
         BLOCK=block, num_warps=4, **chain(g.device),
@@ -344,10 +344,10 @@ def sum_slots(
     if T == 0:
         return y
     assert idx is None or idx.shape == (T, k), f"idx {tuple(idx.shape)} for {T} tokens x {k}"
-    block = min(1024, triton.next_power_of_2(D))
+    block = min(1024, next_power_of_2(D))
     s = shared if shared is not None else out
     ids = idx.reshape(-1).contiguous() if idx is not None else out
-    _sum_slots_kernel[(T, triton.cdiv(D, block))](
+    _sum_slots_kernel[(T, cdiv(D, block))](
         out, ids, s, y, D, out.stride(0), s.stride(0), y.stride(0),
         K=k, HAS_IDX=idx is not None, HAS_SHARED=shared is not None,
         RNE_BF16=rne_bf16(out, out_dtype), BLOCK=block, num_warps=4,
@@ -733,12 +733,12 @@ def align_rows(
     if 0 < P <= ALIGN_MAX_PAIRS:
         rows = torch.empty(NB * block_m, dtype=torch.int32, device=dev)
         experts = torch.empty(NB, dtype=torch.int32, device=dev)
-        e_pad = triton.next_power_of_2(n_experts)
+        e_pad = next_power_of_2(n_experts)
         scratch = torch.empty(2 * e_pad, dtype=torch.int32, device=dev)
         _align_rows_kernel[(1,)](
             flat.long().contiguous(), rows, experts, scratch, P, NB,
-            E_PAD=e_pad, P_PAD=triton.next_power_of_2(P),
-            R_PAD=triton.next_power_of_2(NB * block_m), BLOCK_M=block_m, num_warps=4,
+            E_PAD=e_pad, P_PAD=next_power_of_2(P),
+            R_PAD=next_power_of_2(NB * block_m), BLOCK_M=block_m, num_warps=4,
             **chain(dev),
         )  # fmt: skip
         return rows, experts
@@ -897,7 +897,7 @@ def moe_experts(
     limit = float(e0.limit)
 
     def grid(n: int):  # noqa: ANN202
-        return lambda meta: (NB, triton.cdiv(n, meta["BLOCK_N"]))
+        return lambda meta: (NB, cdiv(n, meta["BLOCK_N"]))
 
     tbl = (table.offs, table.wbase, table.sbase)
     args1 = (

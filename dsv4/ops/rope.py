@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.device import chain, chain_start
+from dsv4.ops.device import cdiv, chain, chain_start, next_power_of_2
 from dsv4.ops.kv_fp8 import round_bf16, store_entries, store_index_keys
 from dsv4.quant import kv_entry_layout
 
@@ -207,9 +207,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     n_rows = x2.shape[0]
     if n_rows == 0 or d == 0:
         return out
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_r, num_warps = _rows_config(n_rows, block_d, 528 if x.is_cuda else 1)
-    _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
+    _rms_norm_kernel[(cdiv(n_rows, block_r),)](
         x2, x2 if weight is None else weight, out, n_rows, d, eps, x2.stride(0),
         HAS_WEIGHT=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=num_warps, **chain(x.device),
@@ -277,9 +277,9 @@ def _launch_rows(
     n_rows = T * R
     if n_rows == 0:
         return out
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_r, num_warps = _rows_config(n_rows, block_d, 528 if x.is_cuda else 1)
-    grid = (triton.cdiv(n_rows, block_r),)
+    grid = (cdiv(n_rows, block_r),)
     _norm_rope_kernel[grid](
         x3,
         x3 if weight is None else weight,
@@ -355,9 +355,9 @@ def norm_rope_qkv(
     kv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     if T == 0:
         return q_out, kv_out
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_r, num_warps = _rows_config(T * H, block_d, 528 if q.is_cuda else 1)
-    q_programs = triton.cdiv(T * H, block_r)
+    q_programs = cdiv(T * H, block_r)
     _norm_rope_qkv_kernel[(q_programs + T,)](
         q, q_out, H, q.stride(0), q.stride(1), kv, weight, kv_out, dst, dst_rows, dst.stride(0),
         kv.stride(0), cos, sin, T, d, d - rd, eps, cos.stride(0), sin.stride(0), q_programs,
@@ -515,7 +515,7 @@ def _compress_store_kernel(
 
 def _compress_config(slots: int, block_d: int) -> tuple[int, int]:
     """(BLOCK_S, num_warps): slot chunks of <= 16K elements per tensor (64 KB fp32)."""
-    block_s = min(triton.next_power_of_2(slots), max(1, 16384 // block_d))
+    block_s = min(next_power_of_2(slots), max(1, 16384 // block_d))
     num_warps = min(16, max(2, block_s * block_d // 1024))
     return block_s, num_warps
 
@@ -601,7 +601,7 @@ def compress_store(
     assert 0 < rd <= d and (d - rd) % 2 == 0, f"bad rope dims rd={rd} for d={d}"
     if n == 0:
         return
-    block_d = triton.next_power_of_2(d)
+    block_d = next_power_of_2(d)
     block_s, num_warps = _compress_config(slots, block_d)
     kv2, score2 = chunk if chunk is not None else (kv, score)
     _compress_store_kernel[(n,)](
@@ -685,8 +685,8 @@ def compress_keep(
         )
     if T == 0:
         return
-    block = min(1024, triton.next_power_of_2(n))
-    _compress_keep_kernel[(T, triton.cdiv(n, block))](
+    block = min(1024, next_power_of_2(n))
+    _compress_keep_kernel[(T, cdiv(n, block))](
         kv, gate, ape, positions, rows, kv_state, score_state, n, ratio,
         kv.stride(0), gate.stride(0), ape.stride(0), kv_state.stride(0), score_state.stride(0),
         BLOCK=block, num_warps=4 if block >= 512 else 1, **chain(kv.device),

@@ -23,7 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops.device import autotune, chain, chain_start, num_sms, pdl, shared_memory
+from dsv4.ops.device import (
+    autotune,
+    cdiv,
+    chain,
+    chain_start,
+    next_power_of_2,
+    num_sms,
+    pdl,
+    shared_memory,
+)
 from dsv4.ops.kv_fp8 import decode_mode, load_entries
 from dsv4.ops.rope import check_rope, rotary, rotate_tile
 from dsv4.quant import kv_entry_layout
@@ -531,7 +540,7 @@ def _default_splits(
     sms = num_sms(device) // per_split
     if programs >= sms:
         return 1
-    return max(1, min(sms // programs, triton.cdiv(K, MIN_KEYS_PER_SPLIT)))
+    return max(1, min(sms // programs, cdiv(K, MIN_KEYS_PER_SPLIT)))
 
 
 def _combine(
@@ -547,17 +556,17 @@ def _combine(
     with PDL, waiting for the partials in the kernel (the attention kernel lets it launch).
     inv_rope: (cos, sin) [T, rd/2]: then rotary(o, cos, sin, inverse=True) in the same launch."""
     T, H, D = o.shape
-    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_D = max(16, next_power_of_2(D))
     # few rows (one token's heads): many one-warp programs of 32 channels, the splits reduced
     # inside the warp (H200, T=1, 20 splits: 3.45 us vs 5.55 with 128 channels on 4 warps);
     # many rows: whole rows on 4 warps (T=64: 11.6 us, 12.2-48 us for the narrow forms)
     few = T * H < 512
     block_d = min(BLOCK_D, 32) if few else BLOCK_D
     # every split in one block where the [BLOCK_S, BLOCK_D] fp32 tile stays <= 8K elements
-    block_s = min(triton.next_power_of_2(num_splits), max(1, 8192 // block_d))
+    block_s = min(next_power_of_2(num_splits), max(1, 8192 // block_d))
     cos, sin = inv_rope if inv_rope is not None else (ml, ml)
     rd = 0 if inv_rope is None else check_rope(o, cos, sin)
-    _sparse_attn_combine_kernel[(T, H, triton.cdiv(D, block_d))](
+    _sparse_attn_combine_kernel[(T, H, cdiv(D, block_d))](
         part, ml, attn_sink, o, H, D, num_splits,
         part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1),
         o.stride(0), o.stride(1), cos, sin, cos.stride(0), sin.stride(0),
@@ -614,7 +623,7 @@ def sparse_attn(
     assert q.dtype in (torch.bfloat16, torch.float32), f"q must be bf16 or fp32 (got {q.dtype})"
     assert q.stride(2) == 1, f"q's last dim must be contiguous (strides {q.stride()})"
     T, H, D = q.shape
-    BLOCK_D = max(16, triton.next_power_of_2(D))  # tiles padded; channels >= D masked
+    BLOCK_D = max(16, next_power_of_2(D))  # tiles padded; channels >= D masked
     kv = tuple(kv)
     assert 1 <= len(kv) <= 3, f"kv must hold 1..3 row tensors (got {len(kv)})"
     entries = kv[0].dtype == torch.uint8
@@ -662,18 +671,18 @@ def sparse_attn(
     o = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0 or K == 0:
         return o.zero_()  # only the sink remains: its mass is dropped (and rotates to 0)
-    H_PAD = max(16, triton.next_power_of_2(H))
-    head_blocks = triton.cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
+    H_PAD = max(16, next_power_of_2(H))
+    head_blocks = cdiv(H, min(64, H_PAD))  # the split heuristic counts 64-head programs
     if config is None and q.is_cuda:  # measured fixed tiles where the autotuner picks badly
         config = fixed_tile(T * head_blocks, H_PAD, entries, shared_memory(q.device))
     if num_splits is None:
         per_split = 1 if config is FP8_MANY_TOKENS_TILE else PROGRAMS_PER_SPLIT
         num_splits = _default_splits(T * head_blocks, K, q.device, per_split)
     assert num_splits >= 1, f"num_splits must be >= 1 (got {num_splits})"
-    keys_per_split = triton.cdiv(K, num_splits)
+    keys_per_split = cdiv(K, num_splits)
     if keys_per_split > 16:
-        keys_per_split = triton.cdiv(keys_per_split, 16) * 16
-    num_splits = triton.cdiv(K, keys_per_split)  # no empty splits
+        keys_per_split = cdiv(keys_per_split, 16) * 16
+    num_splits = cdiv(K, keys_per_split)  # no empty splits
     split = num_splits > 1
     if split:
         part = torch.empty((T, num_splits, H, D), dtype=torch.float32, device=q.device)
@@ -716,7 +725,7 @@ def sparse_attn(
     )
 
     def grid(meta: dict) -> tuple[int, int, int]:
-        return (T, num_splits, triton.cdiv(H, meta["BLOCK_H"]) * meta["DV_SPLIT"])
+        return (T, num_splits, cdiv(H, meta["BLOCK_H"]) * meta["DV_SPLIT"])
 
     if config is None and q.device.type == "cuda":
         _sparse_attn_tuned[grid](*args, **consts)

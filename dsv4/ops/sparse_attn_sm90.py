@@ -24,7 +24,6 @@ this one is tested against on the GPU (tests/ops/test_sparse_attn.py).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -34,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import chain, chain_start, is_sm90, num_sms
+from dsv4.ops.device import cdiv, chain, chain_start, is_sm90, num_sms
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -336,9 +335,9 @@ def sparse_attn_sm90(
     if T == 0 or K == 0:
         return o.zero_()
     if num_splits is None:  # fill the SMs once (one program per SM: 200 KB of shared memory)
-        num_splits = max(1, min(num_sms(q.device) // T, triton.cdiv(K, 2 * block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(K, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(K, keys_per_split)
+        num_splits = max(1, min(num_sms(q.device) // T, cdiv(K, 2 * block_n)))
+    keys_per_split = cdiv(cdiv(K, num_splits), block_n) * block_n
+    num_splits = cdiv(K, keys_per_split)
     split = num_splits > 1
     if split:
         part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)

@@ -179,3 +179,17 @@ def test_call_site_names_the_package_frames() -> None:
     model = os.path.join(os.path.dirname(dsv4.__file__), "model.py")
     exec(compile("\n\ndef forward():\n    return call_site()\n", model, "exec"), ns)  # noqa: S102
     assert ns["forward"]() == "model.py:4 forward"
+
+
+def test_host_cdiv_and_next_power_of_2_equal_triton() -> None:
+    # the ops' launchers size grids with these plain functions: Triton's are constexpr_functions,
+    # ~1.6 us a call on the host (docs/PERF.md, thirty-fourth session); same values required
+    import triton
+
+    from dsv4.ops.device import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(-2, 4100)] == [
+        triton.next_power_of_2(n) for n in range(-2, 4100)
+    ]
+    pairs = [(a, b) for a in range(0, 700, 7) for b in (1, 2, 3, 16, 64, 128, 4096)]
+    assert [cdiv(a, b) for a, b in pairs] == [triton.cdiv(a, b) for a, b in pairs]
