@@ -22,3 +22,19 @@ def test_a_wrong_kernel_is_reported():
     bad = Case("neg", "n=64", run=lambda: -x, ref=lambda: x, bytes=512)
     _, rows = run_cases([bad], "cpu", repeat=1)
     assert rows[0]["rel_err"] > 1.0
+
+
+def test_the_summary_names_cases_not_faster_on_device_time(capsys):  # noqa: ANN001
+    from dsv4.bench.ops import _print
+
+    timed = dict(us=1.0, ref_us=2.0, speedup=2.0, gbps=1.0, pct_copy_bw=1.0, graph_us=1.0,
+                 graph_pct_copy_bw=1.0, rel_err=0.0)  # fmt: skip
+    rows = [
+        dict(op="fast", shape="T=1", graph_speedup=3.0, **timed),
+        dict(op="slow", shape="T=64", graph_speedup=0.8, **timed),
+        dict(op="untimed", shape="cpu", rel_err=0.0),
+    ]
+    _print(4e12, rows)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("device time vs reference: 1 of 2 cases faster (least x0.8: slow T=64)")
+    assert last.endswith("not faster: slow T=64")

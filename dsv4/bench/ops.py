@@ -189,6 +189,18 @@ def _print(bw: float | None, rows: list[dict]) -> None:
             print(
                 f"{r['op']:<14}{r['shape']:<30}{'-':>9}{'-':>10}{'-':>7}{'-':>8}{'-':>6}{r['rel_err']:>9.1e}"
             )
+    # the "faster than the reference at every shape", on device time
+    ratios = [
+        (r["graph_speedup"], f"{r['op']} {r['shape']}") for r in rows if r.get("graph_speedup")
+    ]
+    if ratios:
+        slow = [name for x, name in ratios if x <= 1.0]
+        least = min(ratios)
+        print(
+            f"device time vs reference: {len(ratios) - len(slow)} of {len(ratios)} cases faster "
+            f"(least x{least[0]:.1f}: {least[1]})"
+            + (f"; not faster: {', '.join(slow)}" if slow else "")
+        )
 
 
 def main(argv: list[str]) -> int:

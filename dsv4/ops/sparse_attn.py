@@ -194,7 +194,7 @@ def _gather_rows(rows, valid, c0, mask, q, D, NOPE, ENTRIES: tl.constexpr, UPCAS
 # ---------------------------------------------------------------------------------------------
 
 
-# stride_mt = splits * 2H: per-step (a late compile in a served burst when 2H is not a multiple of 16)
+# stride_mt = splits * 2H changes per step (a served late compile where 2H is not a multiple of 16)
 @triton.jit(
     do_not_specialize=["n0", "n1", "K", "keys_per_split", "stride_it", "stride_mt", "tune_key"]
 )
