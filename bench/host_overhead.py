@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from dsv4.ops import indexer, mhc, rope, sparse_attn
+from dsv4.bench.cases_linear import _fp8_weight
+from dsv4.ops import indexer, linear, mhc, rope, sparse_attn
 
 
 def host_us(fn, n: int = 200) -> float:  # noqa: ANN001
@@ -40,6 +41,11 @@ def main() -> None:
     keys = torch.randn(1 << 15, 128, device=dev, dtype=bf)
     qi, w = torch.randn(1, 64, 128, device=dev, dtype=bf), torch.randn(1, 64, device=dev)
     cand = torch.arange(1 << 15, device=dev)[None]
+    w_a, s_a = _fp8_weight(1024, 4096, dev, torch.Generator(device=dev).manual_seed(0))
+    x1, x64 = (
+        torch.randn(1, 4096, device=dev, dtype=bf),
+        torch.randn(64, 4096, device=dev, dtype=bf),
+    )
     calls = {
         "sparse_attn split": lambda: sparse_attn.sparse_attn(q, (ring, new, pool), sink, idx, 0.04),
         "sparse_attn 1 split": lambda: sparse_attn.sparse_attn(
@@ -48,10 +54,13 @@ def main() -> None:
         "hc_pre": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
         "norm_rope": lambda: rope.norm_rope(q, None, 1e-6, cos, sin),
         "index_topk": lambda: indexer.index_topk(qi, w, keys, cand, 512),
+        "linear wq_a T=1 (fp8)": lambda: linear.linear(x1, w_a, "fp8", s_a),
+        "linear wq_a T=64 (fp8)": lambda: linear.linear(x64, w_a, "fp8", s_a),
         "torch add (baseline)": lambda: new + new,
     }
-    for name, f in calls.items():
-        print(f"{name:<24} {host_us(f):8.1f} us host per call")
+    for name, f in calls.items():  # median of 5 runs: the device machine's host varies ~30%
+        runs = sorted(host_us(f) for _ in range(5))
+        print(f"{name:<24} {runs[2]:8.1f} us host per call (min {runs[0]:.1f}, max {runs[-1]:.1f})")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(100):

@@ -20,8 +20,7 @@ cleared), against the fixed cost of any launch measured the same way:
   - rows: the FP8 projections and the routed experts at 64-1024 rows (verify steps, small
     prefill chunks): the reference, the Triton and the sm_90 forms;
   - read_floor: one kernel's read of a 32 / 80 MB weight stream (L2 cleared by a memset, by a
-    read, or warm) beside the batch-1 projections and experts and the issue's target cases;
-  - host_linear: host time of one eager FP8 projection call (the launch path, no GPU wait).
+    read, or warm) beside the batch-1 projections and experts and the issue's target cases.
 Usage: python3 bench/probe_pieces.py [--only floors,attn_sm90,...] [--json FILE]"""
 
 from __future__ import annotations
@@ -2127,34 +2126,6 @@ def probe_tail_sweep() -> None:
                     us(f"tail T={T}: segment {seg}, {warps} warps, early {early}, same {same}", run)
 
 
-def probe_host_linear() -> None:
-    # host time of one eager FP8 projection call (no sync in the loop): what an eager step (a
-    # prefill chunk's) pays per launch before the GPU sees it. Median of 5 x 200 calls
-    import time
-
-    from dsv4.bench.cases_linear import _fp8_weight
-    from dsv4.ops import linear
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, N, K in (("wq_a", 1024, 4096), ("wo_b", 4096, 8192)):
-        w, s = _fp8_weight(N, K, "cuda", g)
-        for T in (1, 16, 64):
-            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
-            for _ in range(5):
-                linear.linear(x, w, "fp8", s)
-            torch.cuda.synchronize()
-            per_call = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(200):
-                    linear.linear(x, w, "fp8", s)
-                per_call.append(1e6 * (time.perf_counter() - t0) / 200)
-                torch.cuda.synchronize()
-            per_call.sort()
-            print(f"host {name} T={T}: {per_call[2]:.1f} us a call (min {per_call[0]:.1f}, "
-                  f"max {per_call[-1]:.1f})", flush=True)  # fmt: skip
-
-
 def probe_step_indexer() -> None:
     # the indexer's inputs of a real bench step (Flash width, random weights, batch 16 at 128K,
     # the state as `bench step` fills it): captured from the model's call, then index_topk on them
@@ -2234,7 +2205,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "host_linear": probe_host_linear}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
