@@ -64,7 +64,8 @@ def _check_float_2d(w: torch.Tensor, what: str) -> None:
     _check(bool(torch.isfinite(w).all()), f"{what} of shape {tuple(w.shape)} has inf/nan values")
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (host code: `triton.cdiv` is far slower)."""
     return -(-a // b)
 
 
@@ -116,7 +117,7 @@ def _tile_mul(x: torch.Tensor, s: torch.Tensor, br: int, bc: int) -> torch.Tenso
 def _tile_amax(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     # max over br x bc tiles of a non-negative [R, C] tensor, edge tiles zero-padded
     r, c = x.shape
-    pr, pc = _cdiv(r, br) * br - r, _cdiv(c, bc) * bc - c
+    pr, pc = cdiv(r, br) * br - r, cdiv(c, bc) * bc - c
     if pr or pc:
         x = torch.nn.functional.pad(x, (0, pc, 0, pr))
     return x.view(x.shape[0] // br, br, x.shape[1] // bc, bc).amax(dim=(1, 3))
@@ -168,7 +169,7 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_scale_shape(out: int, inp: int) -> tuple[int, int]:
     """Shape of the UE8M0 scale of an FP8 [out, in] weight."""
-    return _cdiv(out, FP8_BLOCK), _cdiv(inp, FP8_BLOCK)
+    return cdiv(out, FP8_BLOCK), cdiv(inp, FP8_BLOCK)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -395,8 +396,8 @@ def kv_entry_layout(head_dim: int, rope_dim: int) -> tuple[int, int, int]:
         0 < nope and rope_dim >= 0 and rope_dim % 2 == 0,
         f"fp8 kv entry: head_dim={head_dim}, rope_dim={rope_dim} leaves no nope channels",
     )
-    n_scales = _cdiv(nope, KV_SCALE_BLOCK)
-    return nope, n_scales, 8 * _cdiv(nope + 2 * rope_dim + n_scales, 8)
+    n_scales = cdiv(nope, KV_SCALE_BLOCK)
+    return nope, n_scales, 8 * cdiv(nope + 2 * rope_dim + n_scales, 8)
 
 
 def quant_kv_entries(x: torch.Tensor, rope_dim: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from dsv4.config import CSA, HCA, KV_CACHE_DTYPES, ModelArgs
 from dsv4.ops import decode_lists
-from dsv4.quant import index_key_bytes, kv_entry_layout
+from dsv4.quant import cdiv, index_key_bytes, kv_entry_layout
 
 # an eager step's visible-entry width (`Batch.visible_entries`) is rounded up to a multiple of
 # this: Triton specializes lengths and row strides on divisibility by 16, so widths that take every
@@ -755,7 +755,7 @@ class Batch:
             bound = self.graph_len or max(st + n for st, n in self.host_seqs)
             C = max(bound // ratio, 1)
             if not self.graph_len:  # an eager step's width takes every value: a multiple of 16
-                C = -(-C // ENTRY_ALIGN) * ENTRY_ALIGN
+                C = cdiv(C, ENTRY_ALIGN) * ENTRY_ALIGN
             w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
             w = torch.where(w < count[:, None], w, -1)
             return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count

@@ -13,19 +13,17 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-
-@functools.cache
-def cdiv(a: int, b: int) -> int:
-    """`triton.cdiv` for host code: Triton's is a constexpr_function, ~1.6 us a call on the host
-    (fourteen of them were ~20 us of every eager FP8 projection, docs/PERF.md)."""
-    return -(-a // b)
+from dsv4.quant import cdiv  # the launchers' grid sizes (re-exported: ops import it from here)
 
 
 def next_power_of_2(n: int) -> int:
-    """`triton.next_power_of_2` for host code (the same values: 0 for n <= 0)."""
+    """`triton.next_power_of_2` for host code (the same values: 0 for n <= 0). Triton's, like
+    `triton.cdiv` (here `quant.cdiv`), is a constexpr_function, ~1.6 us a call on the host
+    (fourteen of them were ~20 us of every eager FP8 projection, docs/PERF.md)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+@functools.cache
 def num_sms(device: torch.device, interpreter: int = 4) -> int:
     """Streaming multiprocessors of a CUDA device. On the CPU (the Triton interpreter) `interpreter`
     stands in: small, so the tests exercise the launchers' split heuristics."""
