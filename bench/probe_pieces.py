@@ -2101,51 +2101,6 @@ def probe_count_cost() -> None:
             )  # noqa: B023
 
 
-def probe_steal() -> None:
-    # the score kernel at 128K with work stealing (resident programs take chunks of `steal` tiles
-    # from a counter) against its fixed grid: scores alone, scores + counts, index_topk unsorted
-    for T in (16, 64, 1):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        nbytes = T * 32768 * 128 * 2
-        want = indexer._scores(q, w, keys, cand)
-        us(
-            f"steal T={T}: scores, fixed grid",
-            lambda: indexer._scores(q, w, keys, cand),
-            nbytes=nbytes,
-        )  # noqa: B023
-        cfgs = [(s, pps, st) for s in (1, 2, 4, 8, 16) for pps in (1, 2, 4) for st in (3,)]
-        cfgs += [(4, 2, 4), (2, 2, 4), (4, 4, 2), (8, 4, 4)]
-        best = None
-        for steal, pps, st in cfgs:
-            cfg = indexer.ScoreConfig(steal=steal, programs_per_sm=pps, num_stages=st)
-            same = torch.equal(indexer._scores(q, w, keys, cand, cfg), want)
-            t = us(
-                f"steal T={T}: scores, steal {steal} tiles, {pps}/SM, {st} stages{'' if same else ' DIFFERENT'}",
-                lambda c=cfg: indexer._scores(q, w, keys, cand, c),
-                nbytes=nbytes,
-            )  # noqa: B023
-            if same and (best is None or t < best[0]):
-                best = (t, cfg)
-        print(f"  best steal T={T}: {best}")
-        if T > 16 or best is None:
-            continue
-        fine, coarse, _ = indexer._hist_workspace(torch.device("cuda"))
-        for name, cfg in (("fixed grid", indexer.ScoreConfig()), ("best steal", best[1])):
-            us(
-                f"steal T={T}: scores + counts, {name}",
-                lambda c=cfg: indexer._scores(q, w, keys, cand, c, hist=(fine, coarse)),
-                nbytes=nbytes,
-            )  # noqa: B023
-            for ws in indexer._hist_workspace(torch.device("cuda")):
-                ws.zero_()
-            us(
-                f"steal T={T}: index_topk unsorted, {name}",
-                lambda c=cfg: indexer.index_topk(q, w, keys, cand, 512, sort=False, score_config=c),  # noqa: B023
-                nbytes=nbytes,
-            )
-        copy_floor(f"steal T={T}: copy_ of the key bytes", nbytes)
-
-
 def probe_tail_sweep() -> None:
     # the hist select after the scores at T=16 / 8, 128K, unsorted (the model's form): keys per
     # select program, warps, and launching it early (PDL), all against the levels select's set
@@ -2250,7 +2205,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "steal": probe_steal, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

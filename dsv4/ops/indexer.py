@@ -76,15 +76,44 @@ SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the un
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _score_chunk(
-    t, pid_c, q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, hist_ptr, coarse_ptr,
-    C, Hi, d, stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, KEYS_ON_M: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, HIST: tl.constexpr,
-    KEY_FP8: tl.constexpr, DECODE: tl.constexpr,
-):  # fmt: skip
-    # the scores of token t's candidate tiles pid_c * tiles .. + tiles (one chunk)
+@triton.jit(do_not_specialize=["tiles"])
+def _index_score_kernel(
+    q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
+    w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
+    k_ptr,  # [N, d] key rows (d contiguous; KEY_FP8: uint8 e4m3 codes)
+    ks_ptr,  # KEY_FP8: [N] fp32 key scales
+    idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
+    out_ptr,  # [T, C] int32 order-preserving score keys
+    hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
+    coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top bits
+    C,
+    Hi,
+    d,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kn,
+    stride_it,
+    stride_ot,
+    w_scale,
+    tiles,  # candidate tiles of BLOCK_N per program (<= SCAN; a runtime count: one compile for all)
+    UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
+    PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
+    KEYS_ON_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCAN: tl.constexpr,  # tiles the visibility scan spans: 1 when tiles is 1, else MAX_SCORE_TILES
+    HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
+    PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
+    KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
+    DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
+):
+    # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
+    # (HIST: + one atomic add per visible key, COARSE_BINS per program)
+    chain_start(PDL)
+    pid_c = tl.program_id(0)
+    t = tl.program_id(1)
     c0 = pid_c * tiles * BLOCK_N
     idx_row = idx_ptr + t.to(tl.int64) * stride_it
     out_row = out_ptr + t.to(tl.int64) * stride_ot
@@ -157,74 +186,6 @@ def _score_chunk(
         offs_b = tl.arange(0, COARSE_BINS)
         coarse_row = coarse_ptr + row_t * COARSE_BINS
         tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["tiles", "T", "items"])
-def _index_score_kernel(
-    q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
-    w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
-    k_ptr,  # [N, d] key rows (d contiguous; KEY_FP8: uint8 e4m3 codes)
-    ks_ptr,  # KEY_FP8: [N] fp32 key scales
-    idx_ptr,  # [T, C] int64 rows of k, -1 = not visible
-    out_ptr,  # [T, C] int32 order-preserving score keys
-    hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
-    coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top bits
-    work_ptr,  # STEAL: [2] int32 (next chunk, programs done), zero between launches
-    C,
-    Hi,
-    d,
-    stride_qt,
-    stride_qh,
-    stride_wt,
-    stride_kn,
-    stride_it,
-    stride_ot,
-    w_scale,
-    tiles,  # candidate tiles of BLOCK_N per chunk (<= SCAN; a runtime count: one compile for all)
-    T,  # STEAL: tokens
-    items,  # STEAL: chunks, T per chunk index (token t of chunk index c is chunk c * T + t)
-    UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
-    PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
-    KEYS_ON_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SCAN: tl.constexpr,  # tiles the visibility scan spans: 1 when tiles is 1, else MAX_SCORE_TILES
-    HIST: tl.constexpr,  # count the visible keys into the token's histograms (hist select)
-    PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
-    KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
-    DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
-    STEAL: tl.constexpr = False,  # a resident grid takes chunks from a counter (else grid (chunks, T))
-):
-    # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t per chunk ; write tiles*BLOCK_N
-    # int32 (HIST: + one atomic add per visible key, COARSE_BINS per chunk ; STEAL: + 2 atomics)
-    chain_start(PDL)
-    if STEAL:
-        # a program that drew a slow share of the memory system takes fewer chunks: the grid ends
-        # together instead of at its slowest program's end. The next chunk is drawn before this
-        # one is scored, so the counter's round trip hides behind it
-        item = tl.atomic_add(work_ptr, 1, sem="relaxed")
-        while item < items:
-            nxt = tl.atomic_add(work_ptr, 1, sem="relaxed")
-            _score_chunk(
-                item % T, item // T,
-                q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, hist_ptr, coarse_ptr, C, Hi, d,
-                stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles,
-                UPCAST, PRECISION, KEYS_ON_M, BLOCK_H, BLOCK_D, BLOCK_N, SCAN, HIST, KEY_FP8, DECODE,
-            )  # fmt: skip
-            item = nxt
-        # the last program out resets the counter: every program drew its last chunk before this
-        done = tl.atomic_add(work_ptr + 1, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            tl.store(work_ptr, 0)
-            tl.store(work_ptr + 1, 0)
-    else:
-        _score_chunk(
-            tl.program_id(1), tl.program_id(0),
-            q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, hist_ptr, coarse_ptr, C, Hi, d,
-            stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles,
-            UPCAST, PRECISION, KEYS_ON_M, BLOCK_H, BLOCK_D, BLOCK_N, SCAN, HIST, KEY_FP8, DECODE,
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,8 +607,6 @@ class ScoreConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2
     keys_on_m: bool = True  # keys on the MMA rows: the head sum stays inside a warp
-    steal: int = 0  # > 0: programs_per_sm programs an SM take chunks of this many tiles from a
-    # counter (work stealing), instead of one fixed chunk each
 
 
 def _scores(
@@ -670,22 +629,13 @@ def _scores(
     tensor_core = q.is_cuda and same and q.dtype != torch.float32
     block_n = cfg.block_n if C >= 64 else max(16, next_power_of_2(C))
     n_tiles = cdiv(C, block_n)
-    programs = cfg.programs_per_sm * num_sms(q.device, 1)
-    if cfg.steal:
-        tiles = min(cfg.steal, MAX_SCORE_TILES, next_power_of_2(n_tiles))
-        items = cdiv(n_tiles, tiles) * T
-        grid = (min(programs, items), 1)
-    else:
-        tiles = _score_tiles(T, n_tiles, programs)
-        items = cdiv(n_tiles, tiles) * T
-        grid = (cdiv(n_tiles, tiles), T)
-    _index_score_kernel[grid](
+    tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
+    _index_score_kernel[(cdiv(n_tiles, tiles), T)](
         q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
         *(hist or (skey, skey)),
-        arrival_counts("index_scores", q.device, 2),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
-        skey.stride(0), float(weight_scale), tiles, T, items,
+        skey.stride(0), float(weight_scale), tiles,
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
         KEYS_ON_M=cfg.keys_on_m,
@@ -696,7 +646,6 @@ def _scores(
         HIST=hist is not None,
         KEY_FP8=key_fp8,
         DECODE=decode_mode(q.device),
-        STEAL=cfg.steal > 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **chain(q.device),

@@ -106,20 +106,6 @@ def test_index_topk_score_orientation(keys_on_m: bool) -> None:
     _check(*_inputs(4, 2, 16, 300, torch.float32, n_keys=7, integer=True), 64, score_config=cfg)
 
 
-@pytest.mark.parametrize("steal", [1, 2, 16])
-@pytest.mark.parametrize("select", ["levels", "hist-unsorted"])
-def test_index_topk_score_steal(steal: int, select: str) -> None:
-    # programs that take chunks of `steal` tiles from a counter score every chunk once (the
-    # interpreter runs programs one after another: the first takes every chunk), causal rows
-    # included, and leave the counter at zero for the next launch
-    cfg = indexer.ScoreConfig(block_n=16, steal=steal)
-    _check(*_inputs(7, 16, 32, 300, torch.float32), 64, score_config=cfg, select=select)
-    q, weights, keys, cand = _inputs(5, 2, 16, 300, torch.float32, n_keys=7, integer=True)
-    cand[torch.arange(300)[None, :] >= torch.tensor([0, 1, 17, 150, 300])[:, None]] = -1
-    _check(q, weights, keys, cand, 64, score_config=cfg, select=select)
-    assert not indexer.arrival_counts("index_scores", q.device, 2).any()
-
-
 def test_index_topk_strided_bf16_weights() -> None:
     # q a slice of a wider tensor (head stride 2d), weights in the activation dtype
     q, weights, keys, cand = _inputs(4, 16, 32, 300, torch.bfloat16)
@@ -443,27 +429,3 @@ def test_gpu_topk_compiles_once_across_candidate_counts(select: str, C: int) -> 
     finally:
         watch.uninstall()
     assert watch.count == 0, watch.names
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("steal", [2, 8])
-def test_gpu_score_steal_graph(steal: int) -> None:
-    # work stealing on the GPU: the same score keys as the fixed grid, on every CUDA-graph replay
-    # (the counter is reset by the last program out), at 128K
-    q, weights, keys, cand = _inputs(
-        16, 64, 128, 32768, torch.bfloat16, p_hidden=0.1, integer=True, device="cuda"
-    )
-    cand[3, 1000:] = -1
-    want = indexer._scores(q, weights, keys, cand)
-    cfg = indexer.ScoreConfig(steal=steal)
-    first = indexer._scores(q, weights, keys, cand, cfg)
-    assert torch.equal(first, want)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = indexer._scores(q, weights, keys, cand, cfg)
-    for _ in range(3):
-        out.fill_(7)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-        assert not indexer.arrival_counts("index_scores", q.device, 2).any()
