@@ -316,38 +316,6 @@ def probe_sinkhorn() -> None:
     mhc.FAST_SINKHORN = True
 
 
-def probe_sinkhorn4() -> None:
-    # the n = 4 Sinkhorn on 16 scalars (mhc.SCALAR_SINKHORN) against the tile form, interleaved
-    # twice, 1 and 20 iterations, with and without the block's norm; comb against the reference
-    tile = _variant(
-        mhc,
-        "tile",
-        (),
-        (("SCALAR_SINKHORN = tl.constexpr(True)", "SCALAR_SINKHORN = tl.constexpr(False)"),),
-    )
-    g = torch.Generator(device="cuda").manual_seed(0)
-    fn, sc, base = hc_pre_params(g)
-    w = torch.rand(4096, device="cuda", generator=g) + 0.5
-    for T in (1, 16, 64):
-        x = torch.randn(T, 4, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
-        want = ref.hc_pre(x.float(), fn, sc, base, 1e-6, 1e-6, 20)[2]
-        for name, mod in (("tile", tile), ("scalar", mhc)):
-            got = mod.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20)[2]
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            print(f"  hc_pre T={T} {name}: comb max rel err vs reference {err:.2e}")
-        for _ in range(2):
-            for name, mod in (("tile", tile), ("scalar", mhc)):
-                for it in (1, 20):
-                    us(
-                        f"hc_pre T={T} sinkhorn {name} iters={it}",
-                        lambda m=mod, i=it: m.hc_pre(x, fn, sc, base, 1e-6, 1e-6, i),  # noqa: B023
-                    )
-                us(
-                    f"hc_pre T={T} sinkhorn {name} iters=20, norm",
-                    lambda m=mod: m.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20, w),  # noqa: B023
-                )
-
-
 def probe_mhc_norm() -> None:
     # hc_pre with the block's RMSNorm in the finish (one program a token) against the unfused pair
     # (hc_pre, then rms_norm), by the norm launch's warps and column step, each twice
@@ -2075,23 +2043,16 @@ def probe_read_floor() -> None:
 def _indexer_variant(name: str, drop: tuple[str, ...], subs: tuple[tuple[str, str], ...] = ()):  # noqa: ANN202
     # dsv4/ops/indexer.py with the given source lines replaced by `pass` (or by subs), imported as
     # a module of its own (Triton compiles kernels from their file's source)
-    return _variant(indexer, name, drop, subs)
-
-
-def _variant(module, name: str, drop: tuple[str, ...], subs: tuple[tuple[str, str], ...] = ()):  # noqa: ANN001, ANN202
-    # a dsv4.ops module's source with lines replaced by `pass` (or by subs), as a module of its own
     import importlib.util
     import pathlib
 
-    src = pathlib.Path(module.__file__).read_text()
+    src = pathlib.Path(indexer.__file__).read_text()
     for line, by in [(d, "pass") for d in drop] + list(subs):
-        assert line in src, f"not in {module.__name__}: {line}"
+        assert line in src, f"not in indexer.py: {line}"
         src = src.replace(line, by)
-    path = pathlib.Path(__file__).parent / f"_{module.__name__.rsplit('.', 1)[-1]}_{name}.py"
+    path = pathlib.Path(__file__).parent / f"_indexer_{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(
-        f"_{module.__name__.rsplit('.', 1)[-1]}_{name}", path
-    )
+    spec = importlib.util.spec_from_file_location(f"_indexer_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -2243,7 +2204,7 @@ def main() -> None:
     parts = {"floors": floors, "mhc": probe_mhc, "attn": probe_attn, "indexer": probe_indexer,
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
-             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn, "sinkhorn4": probe_sinkhorn4,
+             "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
              "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()

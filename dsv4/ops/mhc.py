@@ -29,7 +29,6 @@ from dsv4.ops.rope import check_norm_weight
 
 PDL_MAX_T = 16  # tokens up to which the finish kernel is launched early (see _hc_collapse)
 FAST_SINKHORN = True  # div.approx in the Sinkhorn iterations on a GPU (bench switch)
-SCALAR_SINKHORN = tl.constexpr(True)  # n = 4: the Sinkhorn on 16 scalars (_sinkhorn4)
 # the one-program-per-token collapse + RMSNorm (norm_weight): columns per step and warps of that
 # finish launch (its Sinkhorn program runs on as many). H200 (`PROBE=mhc_norm`), T = 1 / 16 / 64
 # against hc_pre then rms_norm (9.40 / 10.01 / 13.76 us): 4 warps x 2048 columns 8.02 / 8.53 /
@@ -212,80 +211,6 @@ def _collapse_norm(x_ptr, y_ptr, nw_ptr, t, pre, D, eps, stride_xt, stride_xn, s
 
 
 @triton.jit
-def _div(a, b, FAST: tl.constexpr):
-    if FAST:  # div.approx (MUFU reciprocal + multiply): <= 2 ulp
-        return fast_dividef(a, b)
-    else:
-        return a / b
-
-
-@triton.jit
-def _scale4(a, b, c, d, eps, FAST: tl.constexpr):
-    # (a, b, c, d) / (a + b + c + d + eps)
-    s = (a + b) + (c + d) + eps
-    return _div(a, s, FAST), _div(b, s, FAST), _div(c, s, FAST), _div(d, s, FAST)
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    # softmax of (a, b, c, d) + eps
-    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - m), tl.exp(b - m), tl.exp(c - m), tl.exp(d - m)
-    s = (a + b) + (c + d)
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-
-@triton.jit
-def _at(tile, jk, i):
-    # tile[jk == i] as a scalar (every other entry adds an exact 0)
-    return tl.sum(tl.sum(tl.where(jk == i, tile, 0.0), axis=1), axis=0)
-
-
-@triton.jit
-def _sinkhorn4(logits, jk, comb_t, hc_eps, sinkhorn_iters, FAST_DIV: tl.constexpr):
-    # n = 4: the Sinkhorn of _post_comb on 16 scalars held by every thread, so the serial chain
-    # of 2 * iters normalisations has no cross-lane step (a tile's row / column sums cost
-    # shuffles on every step)
-    c00, c01, c02, c03 = _softmax4(_at(logits, jk, 0), _at(logits, jk, 1), _at(logits, jk, 2),
-                                   _at(logits, jk, 3), hc_eps)  # fmt: skip
-    c10, c11, c12, c13 = _softmax4(_at(logits, jk, 4), _at(logits, jk, 5), _at(logits, jk, 6),
-                                   _at(logits, jk, 7), hc_eps)  # fmt: skip
-    c20, c21, c22, c23 = _softmax4(_at(logits, jk, 8), _at(logits, jk, 9), _at(logits, jk, 10),
-                                   _at(logits, jk, 11), hc_eps)  # fmt: skip
-    c30, c31, c32, c33 = _softmax4(_at(logits, jk, 12), _at(logits, jk, 13), _at(logits, jk, 14),
-                                   _at(logits, jk, 15), hc_eps)  # fmt: skip
-    c00, c10, c20, c30 = _scale4(c00, c10, c20, c30, hc_eps, False)
-    c01, c11, c21, c31 = _scale4(c01, c11, c21, c31, hc_eps, False)
-    c02, c12, c22, c32 = _scale4(c02, c12, c22, c32, hc_eps, False)
-    c03, c13, c23, c33 = _scale4(c03, c13, c23, c33, hc_eps, False)
-    for _ in range(sinkhorn_iters - 1):
-        c00, c01, c02, c03 = _scale4(c00, c01, c02, c03, hc_eps, FAST_DIV)
-        c10, c11, c12, c13 = _scale4(c10, c11, c12, c13, hc_eps, FAST_DIV)
-        c20, c21, c22, c23 = _scale4(c20, c21, c22, c23, hc_eps, FAST_DIV)
-        c30, c31, c32, c33 = _scale4(c30, c31, c32, c33, hc_eps, FAST_DIV)
-        c00, c10, c20, c30 = _scale4(c00, c10, c20, c30, hc_eps, FAST_DIV)
-        c01, c11, c21, c31 = _scale4(c01, c11, c21, c31, hc_eps, FAST_DIV)
-        c02, c12, c22, c32 = _scale4(c02, c12, c22, c32, hc_eps, FAST_DIV)
-        c03, c13, c23, c33 = _scale4(c03, c13, c23, c33, hc_eps, FAST_DIV)
-    tl.store(comb_t + 0, c00)
-    tl.store(comb_t + 1, c01)
-    tl.store(comb_t + 2, c02)
-    tl.store(comb_t + 3, c03)
-    tl.store(comb_t + 4, c10)
-    tl.store(comb_t + 5, c11)
-    tl.store(comb_t + 6, c12)
-    tl.store(comb_t + 7, c13)
-    tl.store(comb_t + 8, c20)
-    tl.store(comb_t + 9, c21)
-    tl.store(comb_t + 10, c22)
-    tl.store(comb_t + 11, c23)
-    tl.store(comb_t + 12, c30)
-    tl.store(comb_t + 13, c31)
-    tl.store(comb_t + 14, c32)
-    tl.store(comb_t + 15, c33)
-
-
-@triton.jit
 def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_eps, sinkhorn_iters,
                N: tl.constexpr, N_PAD: tl.constexpr, FAST_DIV: tl.constexpr):  # fmt: skip
     # post[t] = 2 sigmoid(m[n:2n] * r * s1 + base[n:2n]) ; comb[t] = Sinkhorn of the n x n logits
@@ -315,25 +240,22 @@ def _post_comb(ws_t, mask_s, r, t, scale_ptr, base_ptr, post_ptr, comb_ptr, hc_e
     )
     base_comb = tl.load(base_ptr + 2 * N + jk, mask=mask_jk, other=0.0)
     logits = mix_comb * r * s2 + base_comb
-    if N == 4 and SCALAR_SINKHORN:
-        _sinkhorn4(logits, jk, comb_ptr + t * 16, hc_eps, sinkhorn_iters, FAST_DIV)
-    else:
-        logits = tl.where(mask_jk, logits, float("-inf"))
+    logits = tl.where(mask_jk, logits, float("-inf"))
 
-        # fp32 Sinkhorn: row softmax + eps, column norm, then (iters - 1) x (row norm, column norm),
-        # eps inside every denominator
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        c = e / tl.sum(e, axis=1)[:, None] + hc_eps
-        c = tl.where(mask_jk, c, 0.0)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        for _ in range(sinkhorn_iters - 1):
-            if FAST_DIV:  # div.approx (MUFU reciprocal + multiply) on the serial chain: <= 2 ulp
-                c = fast_dividef(c, tl.sum(c, axis=1)[:, None] + hc_eps)
-                c = fast_dividef(c, tl.sum(c, axis=0)[None, :] + hc_eps)
-            else:
-                c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-                c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
+    # fp32 Sinkhorn: row softmax + eps, column norm, then (iters - 1) x (row norm, column norm),
+    # eps inside every denominator
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    c = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    c = tl.where(mask_jk, c, 0.0)
+    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        if FAST_DIV:  # div.approx (MUFU reciprocal + multiply) on the serial chain: <= 2 ulp
+            c = fast_dividef(c, tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = fast_dividef(c, tl.sum(c, axis=0)[None, :] + hc_eps)
+        else:
+            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    tl.store(comb_ptr + t * N * N + jk, c, mask=mask_jk)
 
 
 @triton.jit(do_not_specialize=["splits", "stride_wss"])  # per-step counts: one compile
