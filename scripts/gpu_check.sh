@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [host] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
+#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -61,6 +61,8 @@ for part in $PARTS; do
       done ;;
     host)  # host microseconds per launcher call (the eager steps' cost) and a cProfile
       python3 bench/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
+    host_step)  # an eager Flash-width step's host time by where it is spent (cProfile grouped)
+      python3 bench/host_step.py ${HOST_STEP_ARGS:-} --json "$OUT/host_step.json" 2>&1 | tee "$OUT/host_step.txt" ;;
     ops)  # every kernel vs its torch reference and the copy bandwidth of this run
       python3 -m dsv4.cli bench ops --repeat 3 $(for o in ${OPS:-}; do echo --only $o; done) \
         --json "$OUT/bench_ops.json" 2>&1 | tee "$OUT/bench_ops.txt" ;;
