@@ -350,28 +350,59 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: Rope, inv_freq: torch.Tensor
     ) -> torch.Tensor:
+        # the new K=V rows: at decode stored into the ring (the slot it takes held position
+        # p - window, outside every window of this step). With FP8 state (uint8 rows) a prefill
+        # chunk is quantized the same way into rows of its own, which attention then reads like
+        # the ring (the reference rounds them alike, spec 3.3)
+        store = (ls.window, batch.ring_writes(self.window)[1]) if batch.decode else None
+        fp8_rows = ls.window.shape[1] if not batch.decode and ls.window.dtype == torch.uint8 else 0
+        T, arange = x.shape[0], None
+        if fp8_rows:
+            arange = batch.memo(("arange", T), lambda: torch.arange(T, device=x.device))
+        qr, q, kv = self.qkv(x, rope, store, fp8_rows, arange)
+        return self.out(self.attend(x, qr, q, kv, batch, ls, rope, inv_freq))
+
+    def qkv(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        store: tuple | None = None,
+        fp8_rows: int = 0,
+        arange: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of the attention input x [T, D]: (qr [T, q_lora_rank], q [T, H, hd],
+        the new tokens' K=V [T, hd], or with fp8_rows their FP8 rows [T, fp8_rows] uint8).
+        store: the decode ring's (rows, slots) the K=V goes to as well; arange: 0..T-1 (fp8_rows;
+        made here when not given). No index list is read:
+        a prefill chunk's part of a step can be a CUDA graph (`dsv4.piecewise`)."""
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
         qa, kva = pair(x, self.wq_a, self.wkv)  # one GEMM once joined (both read x)
         # ---- queries: low-rank, then per-head unweighted RMS and RoPE on the trailing dims ; the
-        # window K=V of the new tokens: RMS, RoPE (both in one op), at decode also stored into
-        # the ring (the slot it takes held position p - window, outside every window of this
-        # step). With FP8 state (uint8 rows) a prefill chunk is quantized the same way into rows
-        # of its own, which attention then reads like the ring (the reference rounds them alike,
-        # spec 3.3)
+        # window K=V of the new tokens: RMS, RoPE (both in one op)
         qr = self.q_norm(qa)  # [T, q_lora_rank]
         chunk = None
-        if batch.decode:
-            store = (ls.window, batch.ring_writes(self.window)[1])
-        elif ls.window.dtype == torch.uint8:
-            chunk = ls.window.new_empty((T, ls.window.shape[1]))
-            store = (chunk, batch.memo(("arange", T), lambda: torch.arange(T, device=x.device)))
-        else:
-            store = None
+        if fp8_rows:
+            chunk = torch.empty((T, fp8_rows), dtype=torch.uint8, device=x.device)
+            store = (chunk, torch.arange(T, device=x.device) if arange is None else arange)
         q, kv = self.ops.norm_rope_qkv(
             self.wq_b(qr).view(T, H, hd), kva, self.kv_norm.weight, self.eps, *rope, store=store
         )
-        if chunk is not None:
-            kv = chunk
+        return qr, q, (kv if chunk is None else chunk)
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        batch: Batch,
+        ls: LayerState,
+        rope: Rope,
+        inv_freq: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention over the state and the new rows (`qkv`'s) -> [T, H, hd], RoPE undone: the
+        compressor, the indexer and the kernels that read the step's index lists."""
+        hd = self.head_dim
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
         # in the ring: ring | compressed entries (one allocation: one source for the kernel)
         idxs = batch.window_idxs(self.window, ring_only=batch.decode)  # [T, W]
@@ -396,7 +427,11 @@ class Attention(nn.Module):
             if batch.snapshots:  # prefix caching: the ring at a block boundary in the chunk
                 tok, rows = batch.snapshot_writes(self.window)
                 ls.window_snap[rows] = kv[tok].to(ls.window.dtype)
-        # ---- grouped low-rank projection
+        return o
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The grouped low-rank output projection of o [T, H, hd] -> [T, D] (ranks summed)."""
+        T = o.shape[0]
         o = self.ops.grouped_linear(
             o.reshape(T, self.o_groups, -1), self.wo_a.weight, self.wo_a.fmt, *self.wo_a.scales()
         )
@@ -537,17 +572,32 @@ class Block(nn.Module):
         # h: the streams [T, n, D], or the previous block's FFN output with its hc_post still to
         # apply (that hc_post and this block's hc_pre are one op, which may share launches) ->
         # this block's FFN output, its hc_post left to the next block or the caller (`Pending`)
+        x, y, post, comb = self.attn_in(h)
+        y = self.attn(y, batch, ls, rope, inv_freq)
+        return self.ffn_out(y, x, post, comb, input_ids)
+
+    def attn_in(
+        self, h: torch.Tensor | Pending
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x = hc_post(previous); y = attn_norm(collapse(x)) -> (x, y, post, comb)."""
         a = self.args
-        # x = hc_post(previous); y = attn_norm(collapse(x))
         attn_mix = (self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, a.norm_eps, a.hc_eps,
                     a.hc_sinkhorn_iters, self.attn_norm.weight)  # fmt: skip
         if isinstance(h, Pending):
-            x, y, post, comb = self.ops.hc_post_pre(*h, *attn_mix)
-        else:
-            x = h
-            y, post, comb = self.ops.hc_pre(x, *attn_mix)
-        y = self.attn(y, batch, ls, rope, inv_freq)
-        # x = hc_post(y, ...); y = ffn_norm(collapse(x))
+            return self.ops.hc_post_pre(*h, *attn_mix)
+        return (h, *self.ops.hc_pre(h, *attn_mix))
+
+    def ffn_out(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        input_ids: torch.Tensor,
+    ) -> Pending:
+        """The attention output y into the streams x; the MoE of ffn_norm(collapse(x)), its
+        hc_post left to the next block (`Pending`)."""
+        a = self.args
         x, y, post, comb = self.ops.hc_post_pre(
             y, x, post, comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base,
             a.norm_eps, a.hc_eps, a.hc_sinkhorn_iters, self.ffn_norm.weight,
