@@ -3,8 +3,12 @@ eagerly, as the engine runs every step that carries a prefill chunk: host millis
 (launches issued, no sync inside), device milliseconds, then a cProfile of the steps grouped by
 where the time is spent (Triton's launch path, torch, dsv4's own Python) and the top functions.
 
+Then (--piecewise) the same steps through `dsv4.piecewise` (pieces replayed as CUDA graphs, the
+attention eager between them) against the eager forward, side by side: prefill chunks of
+several lengths and a mixed step (16 decodes at --context beside a 256-token chunk).
+
 Usage: python3 bench/host_step.py [--layers sliding,csa,hca] [--batch 1] [--context 4096]
-       [--chunk 512] [--steps 10] [--json FILE]"""
+       [--chunk 512] [--steps 10] [--piecewise 16,64,256,512,1024,2048] [--json FILE]"""
 
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import torch
 
 from dsv4.bench.step import Bench, decode_stepper, parse_args, prefill_stepper
 from dsv4.bench.weights import fill_state_
-from dsv4.state import DecodeState
+from dsv4.piecewise import PiecewiseGraphs
+from dsv4.state import Batch, DecodeState
 
 GROUPS = (  # (name, path fragment) in order: the first that matches a function's file
     ("triton launch", "/triton/"),
@@ -73,6 +78,57 @@ def profile(name: str, step, n: int, report: dict) -> None:  # noqa: ANN001
     report[name] = {"host_ms": host[n // 2], "step_ms": total[n // 2], "profile_ms": groups}
 
 
+def _wall_ms(fn, n: int) -> float:  # noqa: ANN001
+    # median wall time of fn() to the GPU's end (host launches and device work)
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[n // 2]
+
+
+def piecewise_ab(bench: Bench, lengths: list[int], context: int, n: int, report: dict) -> None:
+    model, args, dev = bench.model, bench.args, bench.device
+    decodes = 16
+    state = DecodeState(args, decodes + 1, context + 2048 + 8, bench.dtype, dev)
+    fill_state_(state, 1)
+    pieces = PiecewiseGraphs(model, state, max(lengths))
+    cases = [(f"prefill {T}", [decodes], [0], [T]) for T in lengths]
+    cases.append(
+        (f"{decodes} decodes + 256 prefill", list(range(decodes + 1)),
+         [context] * decodes + [0], [1] * decodes + [256])
+    )  # fmt: skip
+    rows = []
+    print(f"{'step':<28}{'eager ms':>10}{'pieces ms':>11}{'x':>7}{'max rel diff':>14}")
+    for name, slots, starts, lens in cases:
+        T = sum(lens)
+        ids = torch.randint(0, args.vocab_size, (T,), device=dev)
+
+        def eager() -> torch.Tensor:
+            return model(ids, Batch.build(slots, starts, lens, state), state)  # noqa: B023
+
+        def piece() -> torch.Tensor:
+            return pieces.run(ids, Batch.build(slots, starts, lens, state))  # noqa: B023
+
+        want = eager().float()
+        got = piece()  # (captures its bucket)
+        if got is None:
+            print(f"{name}: not served by the pieces")
+            continue
+        diff = ((got.float() - want).abs().max() / want.abs().max()).item()
+        e1, p1, e2, p2 = (_wall_ms(f, n) for f in (eager, piece, eager, piece))
+        e, p = min(e1, e2), min(p1, p2)
+        print(
+            f"{name:<28}{e:>10.2f}{p:>11.2f}{e / p:>7.2f}{diff:>14.2e}   ({e1:.2f}/{e2:.2f}, {p1:.2f}/{p2:.2f})"
+        )
+        rows.append({"step": name, "tokens": T, "eager_ms": [e1, e2], "pieces_ms": [p1, p2],
+                     "max_rel_diff": diff})  # fmt: skip
+    report["piecewise"] = rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", default="sliding,csa,hca")
@@ -80,6 +136,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--piecewise", default="")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     a = parse_args(
@@ -104,6 +161,9 @@ def main() -> None:
         for j in range(2):
             pstep(j)
         profile(f"prefill chunk {ns.chunk}, eager", pstep, ns.steps, report)
+        if ns.piecewise:
+            lengths = [int(t) for t in ns.piecewise.split(",")]
+            piecewise_ab(bench, lengths, ns.context, ns.steps, report)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -19,6 +19,7 @@ from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.model import Transformer
+from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
 from dsv4.profiler import StepProfiler
 from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
@@ -140,6 +141,12 @@ class Engine:
             if cuda_graphs
             else None
         )
+        # the steps with a prefill chunk: piecewise graphs around the eager attention (one rank)
+        self.pieces = (
+            PiecewiseGraphs(model, state, min(max_step_tokens, PIECEWISE_MAX_TOKENS))
+            if cuda_graphs and model.par.world_size == 1
+            else None
+        )
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
         self.num_accepted_per_pos = [0] * num_speculative_tokens
         # called with each step's token count (the server's vllm:iteration_tokens_total)
@@ -253,7 +260,7 @@ class Engine:
             if self.leads and not self.closed:
                 self.tell("stop")
         finally:
-            self.graphs = None
+            self.graphs = self.pieces = None
 
     def compile_graphs(self) -> int:
         """Every rank (rank 0 tells the others): run each decode graph's step once eagerly on a
@@ -344,7 +351,9 @@ class Engine:
             dtype=torch.long,
             device=dev,
         )
-        h = self.model(flat, batch, self.state)
+        h = None if self.pieces is None else self.pieces.run(flat, batch)
+        if h is None:
+            h = self.model(flat, batch, self.state)
         rows, off = [], 0
         for w in work:
             if w.samples:
