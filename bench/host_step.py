@@ -97,10 +97,11 @@ def piecewise_ab(bench: Bench, lengths: list[int], context: int, n: int, report:
     fill_state_(state, 1)
     pieces = PiecewiseGraphs(model, state, max(lengths))
     cases = [(f"prefill {T}", [decodes], [0], [T]) for T in lengths]
-    cases.append(
-        (f"{decodes} decodes + 256 prefill", list(range(decodes + 1)),
-         [context] * decodes + [0], [1] * decodes + [256])
-    )  # fmt: skip
+    for chunk in (240, 256):  # 256 tokens: no padding (the same kernels); 272: padded to 384
+        cases.append(
+            (f"{decodes} decodes + {chunk} prefill", list(range(decodes + 1)),
+             [context] * decodes + [0], [1] * decodes + [chunk])
+        )  # fmt: skip
     rows = []
     print(f"{'step':<28}{'eager ms':>10}{'pieces ms':>11}{'x':>7}{'max rel diff':>14}")
     for name, slots, starts, lens in cases:
@@ -118,7 +119,10 @@ def piecewise_ab(bench: Bench, lengths: list[int], context: int, n: int, report:
         if got is None:
             print(f"{name}: not served by the pieces")
             continue
-        diff = ((got.float() - want).abs().max() / want.abs().max()).item()
+        err = (got.float() - want).abs().flatten(1).amax(1) / want.abs().max()
+        diff = err.max().item()
+        if diff > 1e-3:  # which rows: a routing flip moves a few rows a lot
+            print(f"  {name}: {int((err > 1e-3).sum())} of {T} rows differ by > 1e-3")
         e1, p1, e2, p2 = (_wall_ms(f, n) for f in (eager, piece, eager, piece))
         e, p = min(e1, e2), min(p1, p2)
         print(
@@ -137,6 +141,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--piecewise", default="")
+    p.add_argument("--skip-profile", action="store_true")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     a = parse_args(
@@ -154,13 +159,14 @@ def main() -> None:
         step = decode_stepper(model, state, ns.batch, ns.context, ids, bench.clock)
         for j in range(3):
             step(j)
-        profile(f"decode batch {ns.batch}, eager", step, ns.steps, report)
         pstate = DecodeState(args, 1, ns.chunk + 1, bench.dtype, dev)
         pids = torch.randint(0, args.vocab_size, (ns.chunk,), device=dev)
         pstep = prefill_stepper(model, pstate, pids, ns.chunk, bench.clock)
         for j in range(2):
             pstep(j)
-        profile(f"prefill chunk {ns.chunk}, eager", pstep, ns.steps, report)
+        if not ns.skip_profile:
+            profile(f"decode batch {ns.batch}, eager", step, ns.steps, report)
+            profile(f"prefill chunk {ns.chunk}, eager", pstep, ns.steps, report)
         if ns.piecewise:
             lengths = [int(t) for t in ns.piecewise.split(",")]
             piecewise_ab(bench, lengths, ns.context, ns.steps, report)

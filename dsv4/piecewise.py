@@ -36,7 +36,10 @@ log = logging.getLogger("dsv4.piecewise")
 
 # token buckets: steps of ~1.5x, so a step pads by at most half (the padded rows are GPU work)
 BUCKETS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-PIECEWISE_MAX_TOKENS = 2048  # the engine's steps up to this many tokens (more: eager)
+# the engine's steps up to this many tokens (more: eager). H200, 3 Flash layers, eager ->
+# pieces: 16 tokens 15.96 -> 8.38 ms, 256: 21.83 -> 10.70, 1024: 21.51 -> 15.30, 2048: 19.89 ->
+# 19.39 (the GPU's work hides the launches there; docs/PERF.md)
+PIECEWISE_MAX_TOKENS = 1024
 
 
 def bucket(T: int, max_tokens: int) -> int | None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
+#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [serve_ab] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -36,6 +36,33 @@ step_run() {
 step_ab() {
   local v
   for v in $3; do step_run "import $1 as m; m.$2 = $v" "$4" "$5" "$6$v"; done
+}
+
+# the serve bench against `dsv4 serve` of /tmp/serve_tiny in one mode: serve_mode MODE TAG
+# (SERVE_PATH: the package to serve from, a `git archive` dir as base_ab's; default this tree)
+serve_mode() {
+  local mode=$1 tag=$2 flags shared pid c
+  case $mode in eager) flags=--enforce-eager ;; prefix) flags=--enable-prefix-caching ;;
+    nocache) flags=--no-enable-prefix-caching ;; *) flags= ;; esac
+  shared=$([ $mode = prefix ] && echo --prefix-len ${PREFIX_LEN:-1024})
+  PYTHONPATH=${SERVE_PATH:-$PWD}${PYTHONPATH#$PWD} python3 -P -m dsv4.cli serve \
+    --model /tmp/serve_tiny --port 8123 --max-seqs 64 $flags > "$OUT/serve_$tag.log" 2>&1 &
+  pid=$!
+  if ! python3 -c "import os, sys, time, urllib.request as u
+for _ in range(600):
+    try: u.urlopen('http://127.0.0.1:8123/health'); sys.exit(0)
+    except OSError: time.sleep(0.5)
+    os.kill($pid, 0)  # the server died: stop waiting
+sys.exit(1)" 2>/dev/null; then
+    echo "== $tag: the server did not start" | tee -a "$OUT/serve_bench.txt"
+    tail -5 "$OUT/serve_$tag.log" | tee -a "$OUT/serve_bench.txt"; kill $pid; return
+  fi
+  for c in ${SERVE_CONCURRENCY:-1 16 64}; do
+    echo "== $tag, concurrency $c" | tee -a "$OUT/serve_bench.txt"
+    python3 -m dsv4.cli bench serve --base-url http://127.0.0.1:8123 --concurrency $c \
+      --num-prompts $((c * 4)) --input-len 256 --output-len 64 $shared 2>&1 | tee -a "$OUT/serve_bench.txt"
+  done
+  kill $pid; wait $pid
 }
 
 for part in $PARTS; do
@@ -206,28 +233,13 @@ for part in $PARTS; do
       python3 -m dsv4.cli make-tiny /tmp/serve_tiny --tokenizer bytes --vocab-size 300 > /dev/null
       # (SERVE_MODES="prefix": graphs and prefix caching, every prompt after one shared
       # PREFIX_LEN-token prefix; "nocache": graphs without prefix caching, which is on by default)
-      for mode in ${SERVE_MODES:-graphs eager}; do
-        case $mode in eager) flags=--enforce-eager ;; prefix) flags=--enable-prefix-caching ;;
-          nocache) flags=--no-enable-prefix-caching ;; *) flags= ;; esac
-        shared=$([ $mode = prefix ] && echo --prefix-len ${PREFIX_LEN:-1024})
-        python3 -m dsv4.cli serve --model /tmp/serve_tiny --port 8123 --max-seqs 64 $flags \
-          > "$OUT/serve_$mode.log" 2>&1 &
-        pid=$!
-        if ! python3 -c "import os, sys, time, urllib.request as u
-for _ in range(600):
-    try: u.urlopen('http://127.0.0.1:8123/health'); sys.exit(0)
-    except OSError: time.sleep(0.5)
-    os.kill($pid, 0)  # the server died: stop waiting
-sys.exit(1)" 2>/dev/null; then
-          echo "== $mode: the server did not start" | tee -a "$OUT/serve_bench.txt"
-          tail -5 "$OUT/serve_$mode.log" | tee -a "$OUT/serve_bench.txt"; kill $pid; continue
-        fi
-        for c in ${SERVE_CONCURRENCY:-1 16 64}; do
-          echo "== $mode, concurrency $c" | tee -a "$OUT/serve_bench.txt"
-          python3 -m dsv4.cli bench serve --base-url http://127.0.0.1:8123 --concurrency $c \
-            --num-prompts $((c * 4)) --input-len 256 --output-len 64 $shared 2>&1 | tee -a "$OUT/serve_bench.txt"
-        done
-        kill $pid; wait $pid
+      for mode in ${SERVE_MODES:-graphs eager}; do serve_mode $mode $mode; done ;;
+    serve_ab)  # the serve bench in graphs mode for each package in AB_BASES (as base_ab), then
+      # this tree, alternated SERVE_AB_ROUNDS times
+      python3 -m dsv4.cli make-tiny /tmp/serve_tiny --tokenizer bytes --vocab-size 300 > /dev/null
+      for r in $(seq ${SERVE_AB_ROUNDS:-1}); do
+        for b in ${AB_BASES:-ab_base}; do SERVE_PATH=$PWD/$b serve_mode graphs "${b}_$r"; done
+        serve_mode graphs "cur_$r"
       done ;;
     sweep)  # tiles / splits of sparse_attn, indexer scores, hc_pre
       python3 bench/sweep_kernels.py ${SWEEP:+--only $SWEEP} --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.txt" ;;
