@@ -95,7 +95,7 @@ def piecewise_ab(bench: Bench, lengths: list[int], context: int, n: int, report:
     decodes = 16
     state = DecodeState(args, decodes + 1, context + 2048 + 8, bench.dtype, dev)
     fill_state_(state, 1)
-    pieces = PiecewiseGraphs(model, state, max(lengths))
+    pieces = PiecewiseGraphs(model, state, max(lengths + [decodes + 256]))  # (the mixed steps)
     cases = [(f"prefill {T}", [decodes], [0], [T]) for T in lengths]
     for chunk in (240, 256):  # 256 tokens: no padding (the same kernels); 272: padded to 384
         cases.append(

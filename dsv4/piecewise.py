@@ -59,7 +59,8 @@ class PiecewiseGraphs:
         if capture and dev.type != "cuda":
             raise ValueError("CUDA graphs need the model and state on a CUDA device")
         self.model, self.state, self.capture = model, state, capture
-        self.max_tokens = max(b for b in BUCKETS if b <= max(max_tokens, BUCKETS[0]))
+        # buffers for the bucket that holds max_tokens (steps up to it are served)
+        self.max_tokens = bucket(max_tokens, BUCKETS[-1]) or BUCKETS[-1]
         a, n, dt = model.args, model.args.hc_mult, model.dtype
         attn = model.layers[0].attn
         H, hd, R = attn.n_heads, attn.head_dim, model.freqs_main.numel()

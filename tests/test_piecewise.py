@@ -95,6 +95,8 @@ def test_pieces_decline(model_and_state) -> None:  # noqa: ANN001
         assert pieces.run(torch.zeros(33, dtype=torch.long), b) is None
     assert piecewise.bucket(1, 2048) == 16 and piecewise.bucket(17, 2048) == 32
     assert piecewise.bucket(2049, 4096) is None and piecewise.bucket(600, 512) is None
+    # a budget between buckets: the bucket that holds it
+    assert piecewise.PiecewiseGraphs(model, state, 300, capture=False).max_tokens == 384
 
 
 @pytest.mark.gpu
