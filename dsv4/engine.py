@@ -141,7 +141,9 @@ class Engine:
             if cuda_graphs
             else None
         )
-        # the steps with a prefill chunk: piecewise graphs around the eager attention (one rank)
+        # the steps with a prefill chunk: piecewise graphs around the eager attention. One rank
+        # for now: the pieces run on two ranks on the CPU (tests/test_piecewise.py), but their
+        # captured all-reduces have not run on two GPUs yet
         self.pieces = (
             PiecewiseGraphs(model, state, min(max_step_tokens, PIECEWISE_MAX_TOKENS))
             if cuda_graphs and model.par.world_size == 1

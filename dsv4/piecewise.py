@@ -18,9 +18,11 @@ Between piece l and l+1, layer l's `attend` runs eagerly on the first T rows. Ro
 token id 0 at position 0; every op of a piece treats rows independently, so they change no real
 row (they cost GPU time: at most a bucket step's worth).
 
-Only steps that are not pure decode steps (Batch.decode is False), on one rank (tensor parallel
-would need every rank to replay alike; not done). `capture=False` runs the same pieces eagerly
-through the same buffers: that path is what the CPU tests check against the model's forward.
+Only steps that are not pure decode steps (Batch.decode is False). Tensor parallel: every rank
+runs the same steps (rank 0's schedule), so they pad to the same bucket and replay alike; the
+pieces' all-reduces are captured as the decode graphs' are, and a bucket that fails to capture
+on one rank runs eagerly on all. `capture=False` runs the same pieces eagerly through the same
+buffers: that path is what the CPU tests check against the model's forward.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ class PiecewiseGraphs:
     def __init__(
         self, model: Transformer, state: DecodeState, max_tokens: int, capture: bool = True
     ) -> None:
-        if model.par.world_size > 1:
-            raise ValueError("piecewise graphs: one rank only (tensor parallel runs eagerly)")
         dev = state.block_table.device
         if capture and dev.type != "cuda":
             raise ValueError("CUDA graphs need the model and state on a CUDA device")
@@ -186,6 +186,10 @@ class PiecewiseGraphs:
         except Exception as e:  # noqa: BLE001  (a host sync in a piece: run eagerly)
             torch.cuda.synchronize()
             log.warning("piecewise graphs for %d tokens not captured: %s", Tp, e, exc_info=True)
+            pieces = None
+        # tensor parallel: every rank replays or every rank runs eagerly (their all-reduces
+        # would not match); one rank's failure fails all
+        if self.model.par.least(int(pieces is not None)) == 0:
             self.failed.add(Tp)
             return None
         self.graphs[Tp] = pieces

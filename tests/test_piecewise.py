@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from dsv4 import piecewise
+from dsv4 import parallel, piecewise
 from dsv4.bench import step
 from dsv4.bench.weights import fill_state_, init_random_
 from dsv4.model import Transformer
@@ -80,6 +80,34 @@ def test_pieces_fp8_state() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, c in zip(_state_tensors(piece_state), _state_tensors(eager_state)):
         assert torch.equal(a, c) if a.dtype == torch.uint8 else torch.allclose(a, c, 1e-5, 1e-5)
+
+
+def _two_rank_pieces(out) -> None:  # noqa: ANN001
+    # one rank of two (gloo): its half of the heads and experts, the pieces' all-reduces
+    par = parallel.from_env()
+    parallel.init(par, "cpu")
+    args, _ = step.bench_args("tiny", step._layer_list("sliding,csa,hca"), tp=2)
+    model = Transformer(args, torch.float32, quantized=True, ops=select("ref"), par=par)
+    init_random_(model, seed=5)  # (one seed on every rank: the replicated weights agree)
+    state0 = DecodeState(args, 4, 256, torch.float32, "cpu")
+    fill_state_(state0, seed=5)
+    slots, starts, lens = [1, 0, 2], [60, 47, 100], [1, 21, 1]
+    ids = torch.randint(0, args.vocab_size, (23,), generator=torch.Generator().manual_seed(3))
+    eager_state, piece_state = copy.deepcopy(state0), copy.deepcopy(state0)
+    pieces = piecewise.PiecewiseGraphs(model, piece_state, 64, capture=False)
+    with torch.inference_mode():
+        want = model(ids, Batch.build(slots, starts, lens, eager_state), eager_state)
+        got = pieces.run(ids, Batch.build(slots, starts, lens, piece_state))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, c in zip(_state_tensors(piece_state), _state_tensors(eager_state)):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+    (out / f"rank{par.rank}").write_text("ok")
+
+
+def test_pieces_two_ranks(tmp_path) -> None:  # noqa: ANN001
+    # tensor parallel: each rank's pieces (their all-reduces included) give its forward
+    parallel.spawn(2, _two_rank_pieces, tmp_path)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["ok", "ok"]
 
 
 def test_pieces_decline(model_and_state) -> None:  # noqa: ANN001
