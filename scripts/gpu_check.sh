@@ -76,7 +76,7 @@ for part in $PARTS; do
       # to the whole process group, and pytest dumps the main process's after 150 s in one test
       PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN} \
         timeout -s ABRT -k 20 ${TP_TIMEOUT:-300} python3 -m pytest -v -s -m gpu tests/test_parallel.py \
-        tests/ops/test_moe.py -k "${TP_TESTS:-two_ranks or expert_parallel}" -p no:cacheprovider \
+        tests/ops/test_moe.py tests/test_piecewise.py -k "${TP_TESTS:-two_ranks or expert_parallel}" -p no:cacheprovider \
         -o faulthandler_timeout=150 -o log_cli=true --log-cli-level=INFO 2>&1 | tee "$OUT/tp_tests.txt"
       echo "tp tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/tp_tests.txt" ;;
     tp_step)  # the Flash-width decode step on one rank and on two (rank 0's times), side by

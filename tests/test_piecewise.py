@@ -82,31 +82,50 @@ def test_pieces_fp8_state() -> None:
         assert torch.equal(a, c) if a.dtype == torch.uint8 else torch.allclose(a, c, 1e-5, 1e-5)
 
 
-def _two_rank_pieces(out) -> None:  # noqa: ANN001
-    # one rank of two (gloo): its half of the heads and experts, the pieces' all-reduces
+def _two_rank_pieces(out, device: str) -> None:  # noqa: ANN001
+    # one rank of two (gloo on the CPU, NCCL on GPUs): its half of the heads and experts, the
+    # pieces' all-reduces (captured on GPUs)
     par = parallel.from_env()
-    parallel.init(par, "cpu")
+    dev = parallel.init(par, device)
+    gpu = device == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
     args, _ = step.bench_args("tiny", step._layer_list("sliding,csa,hca"), tp=2)
-    model = Transformer(args, torch.float32, quantized=True, ops=select("ref"), par=par)
+    with torch.device(dev):
+        model = Transformer(args, dtype, quantized=True, ops=select("triton" if gpu else "ref"),
+                            par=par)  # fmt: skip
     init_random_(model, seed=5)  # (one seed on every rank: the replicated weights agree)
-    state0 = DecodeState(args, 4, 256, torch.float32, "cpu")
+    state0 = DecodeState(args, 4, 256, dtype, dev)
     fill_state_(state0, seed=5)
     slots, starts, lens = [1, 0, 2], [60, 47, 100], [1, 21, 1]
     ids = torch.randint(0, args.vocab_size, (23,), generator=torch.Generator().manual_seed(3))
-    eager_state, piece_state = copy.deepcopy(state0), copy.deepcopy(state0)
-    pieces = piecewise.PiecewiseGraphs(model, piece_state, 64, capture=False)
+    ids = ids.to(dev)
+    eager_state = copy.deepcopy(state0)
+    pieces = piecewise.PiecewiseGraphs(model, copy.deepcopy(state0), 64, capture=gpu)
+    tol = dict(rtol=2e-2, atol=2e-2) if gpu else dict(rtol=1e-5, atol=1e-5)
     with torch.inference_mode():
         want = model(ids, Batch.build(slots, starts, lens, eager_state), eager_state)
-        got = pieces.run(ids, Batch.build(slots, starts, lens, piece_state))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    for a, c in zip(_state_tensors(piece_state), _state_tensors(eager_state)):
-        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        for _ in range(2 if gpu else 1):  # (GPUs: the capture, then a replay)
+            pieces.state = piece_state = copy.deepcopy(state0)
+            got = pieces.run(ids, Batch.build(slots, starts, lens, piece_state))
+            assert got is not None, "no pieces served the step"
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+            for a, c in zip(_state_tensors(piece_state), _state_tensors(eager_state)):
+                torch.testing.assert_close(a.float(), c.float(), **tol)
     (out / f"rank{par.rank}").write_text("ok")
 
 
 def test_pieces_two_ranks(tmp_path) -> None:  # noqa: ANN001
     # tensor parallel: each rank's pieces (their all-reduces included) give its forward
-    parallel.spawn(2, _two_rank_pieces, tmp_path)
+    parallel.spawn(2, _two_rank_pieces, tmp_path, "cpu")
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["ok", "ok"]
+
+
+@pytest.mark.gpu
+def test_gpu_pieces_two_ranks(tmp_path) -> None:  # noqa: ANN001
+    # two GPUs (scripts/gpu_check.sh tp): the pieces captured with their NCCL all-reduces
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    parallel.spawn(2, _two_rank_pieces, tmp_path, "cuda")
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["ok", "ok"]
 
 
