@@ -90,6 +90,8 @@ def test_gpu_defaults_at_either_dtype_match_cpu(tiny, dtype):  # noqa: ANN001
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     graphed = [o.token_ids for o in llm.generate(prompts, sp)]
     assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    # the prefill step (42 tokens) replayed piecewise graphs (bucket 48)
+    assert 48 in llm.engine.pieces.graphs and not llm.engine.pieces.failed
     eager = LLM(
         tiny,
         device="cuda",
@@ -115,8 +117,9 @@ def test_defaults_take_the_gpu_fast_path(tiny, caplog):  # noqa: ANN001
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     graphed = [o.token_ids for o in llm.generate(prompts, sp)]
     assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    assert llm.engine.pieces.graphs and not llm.engine.pieces.failed  # the prefill step's
     eager = LLM(tiny, max_seqs=2, max_seq_len=256, cuda_graphs=False, progress=False)
-    assert eager.engine.graphs is None
+    assert eager.engine.graphs is None and eager.engine.pieces is None
     assert graphed == [o.token_ids for o in eager.generate(prompts, sp)]
     with caplog.at_level(logging.INFO, logger="dsv4"):
         assert main(["generate", "hi", "--model", str(tiny), "--max-tokens", "3"]) == 0
