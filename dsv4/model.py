@@ -216,11 +216,21 @@ class Compressor(nn.Module):
         self.ape = _param(ratio, c * head_dim, dtype=torch.float32)
         self.norm = b.norm(head_dim)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_kv x, W_gate x): one GEMM once joined; no index list is read."""
+        return pair(x, self.wkv, self.wgate)
+
     def forward(
-        self, x: torch.Tensor, batch: Batch, st: CompressorState, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        batch: Batch,
+        st: CompressorState,
+        inv_freq: torch.Tensor,
+        proj: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        # proj: `project(x)`, when computed already (dsv4.piecewise)
         m, d = self.ratio, self.head_dim
-        kv, gate = pair(x, self.wkv, self.wgate)  # one GEMM once joined
+        kv, gate = self.project(x) if proj is None else proj
         if batch.decode:  # store first: a closing window's slots are then all in the ring
             # (one launch: a = W_kv x and z = W_gate x + ape[slot] into every token's ring row)
             keep_rows = batch.ring_writes(st.ring)[1]
@@ -294,6 +304,16 @@ class Indexer(nn.Module):
         self.compressor = Compressor(b, a.csa_ratio, self.head_dim, True)
         self.softmax_scale = self.head_dim**-0.5
 
+    def project(self, x: torch.Tensor, qr: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, ...]:
+        """What reads no index list: (its compressor's W_kv x, W_gate x, the rotated index
+        queries [T, heads, d], the head weights [T, heads])."""
+        kv, gate = self.compressor.project(x)
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = self.ops.rotary(q, *rope)
+        # head weights: weights_proj(x).float() * softmax_scale / sqrt(heads), the scaling inside
+        # the op (no launch of its own)
+        return kv, gate, q, self.weights_proj(x)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -302,14 +322,11 @@ class Indexer(nn.Module):
         ls: LayerState,
         rope: Rope,
         inv_freq: torch.Tensor,
+        proj: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        # returns [T, k] compressed entry ids (0..), -1 = none
-        self.compressor(x, batch, ls.indexer, inv_freq)
-        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
-        q = self.ops.rotary(q, *rope)
-        # head weights: weights_proj(x).float() * softmax_scale / sqrt(heads), the scaling inside
-        # the op (no launch of its own)
-        weights = self.weights_proj(x)
+        # returns [T, k] compressed entry ids (0..), -1 = none ; proj: `project`'s, if computed
+        kv, gate, q, weights = self.project(x, qr, rope) if proj is None else proj
+        self.compressor(x, batch, ls.indexer, inv_freq, (kv, gate))
         cand, _ = batch.visible_entries(self.compressor.ratio)
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
         scale = self.softmax_scale * self.n_heads**-0.5
@@ -360,7 +377,16 @@ class Attention(nn.Module):
         if fp8_rows:
             arange = batch.memo(("arange", T), lambda: torch.arange(T, device=x.device))
         qr, q, kv = self.qkv(x, rope, store, fp8_rows, arange)
-        return self.out(self.attend(x, qr, q, kv, batch, ls, rope, inv_freq))
+        side = self.side_projections(x, qr, rope)
+        return self.out(self.attend(x, qr, q, kv, batch, ls, rope, inv_freq, side))
+
+    def side_projections(self, x: torch.Tensor, qr: torch.Tensor, rope: Rope) -> tuple:
+        """The compressor's projections, and for CSA the indexer's (`Indexer.project`): they read
+        no index list either. () for a sliding layer."""
+        if self.kind == SLIDING:
+            return ()
+        comp = self.compressor.project(x)
+        return (*comp, *self.indexer.project(x, qr, rope)) if self.kind == CSA else comp
 
     def qkv(
         self,
@@ -399,9 +425,11 @@ class Attention(nn.Module):
         ls: LayerState,
         rope: Rope,
         inv_freq: torch.Tensor,
+        side: tuple = (),
     ) -> torch.Tensor:
         """Attention over the state and the new rows (`qkv`'s) -> [T, H, hd], RoPE undone: the
-        compressor, the indexer and the kernels that read the step's index lists."""
+        compressor, the indexer and the kernels that read the step's index lists. side: the
+        layer's `side_projections`."""
         hd = self.head_dim
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
         # in the ring: ring | compressed entries (one allocation: one source for the kernel)
@@ -409,10 +437,11 @@ class Attention(nn.Module):
         sources = [ls.window] if batch.decode else [ls.window, kv]
         if self.kind != SLIDING:
             st = ls.compressor
-            self.compressor(x, batch, st, inv_freq)  # emits entries closed by this step first
+            # emits the entries closed by this step first
+            self.compressor(x, batch, st, inv_freq, side[:2])
             base = sum(s.shape[0] for s in sources)
             if self.kind == CSA:  # the entries the indexer picked
-                ent = self.indexer(x, qr, batch, ls, rope, inv_freq)
+                ent = self.indexer(x, qr, batch, ls, rope, inv_freq, side[2:])
                 idxs = batch.selected_idxs(self.window, st.ratio, base, ent)
             else:  # all visible entries: one list for every HCA layer of the step
                 idxs = batch.attention_idxs(self.window, st.ratio, base)

@@ -10,9 +10,10 @@ step's lists -- the compressor, the indexer, sparse attention and the ring write
 
 A step of T tokens pads to the next bucket Tp (BUCKETS, up to max_tokens). Its pieces, for a
 model of L layers, read and write static buffers of max_tokens rows:
-  piece 0:      embed, RoPE tables, layer 0's hc_pre and `qkv`;
+  piece 0:      embed, RoPE tables, layer 0's hc_pre, `qkv` and `side_projections`;
   piece l:      layer l-1's output projection and FFN (`out`, `ffn_out`), layer l's
-                hc_post_pre and `qkv`             (1 <= l < L);
+                hc_post_pre, `qkv` and `side_projections` (the compressor's and the indexer's
+                projections)                      (1 <= l < L);
   piece L:      layer L-1's output projection, FFN and the last hc_post -> the streams h.
 Between piece l and l+1, layer l's `attend` runs eagerly on the first T rows. Rows past T carry
 token id 0 at position 0; every op of a piece treats rows independently, so they change no real
@@ -31,7 +32,7 @@ import logging
 
 import torch
 
-from dsv4.model import SLIDING, Transformer, rope_at
+from dsv4.model import CSA, SLIDING, Transformer, rope_at
 from dsv4.state import Batch, DecodeState
 
 log = logging.getLogger("dsv4.piecewise")
@@ -89,6 +90,27 @@ class PiecewiseGraphs:
             "cos_compress": buf(M, R, dtype=f32),
             "sin_compress": buf(M, R, dtype=f32),
         }
+        # each layer kind's `side_projections` (the compressor's joined W_kv | W_gate output, the
+        # indexer's): one set of buffers per kind, in the layout the eager path has
+        # (buffer, first column, last column + 1 or None for the whole row), in the order
+        # `side_projections` returns them
+        self.side_views: dict[str, list[tuple[str, int, int | None]]] = {}
+        for layer in model.layers:
+            at = layer.attn
+            if at.kind == SLIDING or at.kind in self.side_views:
+                continue
+            views = self.side_views[at.kind] = []
+            comps = [at.compressor] + ([at.indexer.compressor] if at.kind == CSA else [])
+            for j, c in enumerate(comps):
+                na, nb = c.wkv.weight.shape[0], c.wgate.weight.shape[0]
+                name = f"{at.kind}_c{j}"
+                self.buf[name] = buf(M, na + nb)
+                views += [(name, 0, na), (name, na, na + nb)]
+            if at.kind == CSA:  # the indexer's queries and head weights, after its compressor's
+                ix = at.indexer
+                self.buf[f"{at.kind}_q"] = buf(M, ix.n_heads, ix.head_dim)
+                self.buf[f"{at.kind}_w"] = buf(M, ix.n_heads)
+                views += [(f"{at.kind}_q", 0, None), (f"{at.kind}_w", 0, None)]
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.failed: set[int] = set()
         self.pool = None
@@ -120,10 +142,21 @@ class PiecewiseGraphs:
                 return
         layer = m.layers[i]
         x, y, post, comb = layer.attn_in(h)
-        qr, q, kv = layer.attn.qkv(y, self._rope(i, Tp), None, self.fp8_rows)
+        rope = self._rope(i, Tp)
+        qr, q, kv = layer.attn.qkv(y, rope, None, self.fp8_rows)
         for name, t in (("x", x), ("post", post), ("comb", comb), ("y", y), ("qr", qr),
                         ("q", q), ("kv", kv)):  # fmt: skip
             b[name].copy_(t)
+        side = layer.attn.side_projections(y, qr, rope)
+        for view, t in zip(self._side(layer.attn.kind, Tp), side):
+            view.copy_(t)
+
+    def _side(self, kind: str, rows: int) -> list[torch.Tensor]:
+        # views of a layer kind's side-projection buffers over `rows` rows
+        return [
+            self.buf[name][:rows] if end is None else self.buf[name][:rows, start:end]
+            for name, start, end in self.side_views.get(kind, [])
+        ]
 
     def _attend(self, i: int, batch: Batch, T: int) -> None:
         # layer i's eager part on the step's T rows -> its output rows of "o"
@@ -132,7 +165,7 @@ class PiecewiseGraphs:
         kind_inv = m.freqs_main if m.args.layer_types[i] == SLIDING else m.freqs_compress
         o = layer.attn.attend(
             b["y"][:T], b["qr"][:T], b["q"][:T], b["kv"][:T], batch, self.state.layers[i],
-            self._rope(i, T), kind_inv,
+            self._rope(i, T), kind_inv, tuple(self._side(layer.attn.kind, T)),
         )  # fmt: skip
         b["o"][:T].copy_(o)
 
