@@ -425,12 +425,14 @@ class Attention(nn.Module):
         ls: LayerState,
         rope: Rope,
         inv_freq: torch.Tensor,
-        side: tuple = (),
+        side: tuple | None = None,
     ) -> torch.Tensor:
         """Attention over the state and the new rows (`qkv`'s) -> [T, H, hd], RoPE undone: the
         compressor, the indexer and the kernels that read the step's index lists. side: the
-        layer's `side_projections`."""
+        layer's `side_projections` (None: computed here)."""
         hd = self.head_dim
+        if side is None:
+            side = self.side_projections(x, qr, rope)
         # ---- key rows: ring | new tokens | compressed entries. At decode the new K=V is already
         # in the ring: ring | compressed entries (one allocation: one source for the kernel)
         idxs = batch.window_idxs(self.window, ring_only=batch.decode)  # [T, W]
