@@ -80,14 +80,7 @@ def profile(name: str, step, n: int, report: dict) -> None:  # noqa: ANN001
 
 def _wall_ms(fn, n: int) -> float:  # noqa: ANN001
     # median wall time of fn() to the GPU's end (host launches and device work)
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[n // 2]
+    return sorted(host_and_device(lambda j: fn(), n)[1])[n // 2]
 
 
 def piecewise_ab(bench: Bench, lengths: list[int], context: int, n: int, report: dict) -> None:

@@ -734,16 +734,29 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: Batch, state: DecodeState) -> torch.Tensor:
         """input_ids: [T] -> streams after the last layer, before hc_head: [T, n, D]."""
         batch.prepare(self.args)  # the index lists every layer shares (memoized: once per step)
-        h = self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
-        ropes = {
-            kind: rope_at(inv, batch.positions)
-            for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))
-        }
+        h = self.streams(input_ids)
+        ropes = self.ropes(batch.positions)
         for i, layer in enumerate(self.layers):
-            kind = "main" if self.args.layer_types[i] == SLIDING else "compress"
-            inv = self.freqs_main if kind == "main" else self.freqs_compress
+            kind, inv = self.rope_kind(i)
             h = layer(h, input_ids, batch, state.layers[i], ropes[kind], inv)
         return self.ops.hc_post(*h)  # the last block's FFN into the streams
+
+    def streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding on hc_mult streams: [T, n, D]."""
+        return self.embed(input_ids).unsqueeze(1).repeat(1, self.args.hc_mult, 1)
+
+    def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:
+        """RoPE tables at `positions`: "main" (sliding layers) and "compress" (the others)."""
+        return {
+            kind: rope_at(inv, positions)
+            for kind, inv in (("main", self.freqs_main), ("compress", self.freqs_compress))
+        }
+
+    def rope_kind(self, layer: int) -> tuple[str, torch.Tensor]:
+        """Layer `layer`'s RoPE table name in `ropes` and its inverse frequencies."""
+        if self.args.layer_types[layer] == SLIDING:
+            return "main", self.freqs_main
+        return "compress", self.freqs_compress
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [N, n, D] streams -> fp32 logits [N, vocab]."""

@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from dsv4.model import CSA, SLIDING, Transformer, rope_at
+from dsv4.model import Transformer
 from dsv4.state import Batch, DecodeState
 
 log = logging.getLogger("dsv4.piecewise")
@@ -90,27 +90,9 @@ class PiecewiseGraphs:
             "cos_compress": buf(M, R, dtype=f32),
             "sin_compress": buf(M, R, dtype=f32),
         }
-        # each layer kind's `side_projections` (the compressor's joined W_kv | W_gate output, the
-        # indexer's): one set of buffers per kind, in the layout the eager path has
-        # (buffer, first column, last column + 1 or None for the whole row), in the order
-        # `side_projections` returns them
-        self.side_views: dict[str, list[tuple[str, int, int | None]]] = {}
-        for layer in model.layers:
-            at = layer.attn
-            if at.kind == SLIDING or at.kind in self.side_views:
-                continue
-            views = self.side_views[at.kind] = []
-            comps = [at.compressor] + ([at.indexer.compressor] if at.kind == CSA else [])
-            for j, c in enumerate(comps):
-                na, nb = c.wkv.weight.shape[0], c.wgate.weight.shape[0]
-                name = f"{at.kind}_c{j}"
-                self.buf[name] = buf(M, na + nb)
-                views += [(name, 0, na), (name, na, na + nb)]
-            if at.kind == CSA:  # the indexer's queries and head weights, after its compressor's
-                ix = at.indexer
-                self.buf[f"{at.kind}_q"] = buf(M, ix.n_heads, ix.head_dim)
-                self.buf[f"{at.kind}_w"] = buf(M, ix.n_heads)
-                views += [(f"{at.kind}_q", 0, None), (f"{at.kind}_w", 0, None)]
+        # each layer kind's `side_projections` go to buffers "<kind>_side<j>", made from the
+        # first piece that returns them (its eager run, before any capture)
+        self.side_names: dict[str, list[str]] = {}
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.failed: set[int] = set()
         self.pool = None
@@ -119,7 +101,7 @@ class PiecewiseGraphs:
     # ---- the pieces ------------------------------------------------------------------------
 
     def _rope(self, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kind = "main" if self.model.args.layer_types[layer] == SLIDING else "compress"
+        kind, _ = self.model.rope_kind(layer)
         return self.buf[f"cos_{kind}"][:rows], self.buf[f"sin_{kind}"][:rows]
 
     def _piece(self, i: int, Tp: int) -> None:
@@ -127,10 +109,8 @@ class PiecewiseGraphs:
         m, b = self.model, {k: v[:Tp] for k, v in self.buf.items()}
         L = len(m.layers)
         if i == 0:
-            ids = b["ids"]
-            h = m.embed(ids).unsqueeze(1).repeat(1, m.args.hc_mult, 1)
-            for kind, inv in (("main", m.freqs_main), ("compress", m.freqs_compress)):
-                cos, sin = rope_at(inv, b["pos"])
+            h = m.streams(b["ids"])
+            for kind, (cos, sin) in m.ropes(b["pos"]).items():
                 b[f"cos_{kind}"].copy_(cos)
                 b[f"sin_{kind}"].copy_(sin)
         else:
@@ -148,24 +128,25 @@ class PiecewiseGraphs:
                         ("q", q), ("kv", kv)):  # fmt: skip
             b[name].copy_(t)
         side = layer.attn.side_projections(y, qr, rope)
-        for view, t in zip(self._side(layer.attn.kind, Tp), side):
-            view.copy_(t)
+        names = self.side_names.setdefault(
+            layer.attn.kind, [f"{layer.attn.kind}_side{j}" for j in range(len(side))]
+        )
+        for name, t in zip(names, side):
+            if name not in self.buf:
+                self.buf[name] = t.new_zeros((self.max_tokens, *t.shape[1:]))
+            self.buf[name][:Tp].copy_(t)
 
-    def _side(self, kind: str, rows: int) -> list[torch.Tensor]:
-        # views of a layer kind's side-projection buffers over `rows` rows
-        return [
-            self.buf[name][:rows] if end is None else self.buf[name][:rows, start:end]
-            for name, start, end in self.side_views.get(kind, [])
-        ]
+    def _side(self, kind: str, rows: int) -> tuple[torch.Tensor, ...]:
+        # a layer kind's side projections over `rows` rows
+        return tuple(self.buf[name][:rows] for name in self.side_names.get(kind, []))
 
     def _attend(self, i: int, batch: Batch, T: int) -> None:
         # layer i's eager part on the step's T rows -> its output rows of "o"
         m, b = self.model, self.buf
         layer = m.layers[i]
-        kind_inv = m.freqs_main if m.args.layer_types[i] == SLIDING else m.freqs_compress
         o = layer.attn.attend(
             b["y"][:T], b["qr"][:T], b["q"][:T], b["kv"][:T], batch, self.state.layers[i],
-            self._rope(i, T), kind_inv, tuple(self._side(layer.attn.kind, T)),
+            self._rope(i, T), m.rope_kind(i)[1], self._side(layer.attn.kind, T),
         )  # fmt: skip
         b["o"][:T].copy_(o)
 
