@@ -33,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops import sparse_attn as _triton
-from dsv4.ops.device import cdiv, chain, chain_start, is_sm90, num_sms
+from dsv4.ops.device import arrival_counts, cdiv, chain, chain_start, is_sm90, num_sms
+from dsv4.ops.rope import check_rope
 from dsv4.quant import kv_entry_layout
 
 HEADS = 64  # one warpgroup's M: all heads of a token
@@ -44,6 +45,10 @@ ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
 # against the Triton kernel's 65.1)
 FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
+# two splits of bf16 rows finish in the kernel (`_fixup`): the later split of a token combines
+# both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
+FIXUP = True
+FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
 
 
 @gluon.jit
@@ -122,14 +127,103 @@ def _normalise(acc, m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
 
 
 @gluon.jit
+def _mul_rn(a, b):  # noqa: ANN001, ANN202
+    # a * b rounded on its own (never fused into an FMA): torch's unfused rotary, bit for bit
+    return gl.inline_asm_elementwise(
+        "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
+           sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot, stride_oh,
+           stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
+    # two splits of token t finish here without a combine launch. The first to arrive publishes
+    # its partial (acc, m, l) and a flag; the second waits for the flag (its peer has arrived, so
+    # is resident: no deadlock), stages its own acc in the free kv buffers and writes o from both,
+    # in split order whichever arrives last (the same bits either way), then zeroes the semaphores
+    H: gl.constexpr = 64
+    D: gl.constexpr = 512
+    CH: gl.constexpr = 64  # output channels per combine step
+    o_layout: gl.constexpr = acc.type.layout
+    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
+    offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    sem = sem_ptr + 2 * t
+    ticket = gl.atomic_add(sem, 1, sem="acq_rel")
+    if ticket == 0:
+        hv = offs_h[:, None] * stride_ph + offs_v[None, :]
+        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
+        ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
+        gl.store(ml, m_o)
+        gl.store(ml + H, l_o)
+        gl.thread_barrier()  # every thread's partial before the flag
+        gl.atomic_xchg(sem + 1, 1, sem="release")
+    else:
+        # own acc -> shared memory (fp32 [64, 512] over the two bf16 kv buffers, swizzled so the
+        # MMA layout's row pairs store without bank conflicts)
+        st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
+        own.store(acc)
+        c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+        rows = gl.arange(0, H, layout=gl.SliceLayout(1, c_layout))
+        cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+        m_own = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
+        l_own = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))
+        ready = gl.atomic_add(sem + 1, 0, sem="acquire")
+        while ready == 0:
+            ready = gl.atomic_add(sem + 1, 0, sem="acquire")
+        gl.thread_barrier()  # the peer's partial is visible to every thread; own acc stored
+        peer = 1 - split
+        ml_peer = ml_ptr + t * stride_mt + peer * stride_ms + rows
+        m_peer = gl.load(ml_peer, cache_modifier=".cg")
+        l_peer = gl.load(ml_peer + H, cache_modifier=".cg")
+        first = split == 0  # (m0, l0) / (m1, l1): split order
+        m0 = gl.where(first, m_own, m_peer)
+        m1 = gl.where(first, m_peer, m_own)
+        sink = gl.load(sink_ptr + rows) * 1.4426950408889634
+        m_all = gl.maximum(gl.maximum(m0, m1), sink)
+        e0 = gl.exp2(m0 - m_all)
+        e1 = gl.exp2(m1 - m_all)
+        den = (e0 * gl.where(first, l_own, l_peer) + e1 * gl.where(first, l_peer, l_own)) + gl.exp2(
+            sink - m_all
+        )
+        w0 = (e0 / den)[:, None]
+        w1 = (e1 / den)[:, None]
+        peer_rows = part_ptr + t * stride_pt + peer * stride_ps + rows[:, None] * stride_ph
+        o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
+        for c in gl.static_range(D // CH):
+            a = own.slice(c * CH, CH, dim=1).load(c_layout)
+            b = gl.load(peer_rows + (c * CH + cols)[None, :], cache_modifier=".cg")
+            out = gl.where(first, a, b) * w0 + gl.where(first, b, a) * w1
+            gl.store(o_rows + (c * CH + cols)[None, :], out.to(gl.bfloat16))
+        if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s pair)
+            gl.thread_barrier()  # every thread's bf16 o before the pairs are read back
+            r_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [8, 1], [1, 0])
+            r_rows = gl.arange(0, H, layout=gl.SliceLayout(1, r_layout))
+            pairs = gl.arange(0, RD // 2, layout=gl.SliceLayout(0, r_layout))
+            at = o_ptr + t * stride_ot + r_rows[:, None] * stride_oh + (D - RD) + 2 * pairs[None, :]
+            re = gl.load(at, cache_modifier=".cg").to(gl.float32)
+            im = gl.load(at + 1, cache_modifier=".cg").to(gl.float32)
+            cos = gl.load(cos_ptr + t * stride_ct + pairs)[None, :]
+            sin = -gl.load(sin_ptr + t * stride_st + pairs)[None, :]
+            gl.store(at, (_mul_rn(re, cos) - _mul_rn(im, sin)).to(gl.bfloat16))
+            gl.store(at + 1, (_mul_rn(re, sin) + _mul_rn(im, cos)).to(gl.bfloat16))
+        gl.store(sem, 0)  # zero between launches (only the two splits of t touch them)
+        gl.store(sem + 1, 0)
+
+
+@gluon.jit
 def _decode_kernel(
     q_ptr,  # [T, 64, 512] bf16
     kv_ptr,  # [N, 512] bf16 rows (row stride stride_kn)
     idx_ptr,  # [T, K] int32/int64 rows of kv, -1 = none
     sink_ptr,  # [64] fp32
-    o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT)
+    o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT, or by the last split with FIXUP)
     part_ptr,  # [T, S, 64, 512] fp32 unnormalised split outputs (SPLIT)
     ml_ptr,  # [T, S, 2, 64] fp32 (SPLIT)
+    sem_ptr,  # FIXUP: [T, 2] int32 (arrivals, partials published), zero between launches
+    cos_ptr,  # FIXUP and RD: [T, RD/2] fp32 cos / sin of the tokens' positions (inverse RoPE)
+    sin_ptr,
     K,
     keys_per_split,
     qk_scale,  # scale * log2(e)
@@ -144,6 +238,8 @@ def _decode_kernel(
     stride_ph,
     stride_mt,
     stride_ms,
+    stride_ct,
+    stride_st,
     BLOCK_N: gl.constexpr,  # keys per tile (BLOCK_N / 2 per warpgroup for S)
     NUM_BUF: gl.constexpr,  # gathered tiles in shared memory (NUM_BUF - 1 in flight)
     SPLIT: gl.constexpr,
@@ -151,6 +247,8 @@ def _decode_kernel(
     ENTRIES: gl.constexpr = False,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`; MODE 0)
     NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
     PDL: gl.constexpr = False,  # chained launch (device.chain)
+    FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
+    RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
@@ -257,7 +355,12 @@ def _decode_kernel(
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if SPLIT:
+    if FIXUP:
+        gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
+        _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
+               cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
+               stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
+    elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
         ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
@@ -344,14 +447,25 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
+    # the combine in the kernel: two splits of bf16 rows whose kv buffers hold an fp32 [64, 512]
+    fixup = (
+        FIXUP and num_splits == 2 and not entries and block_n * num_buf >= 64
+        and T <= FIXUP_MAX_TOKENS and mode == 0
+    )  # fmt: skip
+    sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
+    cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
+    rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
     launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
-        q, src, topk_idxs, attn_sink, o, part, ml,
+        q, src, topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
+        cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, num_warps=8, **launch,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, num_warps=8, **launch,
     )  # fmt: skip
+    if fixup:
+        return o
     # the Triton kernel's combine (launched early in the chain) or inverse RoPE
     return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
