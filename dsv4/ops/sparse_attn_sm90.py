@@ -184,9 +184,10 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         m_all = gl.maximum(gl.maximum(m0, m1), sink)
         e0 = gl.exp2(m0 - m_all)
         e1 = gl.exp2(m1 - m_all)
-        den = (e0 * gl.where(first, l_own, l_peer) + e1 * gl.where(first, l_peer, l_own)) + gl.exp2(
-            sink - m_all
-        )
+        # (products rounded on their own: the same bits in every compiled variant, RD or not)
+        l0 = gl.where(first, l_own, l_peer)
+        l1 = gl.where(first, l_peer, l_own)
+        den = (_mul_rn(e0, l0) + _mul_rn(e1, l1)) + gl.exp2(sink - m_all)
         w0 = (e0 / den)[:, None]
         w1 = (e1 / den)[:, None]
         peer_rows = part_ptr + t * stride_pt + peer * stride_ps + rows[:, None] * stride_ph
@@ -194,7 +195,7 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         for c in gl.static_range(D // CH):
             a = own.slice(c * CH, CH, dim=1).load(c_layout)
             b = gl.load(peer_rows + (c * CH + cols)[None, :], cache_modifier=".cg")
-            out = gl.where(first, a, b) * w0 + gl.where(first, b, a) * w1
+            out = _mul_rn(gl.where(first, a, b), w0) + _mul_rn(gl.where(first, b, a), w1)
             gl.store(o_rows + (c * CH + cols)[None, :], out.to(gl.bfloat16))
         if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s pair)
             gl.thread_barrier()  # every thread's bf16 o before the pairs are read back
@@ -449,7 +450,7 @@ def sparse_attn_sm90(
         part = ml = o
     # the combine in the kernel: two splits of bf16 rows whose kv buffers hold an fp32 [64, 512]
     fixup = (
-        FIXUP and num_splits == 2 and not entries and block_n * num_buf >= 64
+        FIXUP and num_splits == 2 and not entries and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
         and T <= FIXUP_MAX_TOKENS and mode == 0
     )  # fmt: skip
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
