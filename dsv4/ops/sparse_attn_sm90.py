@@ -128,7 +128,7 @@ def _normalise(acc, m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
 
 @gluon.jit
 def _mul_rn(a, b):  # noqa: ANN001, ANN202
-    # a * b rounded on its own (never fused into an FMA): torch's unfused rotary, bit for bit
+    # a * b rounded on its own (never fused into an FMA whose form could differ between builds)
     return gl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True, pack=1
     )
@@ -197,7 +197,7 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
             b = gl.load(peer_rows + (c * CH + cols)[None, :], cache_modifier=".cg")
             out = _mul_rn(gl.where(first, a, b), w0) + _mul_rn(gl.where(first, b, a), w1)
             gl.store(o_rows + (c * CH + cols)[None, :], out.to(gl.bfloat16))
-        if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s pair)
+        if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s)
             gl.thread_barrier()  # every thread's bf16 o before the pairs are read back
             r_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [8, 1], [1, 0])
             r_rows = gl.arange(0, H, layout=gl.SliceLayout(1, r_layout))
@@ -207,8 +207,10 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
             im = gl.load(at + 1, cache_modifier=".cg").to(gl.float32)
             cos = gl.load(cos_ptr + t * stride_ct + pairs)[None, :]
             sin = -gl.load(sin_ptr + t * stride_st + pairs)[None, :]
-            gl.store(at, (_mul_rn(re, cos) - _mul_rn(im, sin)).to(gl.bfloat16))
-            gl.store(at + 1, (_mul_rn(re, sin) + _mul_rn(im, cos)).to(gl.bfloat16))
+            # (as `rope.rotate_tile` writes it, so the compiler contracts it the same way as the
+            # rotary launch it replaces: the same bits)
+            gl.store(at, (re * cos - im * sin).to(gl.bfloat16))
+            gl.store(at + 1, (re * sin + im * cos).to(gl.bfloat16))
         gl.store(sem, 0)  # zero between launches (only the two splits of t touch them)
         gl.store(sem + 1, 0)
 
