@@ -10,7 +10,9 @@ has warps [4, 2]: warpgroup g computes the scores of keys g*BN/2 ..), the row ma
 the warpgroups through shared memory, P goes to shared memory once, and each warpgroup
 accumulates its half of the 512 output channels over every key of the tile (O [64, 512] has
 warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
-NUM_BUF - 1 tiles ahead. The split outputs use the Triton kernel's combine.
+NUM_BUF - 1 tiles ahead. Two splits of bf16 rows (T = 45..66 on an H200, the batch-64 decode)
+finish inside the kernel (`_fixup`): the later split of a token waits for its peer's published
+partial and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine.
 
 H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
 gathers alone (MODE=1, partials and combine included) take 25 us and the math alone (MODE=2)
@@ -47,6 +49,7 @@ FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
 # two splits of bf16 rows finish in the kernel (`_fixup`): the later split of a token combines
 # both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
+# (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
 
@@ -353,7 +356,8 @@ def _decode_kernel(
 
     cp.wait_group(0)
 
-    # ---- epilogue: partials for the combine, or the sink-normalised output
+    # ---- epilogue: the in-kernel combine, partials for the combine launch, or the sink-normalised
+    # output
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))

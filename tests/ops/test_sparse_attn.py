@@ -272,6 +272,15 @@ def test_adjacent_sources_merge() -> None:
     assert _rel(got, _want(q, (ring, ent), sink, idx2, 0.3)) < TOL[torch.float32]
 
 
+def _one_source_inputs(T: int) -> tuple[torch.Tensor, ...]:
+    # the engine's decode form for the Gluon kernel: (q, ring, pool, sink, idx) with idx into
+    # ring | pool as one source (the new rows already in the ring: their picks become -1)
+    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    n_ring = ring.shape[0]
+    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
+    return q, ring, pool, sink, idx
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 3, 16, 64])
 @pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4), (16, 6)])
@@ -281,12 +290,10 @@ def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
     # of a tile
     from dsv4.ops import sparse_attn_sm90 as sm90
 
-    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    q, ring, pool, sink, idx = _one_source_inputs(T)
     if not sm90.supported(q, (ring,)):
         pytest.skip("not an sm_90 GPU")
     both = torch.cat([ring, pool])
-    n_ring = ring.shape[0]
-    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
     idx = idx[:, : idx.shape[1] - 5].contiguous()  # 635 keys
     idx[:, 7::13] = -1
     want = _want(q, (both,), sink, idx, 512**-0.5)
@@ -309,12 +316,10 @@ def test_gpu_sm90_fixup(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from dsv4.ops import device as dev_mod
     from dsv4.ops import sparse_attn_sm90 as sm90
 
-    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    q, ring, pool, sink, idx = _one_source_inputs(T)
     if not sm90.supported(q, (ring,)):
         pytest.skip("not an sm_90 GPU")
     both = torch.cat([ring, pool])
-    n_ring = ring.shape[0]
-    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
     idx[:, 3::11] = -1
     want = _want(q, (both,), sink, idx, 512**-0.5)
     kw = dict(num_splits=2, block_n=64, num_buf=2)
@@ -338,12 +343,10 @@ def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
     from dsv4.ops import sparse_attn_sm90 as sm90
     from dsv4.quant import dequant_kv_entries, quant_kv_entries
 
-    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    q, ring, pool, sink, idx = _one_source_inputs(T)
     both = torch.cat([quant_kv_entries(ring, 64), quant_kv_entries(pool, 64)])
     if not sm90.supported(q, (both,), 64, entries=True):
         pytest.skip("not an sm_90 GPU")
-    n_ring = ring.shape[0]
-    idx = torch.where(idx >= n_ring + T, idx - T, torch.where(idx >= n_ring, -1, idx))
     idx[:, 7::13] = -1
     want = _want(q, (dequant_kv_entries(both, 512, 64),), sink, idx, 512**-0.5)
     for splits in (None, 1, 2):
