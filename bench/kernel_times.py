@@ -49,9 +49,16 @@ def main() -> None:
     t64 = {"BLOCK_N": 64, "DV_SPLIT": 1, "BLOCK_H": 64, "num_warps": 8, "num_stages": 3}
     t64_fixed = {"num_splits": 2, "config": t64} if ns.plain else {}
     attn1, attn64 = attn.tokens(1), attn.tokens(64)
+    q64, kv64, sink64, idx64 = attn64
+    one64 = (
+        torch.cat(kv64),
+    )  # one kv source: the engine's decode form (the Gluon kernel on sm_90)
     cases = {
         "sparse_attn T=1 K=640": lambda: sparse_attn.sparse_attn(*attn1, 0.04),
         "sparse_attn T=64 K=640": lambda: sparse_attn.sparse_attn(*attn64, 0.04, **t64_fixed),
+        "sparse_attn one_source T=64 K=640": lambda: sparse_attn.sparse_attn(
+            q64, one64, sink64, idx64, 0.04
+        ),
         "hc_pre T=1": lambda: mhc.hc_pre(x, fn, sc, base, 1e-6, 1e-6, 20),
         "hc_pre T=64": lambda: mhc.hc_pre(x64, fn, sc, base, 1e-6, 1e-6, 20),
     }
