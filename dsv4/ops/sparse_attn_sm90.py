@@ -454,10 +454,12 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
-    # the combine in the kernel: two splits of bf16 rows whose kv buffers hold an fp32 [64, 512]
+    # the combine in the kernel: two splits of bf16 rows whose kv buffers hold an fp32 [64, 512],
+    # RoPE undone there for Flash's 64 rope channels (other widths: the combine launch)
     fixup = (
         FIXUP and num_splits == 2 and not entries and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
         and T <= FIXUP_MAX_TOKENS and mode == 0
+        and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)

@@ -1,0 +1,113 @@
+"""Compile the Gluon sparse-attention kernel (`dsv4.ops.sparse_attn_sm90._decode_kernel`) for
+sm_90a on a machine with no GPU: compile errors, shared memory, registers and spills (ptxas -v),
+and the PTX / SASS to read, before any device time is spent.
+
+The device image has Triton 3.6; the CPU venv's newer Triton has removed Gluon APIs this kernel
+uses (`async_copy_global_to_shared`), so this runs under a Triton 3.6 venv that sees the main
+venv's torch:
+
+  pip download triton==3.6.0 --no-deps -d /tmp/tw && python3 -m venv /tmp/t36
+  /tmp/t36/bin/pip install /tmp/tw/triton-3.6.0-*.whl
+  echo $PWD/.venv/lib/python3.11/site-packages > /tmp/t36/lib/python3.11/site-packages/zz_main.pth
+  PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
+
+CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
+splits, partials for the combine launch), one (unsplit); default all. The launch is captured
+from the launcher on CPU tensors (T=64, 640 keys), not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from dsv4.ops import sparse_attn_sm90 as sm90
+
+DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+          torch.uint8: "u8"}  # fmt: skip
+CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
+         "one": {"num_splits": 1}}  # fmt: skip
+
+
+def capture(case: dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of the `_decode_kernel` launch the launcher makes for `case`."""
+    calls = []
+
+    class Launch:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return lambda *a, **kw: calls.append((a, kw))
+
+    T = 64
+    q = torch.randn(T, 64, 512, dtype=torch.bfloat16)
+    kv = torch.randn(2000, 512, dtype=torch.bfloat16)
+    idx = torch.randint(0, 2000, (T, 640), dtype=torch.int32)
+    cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
+    kernel, supported = sm90._decode_kernel, sm90.supported
+    sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
+    try:
+        sm90.sparse_attn_sm90(
+            q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
+            inv_rope=cs,
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
+        if not calls:
+            raise
+    finally:
+        sm90._decode_kernel, sm90.supported = kernel, supported
+    return calls[0]
+
+
+def compile_case(name: str, out: str) -> None:
+    args, kwargs = capture(CASES[name])
+    kernel = sm90._decode_kernel
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = kwargs[p.name] if p.name in kwargs else (args[i] if i < len(args) else p.default)
+        if p.name == "PDL":
+            v = True  # as on the GPU
+        if p.is_constexpr:
+            sig[p.name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name], attrs[(i,)] = "*" + DTYPES[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:  # ints divisible by 16 are specialized so on the GPU too (the cp.async widths)
+            sig[p.name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = os.path.join(out, f"{name}.ptx")
+    with open(ptx, "w") as f:
+        f.write(k.asm["ptx"])
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    cubin = os.path.join(out, f"{name}.cubin")
+    info = subprocess.run([os.path.join(tools, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+                          capture_output=True, text=True).stderr  # fmt: skip
+    regs = [ln.strip() for ln in info.splitlines() if "registers" in ln or "spill" in ln]
+    with open(os.path.join(out, f"{name}.sass"), "w") as f:
+        f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
+                               capture_output=True, text=True).stdout)  # fmt: skip
+    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} shared {k.metadata.shared} B; "
+          + "; ".join(regs))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("cases", nargs="*", default=list(CASES))
+    p.add_argument("--out", default="/tmp/sm90_compile")
+    ns = p.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    print(f"triton {triton.__version__}")
+    for name in ns.cases:
+        compile_case(name, ns.out)
+
+
+if __name__ == "__main__":
+    main()
