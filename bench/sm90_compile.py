@@ -27,10 +27,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
-DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-          torch.uint8: "u8"}  # fmt: skip
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
          "one": {"num_splits": 1}}  # fmt: skip
 
@@ -66,21 +65,10 @@ def capture(case: dict) -> tuple[tuple, dict]:
 def compile_case(name: str, out: str) -> None:
     args, kwargs = capture(CASES[name])
     kernel = sm90._decode_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        v = kwargs[p.name] if p.name in kwargs else (args[i] if i < len(args) else p.default)
-        if p.name == "PDL":
-            v = True  # as on the GPU
-        if p.is_constexpr:
-            sig[p.name], consts[(i,)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + DTYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        else:  # ints divisible by 16 are specialized so on the GPU too (the cp.async widths)
-            sig[p.name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    # (PDL as on the GPU; the strides' divisibility decides the cp.async widths)
+    sig, consts, attrs = launch_signature(
+        kernel, args, kwargs, {"PDL": True}, int_divisibility=True
+    )
     src = GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     ptx = os.path.join(out, f"{name}.ptx")

@@ -19,11 +19,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn as sa
 from dsv4.quant import kv_entry_layout, quant_kv_entries
 
-DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32",
-          torch.uint8: "u8"}  # fmt: skip
 OPTIONS = ("num_warps", "num_stages")
 # constexprs as a GPU launch passes them (the CPU launch picks the interpreter's forms)
 ON_GPU = dict(UPCAST=False, PRECISION="tf32", FP8_DECODE=1, SPLIT=True, PDL=True, ALIGNED=True)
@@ -64,17 +63,7 @@ def capture(T: int, entries: bool, tile: dict) -> tuple[tuple, dict]:
 def shared_bytes(args: tuple, kwargs: dict, arch: int) -> int:
     """Shared memory of the captured launch compiled for sm_<arch>."""
     kernel = sa._sparse_attn_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        v = ON_GPU.get(p.name, kwargs[p.name] if p.name in kwargs else args[i])
-        if p.is_constexpr:
-            sig[p.name], consts[(i,)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + DTYPES[v.dtype], [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        else:
-            sig[p.name] = "i32"
+    sig, consts, attrs = launch_signature(kernel, args, kwargs, ON_GPU)
     src = ASTSource(kernel, sig, constexprs=consts, attrs=attrs)
     options = {o: kwargs[o] for o in OPTIONS}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).metadata.shared
