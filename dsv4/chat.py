@@ -70,17 +70,30 @@ def encode_messages(
     reasoning_effort: str | None = None,
     drop_thinking: bool = True,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """Render OpenAI chat messages as a DeepSeek-V4 prompt; raises ValueError on bad input.
 
     thinking=False is the "chat" (non-think) mode. reasoning_effort is None, "high" or "max";
     only "max" (in thinking mode) changes the prompt. drop_thinking removes the reasoning of
     assistant turns before the last user turn; it is off whenever tools are given.
+    continue_final_message (vLLM's): the last message is an assistant's, left open for the model
+    to continue: its content without the end-of-sentence token, or, in thinking mode with
+    reasoning and no content yet, its reasoning without `</think>` (`continues_reasoning`).
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort {reasoning_effort!r} is not one of {REASONING_EFFORTS}")
     functions = _check_tools(tools)
     turns = _to_turns(messages)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError(
+                "continue_final_message cannot be combined with add_generation_prompt=true"
+            )
+        if turns[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last in messages")
+        if turns[-1]["calls"]:
+            raise ValueError("continue_final_message cannot continue a message with tool_calls")
     if functions:
         # Request-level tools join the leading system prompt, or get an empty one of their own.
         if turns[0]["role"] != "system":
@@ -107,9 +120,24 @@ def encode_messages(
                 out.append(ASSISTANT + (THINK_START if open_think else THINK_END))
         else:
             keep_reasoning = thinking and (not drop or i > last_user)
+            if continue_final_message and i == len(turns) - 1:
+                if keep_reasoning and turn["reasoning"] and not turn["text"]:
+                    out.append(turn["reasoning"])  # the reasoning goes on
+                else:
+                    out.append(
+                        (turn["reasoning"] + THINK_END if keep_reasoning else "") + turn["text"]
+                    )
+                break
             reasoning = turn["reasoning"] + THINK_END if keep_reasoning else ""
             out.append(reasoning + turn["text"] + render_tool_calls(turn["calls"]) + EOS)
     return "".join(out)
+
+
+def continues_reasoning(messages: list[dict], thinking: bool) -> bool:
+    """With continue_final_message: whether the model's output continues the final assistant
+    message's reasoning (thinking mode, reasoning given, no content yet) rather than its content."""
+    last = _to_turns(messages)[-1]
+    return bool(thinking and last["role"] == "assistant" and last["reasoning"] and not last["text"])
 
 
 def render_tools(functions: list[dict]) -> str:

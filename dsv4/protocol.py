@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsv4.chat import continues_reasoning
 from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -81,6 +82,7 @@ class GenerationRequest(BaseModel):
     n: int = Field(1, ge=1)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM extension
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     min_tokens: int = Field(0, ge=0)
@@ -136,7 +138,7 @@ class GenerationRequest(BaseModel):
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=self.stop,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
@@ -203,6 +205,10 @@ class ChatCompletionRequest(GenerationRequest):
     # OpenAI's knob: "none" = non-thinking; "max" = Think Max; any other level = Think High
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # vLLM's: end the prompt with the assistant prefix / continue the final assistant message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    separate_reasoning: bool = True  # SGLang's: false leaves the reasoning inline in content
 
     def check(self) -> None:
         self.check_common()
@@ -234,7 +240,19 @@ class ChatCompletionRequest(GenerationRequest):
             "thinking": bool(thinking),
             "reasoning_effort": effort,
             "drop_thinking": kw.drop_thinking,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
         }
+
+    def output_in_reasoning(self, opts: dict) -> bool:
+        """Whether the model's output starts inside its reasoning, to be split off into
+        reasoning_content: thinking mode after a fresh assistant prefix, or continuing a final
+        message's reasoning. Never with separate_reasoning=false (all of it is content)."""
+        if not self.separate_reasoning:
+            return False
+        if self.continue_final_message:
+            return continues_reasoning(self.messages, opts["thinking"])
+        return opts["thinking"] and self.add_generation_prompt
 
 
 class TokenizeRequest(BaseModel):

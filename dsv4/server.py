@@ -449,7 +449,7 @@ def build_app(server: Server) -> FastAPI:
                 rid,
                 server.config.model_name,
                 tokenizer,
-                thinking=opts["thinking"],
+                thinking=body.output_in_reasoning(opts),
                 tools=opts["tools"],
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,
@@ -581,9 +581,11 @@ def _encode_chat(tokenizer, messages: list[dict], opts: dict) -> list[int]:  # n
         prompt = encode_messages(messages, **opts)
     except ValueError as e:  # encoder messages start with the offending field
         field = str(e).split("[", 1)[0].split(" ", 1)[0]
-        param = {"tools": "tools", "reasoning_effort": "chat_template_kwargs"}.get(
-            field, "messages"
-        )
+        param = {
+            "tools": "tools",
+            "reasoning_effort": "chat_template_kwargs",
+            "continue_final_message": "continue_final_message",
+        }.get(field, "messages")
         raise ApiError(400, str(e), param) from e
     return tokenizer.encode(prompt, add_special_tokens=False).ids
 

@@ -130,6 +130,39 @@ def test_last_assistant_keeps_reasoning():
     assert encode_messages(msgs, thinking=True) == expected
 
 
+def test_continue_final_message():
+    # vLLM's continue_final_message: the last assistant message stays open (no EOS) for the model
+    # to go on with; in thinking mode its reasoning is closed before the content, or left open
+    # when there is no content yet (continues_reasoning tells the response which one)
+    from dsv4.chat import continues_reasoning
+
+    def cont(msgs, **kw):
+        return encode_messages(msgs, add_generation_prompt=False, continue_final_message=True, **kw)
+
+    chat = [user("Q"), {"role": "assistant", "content": "The answer is"}]
+    assert cont(chat) == f"{BOS}{U}Q{A}</think>The answer is"
+    assert cont(chat, thinking=True) == f"{BOS}{U}Q{A}<think></think>The answer is"
+    both = [user("Q"), {"role": "assistant", "reasoning_content": "R", "content": "A"}]
+    assert cont(both, thinking=True) == f"{BOS}{U}Q{A}<think>R</think>A"
+    reasoning = [user("Q"), {"role": "assistant", "reasoning_content": "Let me see", "content": ""}]
+    assert cont(reasoning, thinking=True) == f"{BOS}{U}Q{A}<think>Let me see"
+    assert cont(reasoning) == f"{BOS}{U}Q{A}</think>"  # chat mode: no reasoning is rendered
+    assert continues_reasoning(reasoning, True) and not continues_reasoning(reasoning, False)
+    assert not continues_reasoning(both, True) and not continues_reasoning(chat, True)
+    # earlier turns render as before; only the last one stays open
+    assert cont(HISTORY + chat[1:]).startswith(
+        encode_messages(HISTORY, add_generation_prompt=False)
+    )
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        encode_messages(chat, continue_final_message=True)
+    with pytest.raises(ValueError, match="assistant message last"):
+        cont([user("Q")])
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]  # fmt: skip
+    with pytest.raises(ValueError, match="tool_calls"):
+        cont([user("Q"), {"role": "assistant", "content": "", "tool_calls": calls}])
+
+
 def test_tools_section_without_system():
     expected = f"{BOS}\n\n{TOOLS_SECTION}{U}Weather in Paris?{A}</think>"
     assert encode_messages([user("Weather in Paris?")], tools=[WEATHER]) == expected

@@ -387,6 +387,47 @@ def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
     assert r2.choices[0].message.reasoning_content == msg.reasoning_content
 
 
+def test_continue_final_message_and_separate_reasoning(server, client):  # noqa: ANN001
+    # vLLM's continue_final_message: the reply goes on from the final assistant message, the same
+    # greedy tokens as a completion of that prompt; SGLang's separate_reasoning=false leaves the
+    # reasoning in content
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+
+    def completion_of(messages, **opts) -> str:  # noqa: ANN001, ANN003
+        text = encode_messages(messages, add_generation_prompt=False, **opts)
+        ids = httpx.post(
+            server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
+        ).json()["tokens"]
+        body = kw | {"prompt": ids, "ignore_eos": True}
+        return httpx.post(server.url + C, json=body).json()["choices"][0]["text"]
+
+    cont = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    chat = HI + [{"role": "assistant", "content": "Sure, the"}]
+    r = client.chat.completions.create(messages=chat, extra_body=cont, **kw)
+    want = completion_of(chat, continue_final_message=True)
+    assert r.choices[0].message.content == want and r.usage.completion_tokens == 6
+    # in thinking mode, a final message with reasoning only: the reasoning goes on
+    think = HI + [{"role": "assistant", "reasoning_content": "Let me", "content": ""}]
+    tk = cont | {"chat_template_kwargs": {"thinking": True}}
+    r = client.chat.completions.create(messages=think, extra_body=tk, **kw)
+    want = completion_of(think, continue_final_message=True, thinking=True)
+    assert r.choices[0].message.reasoning_content == want and r.choices[0].message.content is None
+    # separate_reasoning=false: what thinking mode split off as reasoning comes back as content
+    thinking = {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}
+    split = client.chat.completions.create(messages=HI, extra_body=thinking, **kw).choices[0]
+    inline = client.chat.completions.create(
+        messages=HI, extra_body=thinking | {"separate_reasoning": False}, **kw
+    ).choices[0]
+    assert split.message.reasoning_content and split.message.content is None
+    assert inline.message.content == split.message.reasoning_content
+    assert getattr(inline.message, "reasoning_content", None) is None
+    # the request must leave the generation prompt out and end with an assistant message
+    for extra, msgs in (({"continue_final_message": True}, chat), (cont, HI)):
+        bad = httpx.post(server.url + CHAT, json={"messages": msgs, **extra})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == "continue_final_message"
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -535,6 +576,9 @@ def test_include_stop_str_in_output(server):  # noqa: ANN001
     kept = kept.json()["choices"][0]
     assert cut["text"] == full[:i] and kept["text"] == full[: i + len(stop)]
     assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+    # SGLang's name for it
+    sg = httpx.post(server.url + C, json=body | {"stop": stop, "no_stop_trim": True})
+    assert sg.json()["choices"][0]["text"] == kept["text"]
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])  # fmt: skip
