@@ -209,6 +209,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     separate_reasoning: bool = True  # SGLang's: false leaves the reasoning inline in content
+    stream_reasoning: bool = True  # SGLang's: false sends the reasoning in one delta at its end
 
     def check(self) -> None:
         self.check_common()

@@ -215,6 +215,7 @@ class ChatFormatter(Formatter):
         *args,  # noqa: ANN002
         thinking: bool = False,
         tools: list[dict] | None = None,
+        stream_reasoning: bool = True,
         **kwargs,  # noqa: ANN003
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -222,6 +223,21 @@ class ChatFormatter(Formatter):
         self._stream = _parser(thinking, tools)
         self._first = True
         self._called = False  # a tool call was streamed
+        # SGLang's stream_reasoning=false: the reasoning is held back and sent in one delta when
+        # the answer (content or a tool call) starts, or at the end
+        self.stream_reasoning, self._held = stream_reasoning, ""
+
+    def _hold_reasoning(self, deltas: list[dict], finished: bool) -> list[dict]:
+        kept = []
+        for d in deltas:
+            if "reasoning_content" in d:
+                self._held += d["reasoning_content"]
+            else:
+                kept.append(d)
+        if self._held and (kept or finished):
+            kept.insert(0, {"reasoning_content": self._held})
+            self._held = ""
+        return kept
 
     def _logprobs(self, entries: list[dict]) -> dict:
         def item(token_id: int, logprob: float) -> dict:
@@ -250,6 +266,8 @@ class ChatFormatter(Formatter):
         deltas = self._stream.feed(out.delta_text)
         if out.finished:
             deltas += self._stream.finish()
+        if not self.stream_reasoning:
+            deltas = self._hold_reasoning(deltas, out.finished)
         delta = _merge_into_one(deltas)
         self._called |= "tool_calls" in delta
         if self._first:

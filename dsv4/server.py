@@ -450,6 +450,7 @@ def build_app(server: Server) -> FastAPI:
                 server.config.model_name,
                 tokenizer,
                 thinking=body.output_in_reasoning(opts),
+                stream_reasoning=body.stream_reasoning,
                 tools=opts["tools"],
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,

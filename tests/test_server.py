@@ -979,6 +979,27 @@ def test_chat_formatter_without_tools_and_on_length():
     }
 
 
+def test_chat_formatter_stream_reasoning_false():
+    # SGLang's stream_reasoning=false: the reasoning arrives in one delta, in the chunk where the
+    # answer starts (or the last chunk), and the chunks fold into the same message
+    for size in range(1, len(SCRIPT) + 1):
+        pieces = [SCRIPT[i : i + size] for i in range(0, len(SCRIPT), size)]
+        live = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS)
+        held = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS, stream_reasoning=False)
+        want = _fold([live.chunk(o) for o in _outputs(pieces)])
+        chunks = [held.chunk(o) for o in _outputs(pieces)]
+        assert len(chunks) == len(pieces) and _fold(chunks) == want, size
+        with_reasoning = [c for c in chunks if c["choices"][0]["delta"].get("reasoning_content")]
+        assert len(with_reasoning) == 1, size
+        first_answer = next(c for c in chunks if c["choices"][0]["delta"].get("content"))
+        assert with_reasoning[0] is first_answer, size
+    # reasoning cut by the length limit: sent with the last chunk
+    held = ChatFormatter("r", "m", None, thinking=True, stream_reasoning=False)
+    chunks = [held.chunk(o) for o in _outputs(["Still thinking", " about it"], "length")]
+    assert "reasoning_content" not in chunks[0]["choices"][0]["delta"]
+    assert chunks[1]["choices"][0]["delta"]["reasoning_content"] == "Still thinking about it"
+
+
 # ---- small units --------------------------------------------------------------------------------
 
 
