@@ -140,6 +140,14 @@ def continues_reasoning(messages: list[dict], thinking: bool) -> bool:
     return bool(thinking and last["role"] == "assistant" and last["reasoning"] and not last["text"])
 
 
+def tool_call_prefix(name: str | None) -> str:
+    """The start of a DSML tool-call block, up to a named function's invoke tag (name None: up to
+    the name's opening quote, for the model to pick one). A reply made to begin with it calls a
+    tool: tool_choice "required" / a named function without constrained decoding."""
+    invoke = f'<{DSML}invoke name="' + (f'{name}">\n' if name is not None else "")
+    return "\n\n" + CALLS_START + "\n" + invoke
+
+
 def render_tools(functions: list[dict]) -> str:
     """The `## Tools` system-prompt section for OpenAI `function` objects (key order kept)."""
     schemas = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)

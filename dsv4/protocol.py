@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4.chat import continues_reasoning
+from dsv4.chat import continues_reasoning, tool_call_prefix
 from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -215,13 +215,6 @@ class ChatCompletionRequest(GenerationRequest):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                f"tool_choice={self.tool_choice!r} is not supported (no constrained decoding); "
-                "use 'auto' or 'none'",
-                "tool_choice",
-            )
         if self.response_format not in (None, {"type": "text"}):
             msg = "only response_format {'type': 'text'} is supported"
             raise ApiError(400, msg, "response_format")
@@ -244,6 +237,34 @@ class ChatCompletionRequest(GenerationRequest):
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
+
+    def tool_prefix(self, opts: dict) -> str:
+        """tool_choice "required" or a named function: the DSML text the reply is made to begin
+        with (`chat.tool_call_prefix`, put after the prompt), else "". A prompt prefix, not
+        constrained decoding: the model writes the arguments (and for "required" the name), so
+        only the chat (non-thinking) mode takes it, where the reply starts with the answer."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return ""
+        if not self.tools:
+            raise ApiError(400, f"tool_choice={choice!r} needs tools", "tool_choice")
+        if opts["thinking"]:
+            msg = f"tool_choice={choice!r} is not supported in thinking mode (no constrained decoding)"
+            raise ApiError(400, msg, "tool_choice")
+        if self.continue_final_message:
+            msg = "tool_choice cannot be combined with continue_final_message"
+            raise ApiError(400, msg, "tool_choice")
+        if choice == "required":
+            return tool_call_prefix(None)
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            msg = "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+            raise ApiError(400, msg, "tool_choice")
+        names = {(t.get("function") or {}).get("name") for t in self.tools if isinstance(t, dict)}
+        if name not in names:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        return tool_call_prefix(name)
 
     def output_in_reasoning(self, opts: dict) -> bool:
         """Whether the model's output starts inside its reasoning, to be split off into

@@ -216,11 +216,16 @@ class ChatFormatter(Formatter):
         thinking: bool = False,
         tools: list[dict] | None = None,
         stream_reasoning: bool = True,
+        prefill: str = "",
         **kwargs,  # noqa: ANN003
     ) -> None:
         super().__init__(*args, **kwargs)
         self.thinking, self.tools = thinking, tools
+        # prefill: text the prompt made the reply begin with (a forced tool call's DSML start),
+        # parsed ahead of the model's output
+        self.prefill = prefill
         self._stream = _parser(thinking, tools)
+        self._stream.feed(prefill)  # (an unfinished block: no deltas)
         self._first = True
         self._called = False  # a tool call was streamed
         # SGLang's stream_reasoning=false: the reasoning is held back and sent in one delta when
@@ -287,7 +292,7 @@ class ChatFormatter(Formatter):
 
     def final_choice(self, out: RequestOutput) -> dict:
         parser = _parser(self.thinking, self.tools)
-        parsed = merge_deltas(parser.feed(out.text) + parser.finish())
+        parsed = merge_deltas(parser.feed(self.prefill + out.text) + parser.finish())
         message = {
             "role": "assistant",
             "content": parsed["content"],

@@ -437,7 +437,8 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         tokenizer = server.tokenizer("messages")
         opts = body.encoder_options()
-        ids = body.truncate(_encode_chat(tokenizer, body.messages, opts))
+        prefix = body.tool_prefix(opts)  # tool_choice "required" / named: the reply's forced start
+        ids = body.truncate(_encode_chat(tokenizer, body.messages, opts, prefix))
         max_tokens = body.max_completion_tokens or body.max_tokens
         server.check_room(ids, max_tokens, "messages")
         params = body.sampling_params(
@@ -451,6 +452,7 @@ def build_app(server: Server) -> FastAPI:
                 tokenizer,
                 thinking=body.output_in_reasoning(opts),
                 stream_reasoning=body.stream_reasoning,
+                prefill=prefix,
                 tools=opts["tools"],
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,
@@ -577,9 +579,10 @@ async def _profiled(done: concurrent.futures.Future) -> Path:
         raise ApiError(400, str(e)) from e
 
 
-def _encode_chat(tokenizer, messages: list[dict], opts: dict) -> list[int]:  # noqa: ANN001
+def _encode_chat(tokenizer, messages: list[dict], opts: dict, prefix: str = "") -> list[int]:  # noqa: ANN001
+    # prefix: text the reply is made to begin with (ChatCompletionRequest.tool_prefix)
     try:
-        prompt = encode_messages(messages, **opts)
+        prompt = encode_messages(messages, **opts) + prefix
     except ValueError as e:  # encoder messages start with the offending field
         field = str(e).split("[", 1)[0].split(" ", 1)[0]
         param = {

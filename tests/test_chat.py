@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.chat import encode_messages
+from dsv4.chat import encode_messages, tool_call_prefix
 
 # Spelled out here rather than imported, so the goldens do not share the encoder's constants.
 BOS = "<｜begin▁of▁sentence｜>"
@@ -161,6 +161,17 @@ def test_continue_final_message():
               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]  # fmt: skip
     with pytest.raises(ValueError, match="tool_calls"):
         cont([user("Q"), {"role": "assistant", "content": "", "tool_calls": calls}])
+
+
+def test_tool_call_prefix():
+    # the forced start of a reply for tool_choice: a named invoke, or up to the name's quote
+    named = tool_call_prefix("get_weather")
+    assert named == '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    assert tool_call_prefix(None) == '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="'
+    # it is how a rendered call begins, so the model continues a call in its own format
+    from dsv4.chat import render_tool_calls
+
+    assert render_tool_calls([("get_weather", {"city": "Paris"})]).startswith(named)
 
 
 def test_tools_section_without_system():

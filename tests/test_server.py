@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from dsv4.chat import encode_messages
+from dsv4.chat import encode_messages, tool_call_prefix
 from dsv4.engine import RequestOutput
 from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
@@ -385,6 +385,32 @@ def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
         reasoning_effort="high", extra_body={"ignore_eos": True}, **kw
     )
     assert r2.choices[0].message.reasoning_content == msg.reasoning_content
+
+
+def test_tool_choice_named_and_required(server, client):  # noqa: ANN001
+    # the reply is made to begin a DSML call (the prompt ends with chat.tool_call_prefix); the
+    # random model's arguments are whatever it writes, so only the prompt and the errors are
+    # checked here (the parsing: test_chat_formatter_forced_tool_call)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        body = {"messages": HI, "tools": TOOLS, "tool_choice": choice, "max_tokens": 4}
+        r = httpx.post(server.url + CHAT, json=body | {"temperature": 0})
+        assert r.status_code == 200, r.text
+        text = encode_messages(HI, tools=TOOLS) + tool_call_prefix(
+            "get_weather" if choice is named else None
+        )
+        ids = httpx.post(
+            server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
+        ).json()["tokens"]
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    bad = [
+        {"tool_choice": named, "chat_template_kwargs": {"thinking": True}},  # thinking mode
+        {"tool_choice": {"type": "function", "function": {"name": "nope"}}},  # not in tools
+        {"tool_choice": {"type": "function"}},  # no name
+    ]
+    for extra in bad:
+        r = httpx.post(server.url + CHAT, json={"messages": HI, "tools": TOOLS} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
 def test_continue_final_message_and_separate_reasoning(server, client):  # noqa: ANN001
@@ -977,6 +1003,27 @@ def test_chat_formatter_without_tools_and_on_length():
         "tool_calls": {},
         "finish_reason": "length",
     }
+
+
+def test_chat_formatter_forced_tool_call():
+    # tool_choice named / "required": the prompt ends with the DSML block's start
+    # (chat.tool_call_prefix) and the formatter parses it ahead of the model's text, streamed at
+    # every split and whole
+    body = SCRIPT[SCRIPT.index('<｜DSML｜parameter name="city"') :]
+    for name, rest in (("get_weather", body), (None, 'get_weather">\n' + body)):
+        prefix = tool_call_prefix(name)
+        fmt = ChatFormatter("r", "m", None, tools=TOOLS, prefill=prefix)
+        whole = fmt.response(_outputs([rest])[-1])["choices"][0]
+        (call,) = whole["message"]["tool_calls"]
+        assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+        for size in (1, 3, 7, len(rest)):
+            pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
+            fmt = ChatFormatter("r", "m", None, tools=TOOLS, prefill=prefix)
+            folded = _fold([fmt.chunk(o) for o in _outputs(pieces)])
+            assert folded["content"] == "" and folded["finish_reason"] == "tool_calls", size
+            assert folded["tool_calls"] == {0: call["function"]}, size
 
 
 def test_chat_formatter_stream_reasoning_false():
