@@ -382,11 +382,14 @@ class LLM:
         use_tqdm: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages) or a list of them, rendered in
         the DeepSeek-V4 chat format (`dsv4.chat.encode_messages`; chat_template_kwargs:
-        thinking, reasoning_effort, drop_thinking), then generated. The text comes back raw
-        (thinking and DSML tool calls unparsed, as vLLM's offline chat)."""
+        thinking, reasoning_effort, drop_thinking; add_generation_prompt and
+        continue_final_message as vLLM's), then generated. The text comes back raw (thinking
+        and DSML tool calls unparsed, as vLLM's offline chat)."""
         from dsv4.chat import encode_messages
 
         if self.tokenizer is None:
@@ -398,7 +401,14 @@ class LLM:
             raise ValueError(f"chat_template_kwargs: unknown keys {sorted(bad)}")
         ids = [
             self.tokenizer.encode(
-                encode_messages(c, tools=tools, **kw), add_special_tokens=False
+                encode_messages(
+                    c,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **kw,
+                ),
+                add_special_tokens=False,
             ).ids
             for c in conversations
         ]

@@ -206,6 +206,14 @@ def test_chat_is_generate_on_the_chat_format(llm):  # noqa: ANN001
         llm.chat(talk, sp, chat_template_kwargs={"thinkng": True})
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "x"}], sp)
+    # vLLM's continue_final_message: the final assistant message left open
+    going = other + [{"role": "assistant", "content": "Because"}]
+    (c,) = llm.chat(going, sp, add_generation_prompt=False, continue_final_message=True)
+    text = encode_messages(going, add_generation_prompt=False, continue_final_message=True)
+    assert c.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False).ids
+    assert text.endswith("Because")
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(going, sp, continue_final_message=True)
 
 
 def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
