@@ -18,6 +18,7 @@ import torch
 from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
+from dsv4.grammar import JsonGrammar, JsonState, token_bytes
 from dsv4.model import Transformer
 from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
@@ -160,6 +161,7 @@ class Engine:
         )
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size, cache)
         self.sampler = Sampler(self.args.eos_token_id)
+        self._json_grammar: JsonGrammar | None = None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # tensor parallel: rank 0 leads. It hands its adds and aborts, in order, to the other
@@ -203,11 +205,21 @@ class Engine:
         req.extra["out"] = RequestOutput(
             request_id, list(prompt_ids), logprobs=[] if params.logprobs is not None else None
         )
+        req.extra["json"] = JsonState(self.json_grammar()) if params.json_object else None
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.leads:
             self._outbox.append(("add", request_id, list(prompt_ids), params))
         return request_id
+
+    def json_grammar(self) -> JsonGrammar:
+        """JSON mode's token tables, built on first use from the tokenizer (~1 s for 129K)."""
+        if self._json_grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("JSON mode (json_object) needs the model's tokenizer.json")
+            tokens = token_bytes(self.tokenizer, self.args.vocab_size)
+            self._json_grammar = JsonGrammar(tokens, self.args.eos_token_id)
+        return self._json_grammar
 
     def abort(self, request_id: str) -> None:
         if self.leads:
@@ -417,6 +429,7 @@ class Engine:
                 [r.output_ids + tokens[i] for r, i in zip(reqs, active)],
                 [r.extra["gen"] for r in reqs],
                 drafts if self.num_speculative_tokens else None,
+                [r.extra.get("json") for r in reqs],
             )
             ids = sample.token_ids.tolist()
             for k, (i, req) in enumerate(zip(active, reqs)):

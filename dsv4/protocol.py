@@ -97,6 +97,11 @@ class GenerationRequest(BaseModel):
     user: str | None = None
 
     @property
+    def json_mode(self) -> bool:
+        """The output is one JSON object (chat's response_format json_object)."""
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -147,6 +152,7 @@ class GenerationRequest(BaseModel):
                 if self.logit_bias
                 else None,
                 allowed_token_ids=self.allowed_token_ids,
+                json_object=self.json_mode,
             )
         except ValueError as e:  # SamplingParams messages start with the field name
             field = str(e).split(" ", 1)[0]
@@ -215,8 +221,11 @@ class ChatCompletionRequest(GenerationRequest):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        if self.response_format not in (None, {"type": "text"}):
-            msg = "only response_format {'type': 'text'} is supported"
+        if self.response_format not in (None, {"type": "text"}, {"type": "json_object"}):
+            msg = (
+                "response_format must be {'type': 'text'} or {'type': 'json_object'} "
+                "(json_schema: no schema-constrained decoding)"
+            )
             raise ApiError(400, msg, "response_format")
 
     def encoder_options(self) -> dict:
@@ -237,6 +246,23 @@ class ChatCompletionRequest(GenerationRequest):
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
+
+    @property
+    def json_mode(self) -> bool:
+        return self.response_format == {"type": "json_object"}
+
+    def check_json_mode(self, opts: dict, prefix: str) -> None:
+        """JSON mode constrains the reply from its first token, so it has no room for thinking
+        mode's reasoning, a forced tool call or a continued message."""
+        if not self.json_mode:
+            return
+        clash = (
+            "thinking mode" if opts["thinking"] else "a forced tool_choice" if prefix
+            else "continue_final_message" if self.continue_final_message else None
+        )  # fmt: skip
+        if clash:
+            msg = f"response_format json_object cannot be combined with {clash}"
+            raise ApiError(400, msg, "response_format")
 
     def tool_prefix(self, opts: dict) -> str:
         """tool_choice "required" or a named function: the DSML text the reply is made to begin

@@ -49,6 +49,8 @@ class SamplingParams:
     # added to the logits before anything else (OpenAI's logit_bias: token id -> [-100, 100])
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # the output is one JSON object (response_format json_object): `dsv4.grammar` masks each step
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -224,6 +226,19 @@ class Sampler:
         return logits.index_put(idx, torch.tensor(-math.inf, device=logits.device))
 
     @staticmethod
+    def constrain(logits: Tensor, output_ids: list[list[int]], constraints: list | None) -> Tensor:
+        # JSON mode (`dsv4.grammar.JsonState` per row, None for free rows): the tokens that
+        # would leave the grammar get -inf
+        rows = [i for i, c in enumerate(constraints or []) if c is not None]
+        masks = [constraints[i].mask(output_ids[i]) for i in rows]
+        rows = [i for i, m in zip(rows, masks) if m is not None]
+        if not rows:
+            return logits
+        keep = torch.stack([m for m in masks if m is not None]).to(logits.device)
+        idx = torch.tensor(rows, device=logits.device)
+        return logits.index_put((idx,), logits[idx].masked_fill(~keep, -math.inf))
+
+    @staticmethod
     def bias(logits: Tensor, params: list[SamplingParams]) -> Tensor:
         # allowed_token_ids: every other token -inf; then logit_bias added
         dev = logits.device
@@ -251,13 +266,17 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
+        constraints: list | None = None,
     ) -> Tensor:
-        """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax)."""
-        # min_tokens mask -> allowed_token_ids, logit_bias -> penalties -> temperature -> min_p ->
-        # top_k -> top_p (vLLM v1 order); greedy rows stop after the penalties
+        """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax).
+        constraints: a `dsv4.grammar.JsonState` per row (None: free), or None."""
+        # min_tokens mask -> JSON mode -> allowed_token_ids, logit_bias -> penalties ->
+        # temperature -> min_p -> top_k -> top_p (vLLM v1 order); greedy rows stop after the
+        # penalties
         B, V = logits.shape
         dev = logits.device
         logits = self.mask_min_tokens(logits, params, output_ids)
+        logits = self.constrain(logits, output_ids, constraints)
         logits = self.bias(logits, params)
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
         if all(p.greedy for p in params):
@@ -300,6 +319,7 @@ class Sampler:
         output_ids: list[list[int]],
         generators: list[torch.Generator | None],
         drafts: list[int] | None = None,
+        constraints: list | None = None,
     ) -> SampleOutput:
         """One token per row. With `drafts` (a proposed token per row, -1 for none), each row
         verifies its draft first (speculative decoding with a deterministic draft): the draft is
@@ -313,7 +333,7 @@ class Sampler:
             f"output_ids={len(output_ids)}, generators={len(generators)}"
         )
         dev = logits.device
-        processed = self.process(logits, params, prompt_ids, output_ids)  # [B, V] fp32
+        processed = self.process(logits, params, prompt_ids, output_ids, constraints)  # [B, V]
         token_ids = processed.argmax(-1)  # [B]; torch.argmax returns the first maximal index
         accepted = None
         if drafts is not None:

@@ -438,6 +438,7 @@ def build_app(server: Server) -> FastAPI:
         tokenizer = server.tokenizer("messages")
         opts = body.encoder_options()
         prefix = body.tool_prefix(opts)  # tool_choice "required" / named: the reply's forced start
+        body.check_json_mode(opts, prefix)
         ids = body.truncate(_encode_chat(tokenizer, body.messages, opts, prefix))
         max_tokens = body.max_completion_tokens or body.max_tokens
         server.check_room(ids, max_tokens, "messages")

@@ -387,6 +387,28 @@ def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
     assert r2.choices[0].message.reasoning_content == msg.reasoning_content
 
 
+def test_response_format_json_object(server, client):  # noqa: ANN001
+    # JSON mode: the reply is kept a JSON-object prefix (a random model rarely closes it in 24
+    # tokens: only the prefix is checked; the closing and EOS: tests/test_grammar.py)
+    from dsv4 import grammar
+
+    kw = {"model": MODEL, "messages": HI, "max_tokens": 24, "temperature": 1.0, "seed": 3}
+    fmt = {"type": "json_object"}
+    texts = [client.chat.completions.create(response_format=fmt, **kw).choices[0].message.content]
+    stream = client.chat.completions.create(response_format=fmt, stream=True, **kw)
+    texts.append("".join(c.choices[0].delta.content or "" for c in stream))
+    assert texts[0] == texts[1]  # seeded: streamed and whole agree
+    assert grammar.advance((grammar.START, ()), texts[0].encode()) is not None, texts[0]
+    free = client.chat.completions.create(**kw).choices[0].message.content
+    assert free != texts[0]
+    for extra in (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+        {"response_format": fmt, "chat_template_kwargs": {"thinking": True}},
+    ):
+        r = httpx.post(server.url + CHAT, json={"messages": HI} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 def test_tool_choice_named_and_required(server, client):  # noqa: ANN001
     # the reply is made to begin a DSML call (the prompt ends with chat.tool_call_prefix); the
     # random model's arguments are whatever it writes, so only the prompt and the errors are
