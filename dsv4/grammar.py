@@ -297,12 +297,16 @@ class JsonState:
         self._states: list[tuple | None] = [(START, ())]
 
     def state(self, output_ids: list[int]) -> tuple[int, tuple] | None:
-        k = 0
-        while k < min(len(self._ids), len(output_ids)) and self._ids[k] == output_ids[k]:
-            k += 1
-        del self._ids[k:], self._states[k + 1 :]
+        k = len(self._ids)
+        if len(output_ids) < k or output_ids[:k] != self._ids:  # (the usual case: one compare)
+            k = 0
+            while k < min(len(self._ids), len(output_ids)) and self._ids[k] == output_ids[k]:
+                k += 1
+            del self._ids[k:], self._states[k + 1 :]
+        g = self.grammar
         for t in output_ids[k:]:
-            data = self.grammar.tokens[t] if 0 <= t < self.grammar.vocab_size else None
+            # an EOS that did not stop the request (ignore_eos) adds nothing; other ids their bytes
+            data = b"" if t == g.eos else g.tokens[t] if 0 <= t < g.vocab_size else None
             self._ids.append(t)
             self._states.append(advance(self._states[-1], data))
         return self._states[-1]

@@ -133,6 +133,11 @@ def test_state_follows_dropped_drafts():
         n = rng.randint(0, len(text))
         ids = text[:n] + ([ord("#")] if rng.random() < 0.3 else [])  # '#' is never JSON here
         assert js.state(ids) == g.advance(START, bytes(ids))
+    # an EOS that did not stop the request (ignore_eos) adds nothing: the object stays done
+    eos = g.JsonGrammar(tokens[:255] + [None], eos_token_id=255)  # id 255: a special EOS
+    done = g.JsonState(eos)
+    assert done.state([ord("{"), ord("}"), 255, ord(" ")]) == (g.DONE, ())
+    assert bool(done.mask([ord("{"), ord("}"), 255])[255])
 
 
 @pytest.fixture(scope="module")
