@@ -95,11 +95,14 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
     user: str | None = None
+    # {"type": "text"} or {"type": "json_object"} (JSON mode: dsv4.grammar); vLLM takes it on
+    # completions too
+    response_format: dict[str, Any] | None = None
 
     @property
     def json_mode(self) -> bool:
-        """The output is one JSON object (chat's response_format json_object)."""
-        return False
+        """The output is one JSON object (response_format json_object)."""
+        return self.response_format == {"type": "json_object"}
 
     @property
     def include_usage(self) -> bool:
@@ -123,6 +126,12 @@ class GenerationRequest(BaseModel):
                 raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+        if self.response_format not in (None, {"type": "text"}, {"type": "json_object"}):
+            msg = (
+                "response_format must be {'type': 'text'} or {'type': 'json_object'} "
+                "(json_schema: no schema-constrained decoding)"
+            )
+            raise ApiError(400, msg, "response_format")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; None fields take the OpenAI defaults."""
@@ -207,7 +216,6 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # OpenAI's knob: "none" = non-thinking; "max" = Think Max; any other level = Think High
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "max"] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
@@ -221,12 +229,6 @@ class ChatCompletionRequest(GenerationRequest):
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
-        if self.response_format not in (None, {"type": "text"}, {"type": "json_object"}):
-            msg = (
-                "response_format must be {'type': 'text'} or {'type': 'json_object'} "
-                "(json_schema: no schema-constrained decoding)"
-            )
-            raise ApiError(400, msg, "response_format")
 
     def encoder_options(self) -> dict:
         """Keyword arguments for dsv4.chat.encode_messages."""
@@ -246,10 +248,6 @@ class ChatCompletionRequest(GenerationRequest):
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
-
-    @property
-    def json_mode(self) -> bool:
-        return self.response_format == {"type": "json_object"}
 
     def check_json_mode(self, opts: dict, prefix: str) -> None:
         """JSON mode constrains the reply from its first token, so it has no room for thinking
@@ -366,6 +364,13 @@ class GenerateRequest(BaseModel):
             raise ApiError(400, "return_logprob is not supported on /generate", "return_logprob")
         if self.sampling_params.n != 1:
             raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
+        # SGLang's structured outputs: refused by name rather than dropped with the other
+        # unknown keys (JSON mode is on the OpenAI routes: response_format json_object)
+        asked = [k for k in ("json_schema", "regex", "ebnf", "structural_tag")
+                 if (self.sampling_params.model_extra or {}).get(k) is not None]  # fmt: skip
+        if asked:
+            msg = f"sampling_params {asked[0]} is not supported (no grammar-constrained decoding)"
+            raise ApiError(400, msg, "sampling_params")
 
     def params(self) -> SamplingParams:
         p = self.sampling_params

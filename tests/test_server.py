@@ -407,6 +407,14 @@ def test_response_format_json_object(server, client):  # noqa: ANN001
     ):
         r = httpx.post(server.url + CHAT, json={"messages": HI} | extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    # on /v1/completions too (as vLLM): the text from the prompt on is one object's prefix
+    body = {"prompt": "Reply in JSON:", "max_tokens": 24, "seed": 3, "response_format": fmt}
+    text = httpx.post(server.url + C, json=body).json()["choices"][0]["text"]
+    assert grammar.advance((grammar.START, ()), text.encode()) is not None, text
+    # SGLang's structured-output keys on /generate are refused, not dropped
+    r = httpx.post(server.url + "/generate",
+                   json={"text": "hi", "sampling_params": {"regex": "[a-z]+"}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params", r.text
 
 
 def test_tool_choice_named_and_required(server, client):  # noqa: ANN001
