@@ -18,7 +18,7 @@ import torch
 from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
-from dsv4.grammar import JsonGrammar, JsonState, token_bytes
+from dsv4.grammar import ForcedAfter, JsonGrammar, JsonState, token_bytes
 from dsv4.model import Transformer
 from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
@@ -205,7 +205,12 @@ class Engine:
         req.extra["out"] = RequestOutput(
             request_id, list(prompt_ids), logprobs=[] if params.logprobs is not None else None
         )
-        req.extra["json"] = JsonState(self.json_grammar()) if params.json_object else None
+        # constrained decoding: a mask per step from the output so far (`Sampler.constrain`)
+        req.extra["constraint"] = (
+            JsonState(self.json_grammar()) if params.json_object
+            else ForcedAfter(*params.forced_after, self.args.eos_token_id, self.args.vocab_size)
+            if params.forced_after else None
+        )  # fmt: skip
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.leads:
@@ -429,7 +434,7 @@ class Engine:
                 [r.output_ids + tokens[i] for r, i in zip(reqs, active)],
                 [r.extra["gen"] for r in reqs],
                 drafts if self.num_speculative_tokens else None,
-                [r.extra.get("json") for r in reqs],
+                [r.extra.get("constraint") for r in reqs],
             )
             ids = sample.token_ids.tolist()
             for k, (i, req) in enumerate(zip(active, reqs)):

@@ -316,3 +316,32 @@ class JsonState:
         forced token: nothing is masked then)."""
         state = self.state(output_ids)
         return None if state is None else self.grammar.mask(state)
+
+
+class ForcedAfter:
+    """A forced continuation: once `trigger` is out, the next tokens are `ids`, and EOS is masked
+    until they are (thinking mode's tool_choice "required" / named: after `</think>`, the DSML
+    call's start). The same mask interface as JsonState; None = nothing masked."""
+
+    def __init__(self, trigger: int, ids: list[int], eos_token_id: int, vocab_size: int) -> None:
+        self.trigger, self.ids, self.eos, self.vocab_size = (
+            trigger,
+            list(ids),
+            eos_token_id,
+            vocab_size,
+        )
+        self._no_eos = torch.ones(vocab_size, dtype=torch.bool)
+        if 0 <= eos_token_id < vocab_size:
+            self._no_eos[eos_token_id] = False
+
+    def mask(self, output_ids: list[int]) -> torch.Tensor | None:
+        try:
+            at = output_ids.index(self.trigger)
+        except ValueError:
+            return self._no_eos  # the reasoning goes on until the trigger: no end before it
+        done = output_ids[at + 1 :]
+        if len(done) >= len(self.ids) or done != self.ids[: len(done)]:
+            return None  # forced part out (or left: then nothing is forced any more)
+        only = torch.zeros(self.vocab_size, dtype=torch.bool)
+        only[self.ids[len(done)]] = True
+        return only

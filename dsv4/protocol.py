@@ -263,17 +263,18 @@ class ChatCompletionRequest(GenerationRequest):
             raise ApiError(400, msg, "response_format")
 
     def tool_prefix(self, opts: dict) -> str:
-        """tool_choice "required" or a named function: the DSML text the reply is made to begin
-        with (`chat.tool_call_prefix`, put after the prompt), else "". A prompt prefix, not
-        constrained decoding: the model writes the arguments (and for "required" the name), so
-        only the chat (non-thinking) mode takes it, where the reply starts with the answer."""
+        """tool_choice "required" or a named function: the DSML text the answer is made to begin
+        with (`chat.tool_call_prefix`), else "". In chat mode it goes after the prompt; in
+        thinking mode the sampler forces its tokens right after `</think>` (`forced_after`).
+        The model writes the arguments (and for "required" the name): they are not
+        constrained."""
         choice = self.tool_choice
         if choice in (None, "auto", "none"):
             return ""
         if not self.tools:
             raise ApiError(400, f"tool_choice={choice!r} needs tools", "tool_choice")
-        if opts["thinking"]:
-            msg = f"tool_choice={choice!r} is not supported in thinking mode (no constrained decoding)"
+        if opts["thinking"] and not self.add_generation_prompt:
+            msg = f"tool_choice={choice!r} in thinking mode needs add_generation_prompt"
             raise ApiError(400, msg, "tool_choice")
         if self.continue_final_message:
             msg = "tool_choice cannot be combined with continue_final_message"

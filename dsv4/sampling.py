@@ -51,6 +51,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     # the output is one JSON object (response_format json_object): `dsv4.grammar` masks each step
     json_object: bool = False
+    # (trigger id, ids): once the trigger token is out, these tokens follow, and EOS waits for
+    # them (a forced tool call after thinking mode's `</think>`: `dsv4.grammar.ForcedAfter`)
+    forced_after: tuple[int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,9 +133,20 @@ class SamplingParams:
                 f"got {self.allowed_token_ids!r}",
             )
 
+        if self.forced_after is not None:
+            trigger, ids = self.forced_after
+            self.forced_after = (trigger, list(ids))
+            _check(
+                _is_int(trigger) and trigger >= 0 and bool(ids)
+                and all(_is_int(t) and t >= 0 for t in ids),
+                f"forced_after must be (token id, non-empty list of token ids), got {self.forced_after!r}",
+            )  # fmt: skip
+            _check(not self.json_object, "forced_after cannot be combined with json_object")
+
     def token_ids(self) -> list[int]:
         """The token ids the settings name (for the vocabulary check of `Engine.add_request`)."""
-        return list(self.logit_bias or ()) + list(self.allowed_token_ids or ())
+        forced = [self.forced_after[0], *self.forced_after[1]] if self.forced_after else []
+        return list(self.logit_bias or ()) + list(self.allowed_token_ids or ()) + forced
 
     def choice(self, j: int) -> SamplingParams:
         """The params of completion j of n: one request's, seed + j for a seeded request (its
@@ -227,8 +241,8 @@ class Sampler:
 
     @staticmethod
     def constrain(logits: Tensor, output_ids: list[list[int]], constraints: list | None) -> Tensor:
-        # JSON mode (`dsv4.grammar.JsonState` per row, None for free rows): the tokens that
-        # would leave the grammar get -inf
+        # constrained decoding (a `dsv4.grammar` JsonState / ForcedAfter per row, None for free
+        # rows): the tokens the constraint does not allow get -inf
         rows = [i for i, c in enumerate(constraints or []) if c is not None]
         masks = [constraints[i].mask(output_ids[i]) for i in rows]
         rows = [i for i, m in zip(rows, masks) if m is not None]
@@ -269,7 +283,7 @@ class Sampler:
         constraints: list | None = None,
     ) -> Tensor:
         """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax).
-        constraints: a `dsv4.grammar.JsonState` per row (None: free), or None."""
+        constraints: a `dsv4.grammar` constraint per row (None: free), or None."""
         # min_tokens mask -> JSON mode -> allowed_token_ids, logit_bias -> penalties ->
         # temperature -> min_p -> top_k -> top_p (vLLM v1 order); greedy rows stop after the
         # penalties

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from dsv4 import __version__
 from dsv4.asgi import ClientGone, RequestGate, SSEResponse, error_response, sse, until_disconnect
-from dsv4.chat import encode_messages
+from dsv4.chat import THINK_END, encode_messages
 from dsv4.config import AUTO_FLAGS, ConfigError, ServerConfig, resolve_engine
 from dsv4.engine import AsyncEngine, EngineError, RequestOutput, check_prompt
 from dsv4.metrics import CONTENT_TYPE, RequestTrace, ServerMetrics, StatsLogger
@@ -437,14 +437,22 @@ def build_app(server: Server) -> FastAPI:
         server.check_model(body.model)
         tokenizer = server.tokenizer("messages")
         opts = body.encoder_options()
-        prefix = body.tool_prefix(opts)  # tool_choice "required" / named: the reply's forced start
+        # tool_choice "required" / named: the answer's forced start, after the prompt in chat mode,
+        # forced by the sampler after `</think>` in thinking mode
+        prefix = body.tool_prefix(opts)
         body.check_json_mode(opts, prefix)
+        after_thinking, prefix = (prefix, "") if opts["thinking"] else ("", prefix)
         ids = body.truncate(_encode_chat(tokenizer, body.messages, opts, prefix))
         max_tokens = body.max_completion_tokens or body.max_tokens
         server.check_room(ids, max_tokens, "messages")
         params = body.sampling_params(
             max_tokens, (body.top_logprobs or 0) if body.logprobs else None
         )
+        if after_thinking:
+            forced = tokenizer.encode(after_thinking, add_special_tokens=False).ids
+            params = dataclasses.replace(
+                params, forced_after=(tokenizer.token_to_id(THINK_END), forced)
+            )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmts = [
             ChatFormatter(

@@ -172,3 +172,32 @@ def test_generation_in_json_mode(tiny: Path):
     spec = LLM(tiny, device="cpu", progress=False, max_seqs=4,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
+
+
+def test_forced_after_trigger():
+    # a forced continuation: EOS is masked until the trigger; then only the next forced token;
+    # free again once the forced tokens are out
+    f = g.ForcedAfter(trigger=7, ids=[3, 4, 5], eos_token_id=1, vocab_size=10)
+    before = f.mask([2, 2])
+    assert not before[1] and int(before.sum()) == 9
+    for done, nxt in (([], 3), ([3], 4), ([3, 4], 5)):
+        only = f.mask([2, 7, *done])
+        assert only.nonzero().flatten().tolist() == [nxt]
+    assert f.mask([2, 7, 3, 4, 5]) is None and f.mask([2, 7, 3, 4, 5, 9]) is None
+
+
+def test_generation_with_a_forced_continuation(tiny: Path):
+    # through the engine: with the trigger pushed up it comes first and the forced tokens follow;
+    # EOS pushed up cannot end the output before the trigger
+    llm = LLM(tiny, device="cpu", progress=False, max_seqs=2)
+    eos = llm.args.eos_token_id
+    trigger, forced = 40, [50, 51, 52]
+    sp = SamplingParams(temperature=0, max_tokens=6, forced_after=(trigger, forced),
+                        logit_bias={trigger: 60.0})  # fmt: skip
+    (out,) = llm.generate([[0, 5, 6]], sp)
+    assert out.token_ids[:4] == [trigger, *forced]
+    stop = SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 60.0})
+    assert llm.generate([[0, 5, 6]], stop)[0].token_ids == [eos]  # it would end at once
+    held = SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 60.0},
+                          forced_after=(trigger, forced))  # fmt: skip
+    assert eos not in llm.generate([[0, 5, 6]], held)[0].token_ids

@@ -433,8 +433,25 @@ def test_tool_choice_named_and_required(server, client):  # noqa: ANN001
             server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
         ).json()["tokens"]
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # thinking mode: the reasoning first, then the call's start forced after `</think>` (pushed
+    # up here so that the random model ends its reasoning at once)
+    think_end = 128822
+    body = {"messages": HI, "tools": TOOLS, "tool_choice": named, "temperature": 0,
+            "chat_template_kwargs": {"thinking": True}, "logit_bias": {str(think_end): 100},
+            "return_token_ids": True}  # fmt: skip
+    forced = httpx.post(
+        server.url + "/tokenize",
+        json={"prompt": tool_call_prefix("get_weather"), "add_special_tokens": False},
+    ).json()["tokens"]
+    r = httpx.post(server.url + CHAT, json=body | {"max_tokens": 1 + len(forced)})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [think_end, *forced]
     bad = [
-        {"tool_choice": named, "chat_template_kwargs": {"thinking": True}},  # thinking mode
+        {
+            "tool_choice": named,
+            "chat_template_kwargs": {"thinking": True},
+            "add_generation_prompt": False,
+        },  # fmt: skip
         {"tool_choice": {"type": "function", "function": {"name": "nope"}}},  # not in tools
         {"tool_choice": {"type": "function"}},  # no name
     ]
