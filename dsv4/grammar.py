@@ -51,7 +51,19 @@ def _mode(*key: object) -> int:
 
 START, DONE = _mode("START"), _mode("DONE")
 DEAD = -1
-NUM_STATES = ("minus", "zero", "int", "dot", "frac", "e", "esign", "exp")
+_D = DIGITS.decode()
+# a number's sub-state -> {character: next sub-state} (RFC 8259 number syntax)
+NUM_NEXT = {
+    "minus": {"0": "zero", **dict.fromkeys("123456789", "int")},
+    "zero": {".": "dot", "e": "e", "E": "e"},
+    "int": {**dict.fromkeys(_D, "int"), ".": "dot", "e": "e", "E": "e"},
+    "dot": dict.fromkeys(_D, "frac"),
+    "frac": {**dict.fromkeys(_D, "frac"), "e": "e", "E": "e"},
+    "e": {"+": "esign", "-": "esign", **dict.fromkeys(_D, "exp")},
+    "esign": dict.fromkeys(_D, "exp"),
+    "exp": dict.fromkeys(_D, "exp"),
+}
+NUM_STATES = tuple(NUM_NEXT)
 NUM_END = ("zero", "int", "frac", "exp")  # a number may stop here
 for _ctx in (OBJ, ARR):
     for _kind in ("VALUE", "NEXT"):
@@ -93,16 +105,7 @@ def _value_start(ctx: int, b: int) -> int:
 
 
 def _number(ctx: int, sub: str, b: int) -> int:
-    nxt = {
-        "minus": {"0": "zero", **dict.fromkeys("123456789", "int")},
-        "zero": {".": "dot", "e": "e", "E": "e"},
-        "int": {**dict.fromkeys(DIGITS.decode(), "int"), ".": "dot", "e": "e", "E": "e"},
-        "dot": dict.fromkeys(DIGITS.decode(), "frac"),
-        "frac": {**dict.fromkeys(DIGITS.decode(), "frac"), "e": "e", "E": "e"},
-        "e": {"+": "esign", "-": "esign", **dict.fromkeys(DIGITS.decode(), "exp")},
-        "esign": dict.fromkeys(DIGITS.decode(), "exp"),
-        "exp": dict.fromkeys(DIGITS.decode(), "exp"),
-    }[sub].get(chr(b))
+    nxt = NUM_NEXT[sub].get(chr(b))
     if nxt is not None:
         return _INDEX[("NUM", ctx, nxt)]
     if sub in NUM_END:  # the number ends; the byte is read after it

@@ -115,12 +115,17 @@ def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
-    # online softmax of one tile (log2 domain): P, the rescale of what came before, new (m, l)
+def _probs(s, valid, qk_scale, m_i):  # noqa: ANN001, ANN202
+    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    return gl.exp2(s - m_new[:, None]), gl.exp2(m_i - m_new), m_new
+
+
+@gluon.jit
+def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
+    # _probs and the new row sum l
+    p, alpha, m_new = _probs(s, valid, qk_scale, m_i)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -151,10 +156,7 @@ def _lean_tile(i, B: gl.constexpr, q_smem, kv_smem, p_smem, ones_smem, kv_ptr, s
     valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
     kv = kv_smem.index(B)
     s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-    s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    p, alpha, m_new = _probs(s, valid, qk_scale, m_i)  # (the row sums come from the MMA below)
     pb = p_smem.index(B)
     pb.store(p.to(gl.bfloat16))
     fence_async_shared()
