@@ -537,32 +537,6 @@ def probe_attn_fixup() -> None:
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
-def probe_attn_lean() -> None:
-    # sm90.LEAN (6 CTA barriers a tile instead of 10, in the sm_90a SASS) against the loop it
-    # would replace: default tiles and splits, alternated twice, and the difference between them
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 48, 32, 16):
-        q, kv, sink, idx = attn.tokens(T)
-        one = (torch.cat(kv),)
-        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
-        outs = {}
-        for _ in range(2):
-            for lean in (False, True):
-                sm90.LEAN = lean
-                outs[lean] = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04)
-                us(
-                    f"attn T={T} sm90 default splits, {'LEAN' if lean else 'loop until now'}",
-                    lambda: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04),  # noqa: B023
-                    nbytes=nbytes,
-                )
-        sm90.LEAN = False
-        diff = float((outs[True].float() - outs[False].float()).abs().max())
-        print(f"    T={T}: max|LEAN - loop| {diff:.2e}")
-    copy_floor("attn lean: copy_ of 64 MiB", 64 << 20)
-
-
 def probe_attn_tlb() -> None:
     # T=64 gathers: picks uniform over a 1 GB pool vs each token's own region (the engine's
     # layout: a sequence's entries together), the Triton kernel and the sm90 one (full, loads only)
@@ -2275,7 +2249,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_lean": probe_attn_lean, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -12,8 +12,8 @@ venv's torch:
   PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
 
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
-splits, partials for the combine launch), one (unsplit), lean / lean_one / lean_bn32
-(`sm90.LEAN`'s loop: 2 splits / unsplit / 32-key tiles); default all. The launch is captured
+splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits);
+default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
 
@@ -32,8 +32,7 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "lean": {"lean": True}, "lean_one": {"lean": True, "num_splits": 1},
-         "lean_bn32": {"lean": True, "block_n": 32}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -49,9 +48,8 @@ def capture(case: dict) -> tuple[tuple, dict]:
     kv = torch.randn(2000, 512, dtype=torch.bfloat16)
     idx = torch.randint(0, 2000, (T, 640), dtype=torch.int32)
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
-    kernel, supported, lean = sm90._decode_kernel, sm90.supported, sm90.LEAN
+    kernel, supported = sm90._decode_kernel, sm90.supported
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
-    sm90.LEAN = case.get("lean", False)
     try:
         sm90.sparse_attn_sm90(
             q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
@@ -61,7 +59,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
         if not calls:
             raise
     finally:
-        sm90._decode_kernel, sm90.supported, sm90.LEAN = kernel, supported, lean
+        sm90._decode_kernel, sm90.supported = kernel, supported
     return calls[0]
 
 
@@ -85,7 +83,7 @@ def compile_case(name: str, out: str) -> None:
     with open(os.path.join(out, f"{name}.sass"), "w") as f:
         f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                capture_output=True, text=True).stdout)  # fmt: skip
-    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} LEAN {kwargs['LEAN']} "
+    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} "
           f"shared {k.metadata.shared} B; "
           + "; ".join(regs))  # fmt: skip
 

@@ -32,7 +32,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from dsv4.ops import sparse_attn as _triton
@@ -52,10 +51,6 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
-# the loop with fewer CTA barriers a tile (`_lean_tile`: row sums on the tensor cores, P
-# double-buffered, buffer indices static), bf16 rows with two kv buffers; off until measured
-# against the loop it would replace (`bench/probe_pieces.py --only attn_lean`)
-LEAN = False
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
 
 
@@ -115,17 +110,12 @@ def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
 
 
 @gluon.jit
-def _probs(s, valid, qk_scale, m_i):  # noqa: ANN001, ANN202
-    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m
+def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
+    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m, l
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    return gl.exp2(s - m_new[:, None]), gl.exp2(m_i - m_new), m_new
-
-
-@gluon.jit
-def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
-    # _probs and the new row sum l
-    p, alpha, m_new = _probs(s, valid, qk_scale, m_i)
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
@@ -137,36 +127,6 @@ def _normalise(acc, m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
     m_all = gl.maximum(m, sink)
     alpha = gl.exp2(m - m_all)
     return acc * (alpha / (l * alpha + gl.exp2(sink - m_all)))[:, None]
-
-
-@gluon.jit
-def _lean_tile(i, B: gl.constexpr, q_smem, kv_smem, p_smem, ones_smem, kv_ptr, stride_kn, idx_row,
-               k_begin, k_end, offs_gn, offs_sn, offs_gd, idx_next, valid_next, m_i, acc, l_acc,
-               qk_scale, s_zero, BLOCK_N: gl.constexpr):  # fmt: skip
-    # tile i (LEAN, two kv buffers) from kv buffer B, P into P buffer B; the next tile's gather
-    # into buffer 1 - B. Static buffer indices keep the compiler's shared-memory barriers to the
-    # ones the data needs; the row sums come from P times a ones tile on the tensor cores (no
-    # cross-warpgroup sum), and P is double-buffered (no barrier after P V)
-    cp.wait_group(0)
-    fence_async_shared()
-    gl.thread_barrier()  # tile i landed for every warp; every warp is past tile i - 1's MMAs
-    _gather(kv_smem.index(1 - B), kv_ptr, stride_kn, idx_next, offs_gd)
-    idx_next = _tile_idx(idx_row, k_begin + (i + 2) * BLOCK_N, k_end, offs_gn)
-    valid = valid_next
-    valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-    kv = kv_smem.index(B)
-    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-    p, alpha, m_new = _probs(s, valid, qk_scale, m_i)  # (the row sums come from the MMA below)
-    pb = p_smem.index(B)
-    pb.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()  # P of every warp before the MMAs that read it
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_acc.type.layout))[:, None]
-    acc = warpgroup_mma(pb, kv, acc, is_async=True)
-    l_acc = warpgroup_mma(pb, ones_smem, l_acc, is_async=True)
-    acc, l_acc = warpgroup_mma_wait(0, deps=[acc, l_acc])
-    return idx_next, valid_next, m_new, acc, l_acc
 
 
 @gluon.jit
@@ -295,7 +255,6 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
-    LEAN: gl.constexpr = False,  # bf16 rows, two buffers, MODE 0: the loop of `_lean_tile`
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
@@ -317,21 +276,7 @@ def _decode_kernel(
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
-    if LEAN:  # P double-buffered; a ones tile [BN, 16] for the row sums (P 1 on the tensor cores)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, BLOCK_N], p_smem_layout)
-        l_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 8, 16]
-        )
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16], gl.bfloat16)
-        ones = gl.full(
-            [BLOCK_N, 16],
-            1.0,
-            gl.bfloat16,
-            layout=gl.BlockedLayout([1, 8], [16, 2], [8, 1], [1, 0]),
-        )
-        ones_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, 16], ones_layout, ones)
-    else:
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
     if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
@@ -373,59 +318,41 @@ def _decode_kernel(
     acc = gl.zeros([H, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
 
-    if LEAN:  # tiles in pairs: buffer indices known at compile time
-        l_acc = gl.zeros([H, 16], gl.float32, layout=l_layout)
-        for j in range(0, n_tiles, 2):
-            idx_next, valid_next, m_i, acc, l_acc = _lean_tile(
-                j, 0, q_smem, kv_smem, p_smem, ones_smem, kv_ptr, stride_kn, idx_row, k_begin,
-                k_end, offs_gn, offs_sn, offs_gd, idx_next, valid_next, m_i, acc, l_acc, qk_scale,
-                s_zero, BLOCK_N,
-            )  # fmt: skip
-            if j + 1 < n_tiles:
-                idx_next, valid_next, m_i, acc, l_acc = _lean_tile(
-                    j + 1, 1, q_smem, kv_smem, p_smem, ones_smem, kv_ptr, stride_kn, idx_row,
-                    k_begin, k_end, offs_gn, offs_sn, offs_gd, idx_next, valid_next, m_i, acc,
-                    l_acc, qk_scale, s_zero, BLOCK_N,
-                )  # fmt: skip
-        l_i = gl.convert_layout(gl.max(l_acc, 1), gl.SliceLayout(1, s_layout))
-    else:
-        for i in range(n_tiles):
-            # tile i landed (this thread's copies), visible to the async proxy and every thread
-            cp.wait_group(NUM_BUF - 2)
+    for i in range(n_tiles):
+        # tile i landed (this thread's copies), visible to the async proxy and every thread
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
+        nxt = i + NUM_BUF - 1
+        if ENTRIES:
+            nb = nxt % NUM_BUF
+            _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
+                            stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
+        elif MODE != 2:
+            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+        else:
+            cp.commit_group()
+        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+        valid = valid_next
+        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+        if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
+            cb = i % NUM_BUF
+            kv = kv_smem.index(0)
+            _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
             fence_async_shared()
             gl.thread_barrier()
-            # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
-            nxt = i + NUM_BUF - 1
-            if ENTRIES:
-                nb = nxt % NUM_BUF
-                _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
-                                stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
-            elif MODE != 2:
-                _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
-            else:
-                cp.commit_group()
-            idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-            valid = valid_next
-            valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-            if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
-                cb = i % NUM_BUF
-                kv = kv_smem.index(0)
-                _decode_entries(
-                    raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE
-                )
-                fence_async_shared()
-                gl.thread_barrier()
-            if MODE != 1:
-                if not ENTRIES:
-                    kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
-                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-                p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-                p_smem.store(p.to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                acc = warpgroup_mma(p_smem, kv, acc)
-                gl.thread_barrier()  # p_smem is rewritten by the next tile
+        if MODE != 1:
+            if not ENTRIES:
+                kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+            p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_smem, kv, acc)
+            gl.thread_barrier()  # p_smem is rewritten by the next tile
 
     cp.wait_group(0)
 
@@ -545,7 +472,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, LEAN=LEAN and not entries and num_buf == 2 and mode == 0,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:

@@ -335,35 +335,6 @@ def test_gpu_sm90_fixup(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 16, 64])
-@pytest.mark.parametrize("block_n", [64, 32])
-def test_gpu_sm90_lean(T: int, block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the LEAN loop (row sums on the tensor cores, P double-buffered, tiles in pairs: odd and even
-    # tile counts) against the fp32 reference and the loop it would replace, split, unsplit and
-    # two splits (the in-kernel combine), and its inverse RoPE bit for bit
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    q, ring, pool, sink, idx = _one_source_inputs(T)
-    if not sm90.supported(q, (ring,)):
-        pytest.skip("not an sm_90 GPU")
-    both = torch.cat([ring, pool])
-    idx = idx[:, : idx.shape[1] - 70].contiguous()  # 570 keys: an odd tile count at BN 64
-    idx[:, 5::17] = -1
-    want = _want(q, (both,), sink, idx, 512**-0.5)
-    cs = _cos_sin(T, 64, "cuda")
-    for splits in (None, 1, 2):
-        kw = dict(num_splits=splits, block_n=block_n, num_buf=2)
-        monkeypatch.setattr(sm90, "LEAN", False)
-        before = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw)
-        monkeypatch.setattr(sm90, "LEAN", True)
-        o = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw)
-        assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
-        assert _rel(o, before) < 1e-2, (splits, _rel(o, before))
-        turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, inv_rope=cs, **kw)
-        assert torch.equal(turned, rotary(o, *cs, inverse=True)), splits
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4)])
 def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
