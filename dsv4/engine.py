@@ -18,7 +18,15 @@ import torch
 from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
-from dsv4.grammar import ForcedAfter, JsonGrammar, JsonState, token_bytes
+from dsv4.grammar import (
+    ForcedAfter,
+    JsonGrammar,
+    JsonState,
+    SchemaGrammar,
+    SchemaState,
+    token_bytes,
+)
+from dsv4.json_schema import Automaton
 from dsv4.model import Transformer
 from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
@@ -162,6 +170,7 @@ class Engine:
         self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size, cache)
         self.sampler = Sampler(self.args.eos_token_id)
         self._json_grammar: JsonGrammar | None = None
+        self._schema_grammars: dict[Automaton, SchemaGrammar] = {}
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         # tensor parallel: rank 0 leads. It hands its adds and aborts, in order, to the other
@@ -206,8 +215,10 @@ class Engine:
             request_id, list(prompt_ids), logprobs=[] if params.logprobs is not None else None
         )
         # constrained decoding: a mask per step from the output so far (`Sampler.constrain`)
+        automaton = params.automaton()
         req.extra["constraint"] = (
             JsonState(self.json_grammar()) if params.json_object
+            else SchemaState(self.schema_grammar(automaton)) if automaton is not None
             else ForcedAfter(*params.forced_after, self.args.eos_token_id, self.args.vocab_size)
             if params.forced_after else None
         )  # fmt: skip
@@ -221,10 +232,20 @@ class Engine:
         """JSON mode's token tables, built on first use from the tokenizer (~1 s for 129K)."""
         if self._json_grammar is None:
             if self.tokenizer is None:
-                raise ValueError("JSON mode (json_object) needs the model's tokenizer.json")
+                raise ValueError("JSON mode and structured outputs need the model's tokenizer.json")
             tokens = token_bytes(self.tokenizer, self.args.vocab_size)
             self._json_grammar = JsonGrammar(tokens, self.args.eos_token_id)
         return self._json_grammar
+
+    def schema_grammar(self, automaton: Automaton) -> SchemaGrammar:
+        """Structured outputs' token masks for one compiled schema (kept for the last 64)."""
+        grammar = self._schema_grammars.pop(automaton, None) or SchemaGrammar(
+            automaton, self.json_grammar()
+        )
+        self._schema_grammars[automaton] = grammar  # (most recent last)
+        while len(self._schema_grammars) > 64:
+            del self._schema_grammars[next(iter(self._schema_grammars))]
+        return grammar
 
     def abort(self, request_id: str) -> None:
         if self.leads:

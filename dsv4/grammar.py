@@ -1,4 +1,5 @@
-"""JSON mode: constrained decoding for response_format {"type": "json_object"}.
+"""Constrained decoding: JSON mode (response_format {"type": "json_object"}) and the token masks
+of structured outputs (a `dsv4.json_schema` automaton: response_format json_schema, choices).
 
 The output is kept a prefix of one JSON object (RFC 8259 syntax; whitespace around it), and the
 end-of-sentence token is allowed only once the object is complete. Each step masks the tokens
@@ -16,10 +17,15 @@ vectorized and cached. Tokens with a bracket (a few thousand of ~129K) are run t
 automaton from the full state, cached per state. Special tokens never match; bytes >= 0x80 only
 inside strings (the UTF-8 of a character may be split across tokens). Strings are not checked
 as UTF-8: an invalid sequence reaches the text as U+FFFD, which is still a JSON string character.
-Only the syntax is constrained (json_object), not a schema.
+
+Structured outputs (`SchemaGrammar`, `SchemaState`) run every token through the schema's
+automaton the same way, column by column over the vocabulary (`TokenMatrix.run`), its
+transition rows computed on first use; masks are cached per automaton state.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -221,6 +227,41 @@ def _byte_alphabet(chars: list[str]) -> list[str]:
     return [mapping[b] for b in range(256)]
 
 
+class TokenMatrix:
+    """Token byte strings as a matrix, longest first, for running a byte automaton over the whole
+    vocabulary at once: column j is read only for the tokens long enough to have it."""
+
+    def __init__(self, tokens: list[bytes | None], keep: list[bool]) -> None:
+        lens = np.array([len(t) if k and t else 0 for t, k in zip(tokens, keep)], dtype=np.int64)
+        self.order = np.argsort(-lens, kind="stable")
+        self.count = int((lens > 0).sum())  # the kept tokens: the first rows
+        width = int(lens.max(initial=1))
+        mat = np.zeros((len(tokens), width), dtype=np.uint8)
+        for r, i in enumerate(self.order[: self.count]):
+            mat[r, : lens[i]] = list(tokens[i])
+        self.bytes = mat
+        # rows with a byte in column j: the first active[j]
+        self.active = [int((lens > j).sum()) for j in range(width)]
+
+    def run(
+        self, start: int, lookup: Callable[[np.ndarray, np.ndarray], np.ndarray], dead: int
+    ) -> np.ndarray:
+        """bool [vocab]: the kept tokens whose bytes take the automaton from `start` to a state
+        other than `dead` (lookup(states, bytes) -> next states; dead stays dead)."""
+        cur = np.full(self.count, start, dtype=np.int64)
+        rows = np.arange(self.count)  # alive and long enough, ascending
+        for j, k in enumerate(self.active):
+            rows = rows[: np.searchsorted(rows, k)]
+            if not len(rows):
+                break
+            nxt = lookup(cur[rows], self.bytes[rows, j])
+            cur[rows] = nxt
+            rows = rows[nxt != dead]
+        ok = np.zeros(len(self.order), dtype=bool)
+        ok[self.order[: self.count]] = cur != dead
+        return ok
+
+
 class JsonGrammar:
     """The vocabulary's bytes and the cached masks of JSON mode (one per tokenizer)."""
 
@@ -229,18 +270,7 @@ class JsonGrammar:
         self.tokens = tokens
         plain = [t is not None and len(t) > 0 and not any(b in BRACKETS for b in t) for t in tokens]
         self.dynamic = [i for i, t in enumerate(tokens) if t and any(b in BRACKETS for b in t)]
-        # bracket-free tokens as a byte matrix, longest first, so column j is read only for the
-        # rows long enough to have it (`_plain_ok`)
-        lens = np.array([len(t) if p else 0 for t, p in zip(tokens, plain)], dtype=np.int64)
-        self._order = np.argsort(-lens, kind="stable")
-        width = int(lens.max(initial=1))
-        mat = np.zeros((len(tokens), width), dtype=np.uint8)
-        for r, i in enumerate(self._order):
-            if plain[i]:
-                mat[r, : lens[i]] = list(tokens[i])
-        self._bytes, self._plain = mat, np.array(plain)
-        # rows of the sorted matrix with a byte in column j: the first _active[j]
-        self._active = [int((lens > j).sum()) for j in range(width)]
+        self._plain = TokenMatrix(tokens, plain)  # the bracket-free tokens
         # the byte table: mode x byte -> mode, DEAD as the last row (it stays DEAD)
         n = len(_MODES)
         table = np.full((n + 1, 256), n, dtype=np.int64)
@@ -252,17 +282,20 @@ class JsonGrammar:
         self._table = table
         self._by_mode: dict[int, np.ndarray] = {}
         self._by_state: dict[tuple, torch.Tensor] = {}
+        self._all: TokenMatrix | None = None  # every token (structured outputs), made on first use
 
     def _plain_ok(self, mode: int) -> np.ndarray:
         # the bracket-free tokens that leave `mode` alive, all at once
         if mode not in self._by_mode:
-            cur = np.full(len(self.tokens), mode, dtype=np.int64)  # in the sorted order
-            for j, k in enumerate(self._active):
-                cur[:k] = self._table[cur[:k], self._bytes[:k, j]]
-            alive = np.empty_like(cur)
-            alive[self._order] = cur
-            self._by_mode[mode] = self._plain & (alive != len(_MODES))
+            self._by_mode[mode] = self._plain.run(mode, lambda s, b: self._table[s, b], len(_MODES))
         return self._by_mode[mode]
+
+    @property
+    def all_tokens(self) -> TokenMatrix:
+        """Every token's bytes (special tokens left out) for `SchemaGrammar`."""
+        if self._all is None:
+            self._all = TokenMatrix(self.tokens, [t is not None for t in self.tokens])
+        return self._all
 
     def mask(self, state: tuple[int, tuple]) -> torch.Tensor:
         """bool [vocab_size]: the tokens allowed after `state` (EOS once the object is done)."""
@@ -289,36 +322,99 @@ def advance(state: tuple[int, tuple] | None, data: bytes | None) -> tuple[int, t
     return state
 
 
-class JsonState:
-    """One sequence's JSON-mode state, rebuilt from its output ids: a speculative step's
-    tokens may be dropped again, so the states of every prefix are kept and the common prefix
-    with the last call is reused."""
+class _Prefixes:
+    """The states of every prefix of one sequence's output, rebuilt from its output ids: a
+    speculative step's tokens may be dropped again, so the common prefix with the last call is
+    reused. Subclasses give the start state and one token's step."""
 
-    def __init__(self, grammar: JsonGrammar) -> None:
-        self.grammar = grammar
+    def __init__(self, start: object) -> None:
         self._ids: list[int] = []
-        self._states: list[tuple | None] = [(START, ())]
+        self._states: list = [start]
 
-    def state(self, output_ids: list[int]) -> tuple[int, tuple] | None:
+    def _advance(self, state, token: int):  # noqa: ANN001, ANN202
+        raise NotImplementedError
+
+    def state(self, output_ids: list[int]):  # noqa: ANN201
         k = len(self._ids)
         if len(output_ids) < k or output_ids[:k] != self._ids:  # (the usual case: one compare)
             k = 0
             while k < min(len(self._ids), len(output_ids)) and self._ids[k] == output_ids[k]:
                 k += 1
             del self._ids[k:], self._states[k + 1 :]
-        g = self.grammar
         for t in output_ids[k:]:
-            # an EOS that did not stop the request (ignore_eos) adds nothing; other ids their bytes
-            data = b"" if t == g.eos else g.tokens[t] if 0 <= t < g.vocab_size else None
             self._ids.append(t)
-            self._states.append(advance(self._states[-1], data))
+            self._states.append(self._advance(self._states[-1], t))
         return self._states[-1]
+
+
+def _token_data(grammar, t: int) -> bytes | None:  # noqa: ANN001
+    # an EOS that did not stop the request (ignore_eos) adds nothing; other ids their bytes
+    return b"" if t == grammar.eos else grammar.tokens[t] if 0 <= t < grammar.vocab_size else None
+
+
+class JsonState(_Prefixes):
+    """One sequence's JSON-mode state (the parser state after its output so far)."""
+
+    def __init__(self, grammar: JsonGrammar) -> None:
+        super().__init__((START, ()))
+        self.grammar = grammar
+
+    def _advance(self, state, token: int):  # noqa: ANN001, ANN202
+        return advance(state, _token_data(self.grammar, token))
 
     def mask(self, output_ids: list[int]) -> torch.Tensor | None:
         """The tokens allowed after output_ids; None once the output left JSON (an EOS or a
         forced token: nothing is masked then)."""
         state = self.state(output_ids)
         return None if state is None else self.grammar.mask(state)
+
+
+class SchemaGrammar:
+    """Structured outputs over one tokenizer's vocabulary: a `dsv4.json_schema.Automaton` (a
+    JSON schema, or a list of choices) and its token masks, cached per state."""
+
+    def __init__(self, automaton, json_grammar: JsonGrammar) -> None:  # noqa: ANN001
+        self.automaton = automaton
+        self.tokens, self.vocab_size, self.eos = (
+            json_grammar.tokens,
+            json_grammar.vocab_size,
+            json_grammar.eos,
+        )
+        self._matrix = json_grammar.all_tokens
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def _lookup(self, states: np.ndarray, data: np.ndarray) -> np.ndarray:
+        a = self.automaton
+        a.rows(states)
+        return a.table[states, data]
+
+    def mask(self, sid: int) -> torch.Tensor:
+        """bool [vocab_size]: the tokens allowed in state sid (EOS once the output is complete)."""
+        if sid not in self._masks:
+            ok = self._matrix.run(sid, self._lookup, 0)
+            if self.automaton.accepts(sid) and 0 <= self.eos < len(ok):
+                ok[self.eos] = True
+            if len(self._masks) > 4096:  # bounded: unusual states are recomputed
+                self._masks.clear()
+            self._masks[sid] = torch.from_numpy(ok)
+        return self._masks[sid]
+
+
+class SchemaState(_Prefixes):
+    """One sequence's structured-output state: the automaton's state after its output so far
+    (0 once it left the schema)."""
+
+    def __init__(self, grammar: SchemaGrammar) -> None:
+        super().__init__(grammar.automaton.START)
+        self.grammar = grammar
+
+    def _advance(self, state, token: int):  # noqa: ANN001, ANN202
+        return self.grammar.automaton.advance(state, _token_data(self.grammar, token))
+
+    def mask(self, output_ids: list[int]) -> torch.Tensor | None:
+        """The tokens allowed after output_ids; None once the output left the schema."""
+        sid = self.state(output_ids)
+        return None if sid == 0 else self.grammar.mask(sid)
 
 
 class ForcedAfter:

@@ -365,9 +365,9 @@ class LLM:
         # every graph's step at every position bound, eagerly: what a long generation meets
         # later (the indexer's tiles per context octave) compiles now
         steps = self.engine.compile_graphs()
-        if self.tokenizer is not None:  # JSON mode's token tables (~1 s at 129K tokens), so the
-            # first response_format json_object request does not stall the engine's steps
-            self.engine.json_grammar()
+        if self.tokenizer is not None:  # JSON mode's and structured outputs' token tables (~1 s
+            # at 129K tokens), so the first such request does not stall the engine's steps
+            _ = self.engine.json_grammar().all_tokens
         if s.cache is not None:  # its counters start with the served requests
             s.cache.queries = s.cache.hits = 0
         took = time.perf_counter() - t0

@@ -95,14 +95,65 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
     user: str | None = None
-    # {"type": "text"} or {"type": "json_object"} (JSON mode: dsv4.grammar); vLLM takes it on
-    # completions too
+    # {"type": "text"}, {"type": "json_object"} (JSON mode: dsv4.grammar) or {"type":
+    # "json_schema", "json_schema": {"name", "schema", "strict"}} (structured outputs:
+    # dsv4.json_schema); vLLM takes it on completions too
     response_format: dict[str, Any] | None = None
+    # vLLM's structured-output fields: guided_json (a schema), guided_choice (the output is one
+    # of the strings), structured_outputs {"json" | "choice" | "json_object"}
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
-    @property
-    def json_mode(self) -> bool:
-        """The output is one JSON object (response_format json_object)."""
-        return self.response_format == {"type": "json_object"}
+    def structured(self) -> tuple[str | None, dict]:
+        """(the field that asks for structured output, its SamplingParams keywords), (None, {})
+        when none does: JSON mode, a JSON schema or a choice. A schema is compiled here, so one it
+        cannot constrain to is a 400 naming the keyword (a constraint is never dropped)."""
+        asked: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf not in (None, {"type": "text"}, {"type": "json_object"}):
+            spec = rf.get("json_schema") if rf.get("type") == "json_schema" else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+                msg = ("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                       "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")  # fmt: skip
+                raise ApiError(400, msg, "response_format")
+            asked.append(("response_format", {"json_schema": spec["schema"]}))
+        elif rf == {"type": "json_object"}:
+            asked.append(("response_format", {"json_object": True}))
+        if self.guided_json is not None:
+            asked.append(("guided_json", {"json_schema": self.guided_json}))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", {"guided_choice": self.guided_choice}))
+        so = self.structured_outputs
+        if so is not None:
+            other = sorted(
+                k
+                for k, v in so.items()
+                if v is not None and k not in ("json", "choice", "json_object")
+            )
+            if other:
+                raise ApiError(
+                    400, f"structured_outputs {other[0]} is not supported", "structured_outputs"
+                )
+            if so.get("json") is not None:
+                asked.append(("structured_outputs", {"json_schema": so["json"]}))
+            if so.get("choice") is not None:
+                asked.append(("structured_outputs", {"guided_choice": so["choice"]}))
+            if so.get("json_object") is True:
+                asked.append(("structured_outputs", {"json_object": True}))
+        for name in ("guided_regex", "guided_grammar"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise ApiError(400, f"{name} is not supported (JSON schemas and choices are)", name)
+        if len(asked) > 1:
+            raise ApiError(400, f"{asked[1][0]} cannot be combined with {asked[0][0]}", asked[1][0])
+        if not asked:
+            return None, {}
+        field, kw = asked[0]
+        try:
+            SamplingParams(**kw)  # compiles the schema / checks the choices
+        except ValueError as e:
+            raise ApiError(400, f"{field}: {str(e).split(': ', 1)[-1]}", field) from None
+        return field, kw
 
     @property
     def include_usage(self) -> bool:
@@ -126,12 +177,7 @@ class GenerationRequest(BaseModel):
                 raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-        if self.response_format not in (None, {"type": "text"}, {"type": "json_object"}):
-            msg = (
-                "response_format must be {'type': 'text'} or {'type': 'json_object'} "
-                "(json_schema: no schema-constrained decoding)"
-            )
-            raise ApiError(400, msg, "response_format")
+        self.structured()
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; None fields take the OpenAI defaults."""
@@ -161,7 +207,7 @@ class GenerationRequest(BaseModel):
                 if self.logit_bias
                 else None,
                 allowed_token_ids=self.allowed_token_ids,
-                json_object=self.json_mode,
+                **self.structured()[1],
             )
         except ValueError as e:  # SamplingParams messages start with the field name
             field = str(e).split(" ", 1)[0]
@@ -249,18 +295,19 @@ class ChatCompletionRequest(GenerationRequest):
             "continue_final_message": self.continue_final_message,
         }
 
-    def check_json_mode(self, opts: dict, prefix: str) -> None:
-        """JSON mode constrains the reply from its first token, so it has no room for thinking
-        mode's reasoning, a forced tool call or a continued message."""
-        if not self.json_mode:
+    def check_structured(self, opts: dict, prefix: str) -> None:
+        """Structured output (JSON mode, a schema, a choice) constrains the reply from its first
+        token, so it has no room for thinking mode's reasoning, a forced tool call or a
+        continued message."""
+        field = self.structured()[0]
+        if field is None:
             return
         clash = (
             "thinking mode" if opts["thinking"] else "a forced tool_choice" if prefix
             else "continue_final_message" if self.continue_final_message else None
         )  # fmt: skip
         if clash:
-            msg = f"response_format json_object cannot be combined with {clash}"
-            raise ApiError(400, msg, "response_format")
+            raise ApiError(400, f"{field} cannot be combined with {clash}", field)
 
     def tool_prefix(self, opts: dict) -> str:
         """tool_choice "required" or a named function: the DSML text the answer is made to begin
@@ -343,6 +390,7 @@ class NativeSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1)
     sampling_seed: int | None = None
+    json_schema: str | None = None  # structured outputs: the schema's JSON text (dsv4.json_schema)
 
 
 class GenerateRequest(BaseModel):
@@ -365,12 +413,12 @@ class GenerateRequest(BaseModel):
             raise ApiError(400, "return_logprob is not supported on /generate", "return_logprob")
         if self.sampling_params.n != 1:
             raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
-        # SGLang's structured outputs: refused by name rather than dropped with the other
-        # unknown keys (JSON mode is on the OpenAI routes: response_format json_object)
-        asked = [k for k in ("json_schema", "regex", "ebnf", "structural_tag")
+        # SGLang's other structured outputs: refused by name rather than dropped with the
+        # unknown keys (json_schema is supported)
+        asked = [k for k in ("regex", "ebnf", "structural_tag")
                  if (self.sampling_params.model_extra or {}).get(k) is not None]  # fmt: skip
         if asked:
-            msg = f"sampling_params {asked[0]} is not supported (no grammar-constrained decoding)"
+            msg = f"sampling_params {asked[0]} is not supported (JSON schemas are: json_schema)"
             raise ApiError(400, msg, "sampling_params")
 
     def params(self) -> SamplingParams:
@@ -391,6 +439,7 @@ class GenerateRequest(BaseModel):
                 stop_token_ids=p.stop_token_ids,
                 ignore_eos=p.ignore_eos,
                 skip_special_tokens=p.skip_special_tokens,
+                json_schema=p.json_schema,
             )
         except ValueError as e:
             raise ApiError(400, str(e), "sampling_params") from e

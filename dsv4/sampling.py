@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_schema
+
 # temperature below this is greedy (vLLM's _SAMPLING_EPS); dividing by ~0 would overflow fp32
 GREEDY_EPS = 1e-5
 
@@ -54,6 +56,11 @@ class SamplingParams:
     # (trigger id, ids): once the trigger token is out, these tokens follow, and EOS waits for
     # them (a forced tool call after thinking mode's `</think>`: `dsv4.grammar.ForcedAfter`)
     forced_after: tuple[int, list[int]] | None = None
+    # structured outputs (`dsv4.json_schema`): the output is an instance of this JSON schema
+    # (response_format json_schema, vLLM's guided_json; a dict, a bool or its JSON text) or
+    # exactly one of these strings (vLLM's guided_choice)
+    json_schema: dict | bool | str | None = None
+    guided_choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,7 +148,21 @@ class SamplingParams:
                 and all(_is_int(t) and t >= 0 for t in ids),
                 f"forced_after must be (token id, non-empty list of token ids), got {self.forced_after!r}",
             )  # fmt: skip
-            _check(not self.json_object, "forced_after cannot be combined with json_object")
+        asked = [name for name in ("json_object", "json_schema", "guided_choice", "forced_after")
+                 if getattr(self, name) not in (None, False)]  # fmt: skip
+        _check(len(asked) <= 1, f"{asked[-1]} cannot be combined with {asked[0]}" if asked else "")
+        try:
+            self.automaton()  # a schema it cannot constrain to fails here, by name
+        except SchemaError as e:
+            raise ValueError(f"{asked[0]}: {e}") from None
+
+    def automaton(self) -> Automaton | None:
+        """The structured-output automaton of json_schema / guided_choice (compiled once)."""
+        if self.json_schema is not None:
+            return compile_schema(self.json_schema)
+        if self.guided_choice is not None:
+            return compile_choice(self.guided_choice)
+        return None
 
     def token_ids(self) -> list[int]:
         """The token ids the settings name (for the vocabulary check of `Engine.add_request`)."""

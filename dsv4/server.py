@@ -440,7 +440,7 @@ def build_app(server: Server) -> FastAPI:
         # tool_choice "required" / named: the answer's forced start, after the prompt in chat mode,
         # forced by the sampler after `</think>` in thinking mode
         prefix = body.tool_prefix(opts)
-        body.check_json_mode(opts, prefix)
+        body.check_structured(opts, prefix)
         after_thinking, prefix = (prefix, "") if opts["thinking"] else ("", prefix)
         ids = body.truncate(_encode_chat(tokenizer, body.messages, opts, prefix))
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -142,3 +142,24 @@ def test_gpu_json_mode(tiny):  # noqa: ANN001
     cpu = LLM(tiny, device="cpu", progress=False).generate(prompts, sp)
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs, cpu))
     assert same >= 1  # (tf32 logits may flip a near-tie in one of them)
+
+
+def test_gpu_json_schema(tiny):  # noqa: ANN001
+    # structured outputs on the GPU defaults: outputs stay prefixes of the schema's instances, a
+    # choice is finished, and greedy tokens equal the CPU's constrained run
+    from dsv4.json_schema import compile_schema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
+              "required": ["n", "s"]}  # fmt: skip
+    prompts = [list(range(3, 40)), list(range(9, 14))]
+    sp = SamplingParams(temperature=0, max_tokens=16, json_schema=schema)
+    llm = LLM(tiny, device="cuda", dtype="float32", max_seqs=2, max_seq_len=256, progress=False)
+    outs = llm.generate(prompts, sp)
+    tokens, auto = llm.engine.json_grammar().tokens, compile_schema(schema)
+    for o in outs:
+        text = b"".join(tokens[i] or b"?" for i in o.token_ids)
+        assert auto.advance(auto.START, text) != 0, text
+    pick = SamplingParams(temperature=1.0, seed=2, max_tokens=8, guided_choice=["yes", "no"])
+    assert all(o.text in ("yes", "no") for o in llm.generate(prompts, pick))
+    cpu = LLM(tiny, device="cpu", progress=False).generate(prompts, sp)
+    assert sum(a.token_ids == b.token_ids for a, b in zip(outs, cpu)) >= 1

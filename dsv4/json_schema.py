@@ -1,0 +1,574 @@
+"""Structured outputs: a JSON schema (or a list of choices) compiled to a byte automaton.
+
+  compile_schema(schema) -> Automaton     response_format json_schema (cached per schema)
+  compile_choice(choices) -> Automaton    vLLM's guided_choice: the output is one of the strings
+  Automaton.step(state, byte) -> state    0 = dead; Automaton.START; Automaton.accepts(state)
+
+The schema becomes a graph of nodes joined by byte edges (a 256-bit set each), empty moves, and
+calls: a `$ref` and a free-form JSON value are subroutines, so recursive schemas and nested free
+JSON work, up to MAX_DEPTH calls deep. A state is the set of threads (node, stack of return
+nodes) alive after the bytes so far, numbered as it is met, and its transitions are computed on
+first use, all 256 at once (`row`). The token masks over a vocabulary are `dsv4.grammar`'s
+(`SchemaGrammar`).
+
+What the output may be (as vLLM's xgrammar backend and OpenAI's strict mode):
+- Objects write their declared properties in the schema's order; required ones must appear,
+  optional ones may be left out. Other keys only with `additionalProperties` true or a schema
+  (after the declared ones). An object schema with no `properties` takes any members.
+- Whitespace is free between tokens (xgrammar's any_whitespace). Strings are checked as UTF-8.
+- Supported: type (or a list of types), enum, const, properties, required,
+  additionalProperties, items, prefixItems, minItems / maxItems, minLength / maxLength, anyOf,
+  oneOf (as anyOf: exclusivity is not enforced), allOf with one schema, $ref into the document
+  ("#", "#/$defs/..", "#/definitions/.."), nullable, and annotations (title, description, ..).
+  Any other keyword (pattern, format, minimum, ...) is a SchemaError naming it and its place:
+  a constraint is never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+MAX_DEPTH = 64  # nested calls ($ref, free-form JSON) at most
+MAX_NODES = 200_000  # a schema whose graph is larger is refused (counts expand into copies)
+MAX_COUNT = 1024  # minItems / maxItems / minLength / maxLength above this are refused
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+               "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict"}  # fmt: skip
+KEYWORDS = {"type", "enum", "const", "properties", "required", "additionalProperties", "items",
+            "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf",
+            "allOf", "$ref", "nullable"}  # fmt: skip
+TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+class SchemaError(ValueError):
+    """A schema this compiler cannot constrain to (the message names the keyword and where)."""
+
+
+def _bits(data: bytes | range) -> int:
+    out = 0
+    for b in data:
+        out |= 1 << b
+    return out
+
+
+WS = _bits(b" \t\n\r")
+DIGIT = _bits(b"0123456789")
+NONZERO = _bits(b"123456789")
+HEX = _bits(b"0123456789abcdefABCDEF")
+# an unescaped string character: printable ASCII but '"' and '\', or one well-formed UTF-8
+# sequence (RFC 3629: no overlong forms, surrogates or code points past U+10FFFF), byte ranges
+PLAIN = _bits(range(0x20, 0x80)) & ~_bits(b'"\\')
+UTF8 = [
+    [(0xC2, 0xDF), (0x80, 0xBF)],
+    [(0xE0, 0xE0), (0xA0, 0xBF), (0x80, 0xBF)],
+    [(0xE1, 0xEC), (0x80, 0xBF), (0x80, 0xBF)],
+    [(0xED, 0xED), (0x80, 0x9F), (0x80, 0xBF)],
+    [(0xEE, 0xEF), (0x80, 0xBF), (0x80, 0xBF)],
+    [(0xF0, 0xF0), (0x90, 0xBF), (0x80, 0xBF), (0x80, 0xBF)],
+    [(0xF1, 0xF3), (0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF)],
+    [(0xF4, 0xF4), (0x80, 0x8F), (0x80, 0xBF), (0x80, 0xBF)],
+]
+ESCAPED = _bits(b'"\\/bfnrt')
+
+
+class Automaton:
+    """The graph and its states. Nodes: byte edges (mask, target), empty moves, calls (entry,
+    return) and returns; FINAL accepts with an empty stack."""
+
+    def __init__(self) -> None:
+        self.edges: list[list[tuple[int, int]]] = []
+        self.eps: list[list[int]] = []
+        self.call: dict[int, tuple[int, int]] = {}
+        self.ret: set[int] = set()
+        self.final = -1
+        # states: 0 is dead (no thread); rows of the transition table computed on first use
+        self._sets: list[frozenset] = [frozenset()]
+        self._ids: dict[frozenset, int] = {frozenset(): 0}
+        self.table = np.zeros((64, 256), dtype=np.int32)
+        self.done = np.zeros(64, dtype=bool)
+        self.done[0] = True  # dead stays dead
+        self.START = 0
+
+    # ---- building -------------------------------------------------------------------------------
+    def node(self) -> int:
+        if len(self.edges) >= MAX_NODES:
+            raise SchemaError(f"the schema is too large to compile (over {MAX_NODES} nodes)")
+        self.edges.append([])
+        self.eps.append([])
+        return len(self.edges) - 1
+
+    def empty(self) -> tuple[int, int]:
+        a = self.node()
+        return a, a
+
+    def byte_set(self, mask: int) -> tuple[int, int]:
+        a, b = self.node(), self.node()
+        self.edges[a].append((mask, b))
+        return a, b
+
+    def seq(self, *parts: tuple[int, int]) -> tuple[int, int]:
+        for (_, x), (y, _) in zip(parts, parts[1:]):
+            self.eps[x].append(y)
+        return parts[0][0], parts[-1][1]
+
+    def lit(self, data: bytes) -> tuple[int, int]:
+        return self.seq(*(self.byte_set(1 << b) for b in data)) if data else self.empty()
+
+    def alt(self, *parts: tuple[int, int]) -> tuple[int, int]:
+        a, b = self.node(), self.node()
+        for x, y in parts:
+            self.eps[a].append(x)
+            self.eps[y].append(b)
+        return a, b
+
+    def star(self, part: tuple[int, int]) -> tuple[int, int]:
+        a = self.node()
+        self.eps[a].append(part[0])
+        self.eps[part[1]].append(a)
+        return a, a
+
+    def opt(self, part: tuple[int, int]) -> tuple[int, int]:
+        return self.alt(part, self.empty())
+
+    def calls(self, entry: int) -> tuple[int, int]:
+        a, b = self.node(), self.node()
+        self.call[a] = (entry, b)
+        return a, b
+
+    def ws(self) -> tuple[int, int]:
+        return self.star(self.byte_set(WS))
+
+    def finish(self, top: tuple[int, int]) -> None:
+        """The document: whitespace, top, whitespace, then FINAL."""
+        self.final = self.node()
+        start = self.node()
+        self.seq((start, start), self.ws(), top, self.ws(), (self.final, self.final))
+        self.START = self._intern(self._closure([(start, ())]))
+
+    # ---- running --------------------------------------------------------------------------------
+    def _closure(self, threads: list[tuple[int, tuple]]) -> frozenset:
+        # the threads that wait on a byte (or accept) after every empty move, call and return
+        seen, todo, out = set(), list(threads), set()
+        while todo:
+            th = todo.pop()
+            if th in seen:
+                continue
+            seen.add(th)
+            node, stack = th
+            if self.edges[node] or (node == self.final and not stack):
+                out.add(th)
+            todo.extend((n, stack) for n in self.eps[node])
+            if node in self.call and len(stack) < MAX_DEPTH:
+                entry, back = self.call[node]
+                todo.append((entry, (*stack, back)))
+            if node in self.ret and stack:
+                todo.append((stack[-1], stack[:-1]))
+        return frozenset(out)
+
+    def _intern(self, threads: frozenset) -> int:
+        sid = self._ids.get(threads)
+        if sid is None:
+            sid = self._ids[threads] = len(self._sets)
+            self._sets.append(threads)
+            if sid >= len(self.done):  # grow the table
+                self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+                self.done = np.concatenate([self.done, np.zeros_like(self.done)])
+        return sid
+
+    def row(self, sid: int) -> None:
+        """Compute state sid's 256 transitions (all at once: an edge's closure serves every byte
+        of its set)."""
+        by_byte: dict[int, set] = {}
+        for node, stack in self._sets[sid]:
+            for mask, target in self.edges[node]:
+                after = self._closure([(target, stack)])
+                m, b = mask, 0
+                while m:
+                    if m & 1:
+                        by_byte.setdefault(b, set()).update(after)
+                    m >>= 1
+                    b += 1
+        row = np.zeros(256, dtype=np.int32)
+        for b, threads in by_byte.items():
+            row[b] = self._intern(frozenset(threads))
+        self.table[sid] = row
+        self.done[sid] = True
+
+    def rows(self, sids: np.ndarray) -> None:
+        """Make sure the rows of these states are computed."""
+        missing = sids[~self.done[sids]]
+        for sid in np.unique(missing).tolist():
+            self.row(sid)
+
+    def step(self, sid: int, byte: int) -> int:
+        if not self.done[sid]:
+            self.row(sid)
+        return int(self.table[sid, byte])
+
+    def advance(self, sid: int, data: bytes | None) -> int:
+        """The state after data (0: dead; None data, a special token: dead)."""
+        if data is None:
+            return 0
+        for b in data:
+            if sid == 0:
+                return 0
+            sid = self.step(sid, b)
+        return sid
+
+    def accepts(self, sid: int) -> bool:
+        return any(node == self.final and not stack for node, stack in self._sets[sid])
+
+    @property
+    def num_states(self) -> int:
+        return len(self._sets)
+
+
+# ---- the schema's pieces ------------------------------------------------------------------------
+class _Compiler:
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.a = Automaton()
+        self.subs: dict[str, int] = {}  # $ref -> the entry of its subroutine
+        self._any: int | None = None
+
+    # -- JSON values
+    def string_char(self) -> tuple[int, int]:
+        a = self.a
+        utf8 = a.alt(
+            a.byte_set(PLAIN),
+            *(a.seq(*(a.byte_set(_bits(range(lo, hi + 1))) for lo, hi in seq)) for seq in UTF8),
+        )
+        unicode = a.seq(a.lit(b"u"), *(a.byte_set(HEX) for _ in range(4)))
+        escape = a.seq(a.lit(b"\\"), a.alt(a.byte_set(ESCAPED), unicode))
+        return a.alt(utf8, escape)
+
+    def repeat(self, make, lo: int, hi: int | None, sep=None) -> tuple[int, int]:  # noqa: ANN001
+        # lo..hi copies of make() (hi None: unbounded), sep() between them
+        a = self.a
+        if hi is not None and hi == 0:
+            return a.empty()
+
+        def item(first: bool) -> tuple[int, int]:
+            return make() if first or sep is None else a.seq(sep(), make())
+
+        parts = [item(i == 0) for i in range(lo)]
+        if hi is None:
+            tail = a.star(item(lo == 0)) if lo else a.opt(a.seq(item(True), a.star(item(False))))
+            parts.append(tail)
+        else:
+            rest = a.empty()  # nested options: copy j is there only if copy j - 1 is
+            for j in reversed(range(lo, hi)):
+                rest = a.opt(a.seq(item(j == 0), rest))
+            parts.append(rest)
+        return a.seq(*parts) if parts else a.empty()
+
+    def string(self, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+        a = self.a
+        return a.seq(a.lit(b'"'), self.repeat(self.string_char, lo, hi), a.lit(b'"'))
+
+    def number(self, integer: bool) -> tuple[int, int]:
+        a = self.a
+        digits = a.seq(a.byte_set(DIGIT), a.star(a.byte_set(DIGIT)))
+        whole = a.seq(a.opt(a.lit(b"-")), a.alt(a.lit(b"0"), a.seq(a.byte_set(NONZERO), a.star(a.byte_set(DIGIT)))))  # fmt: skip
+        if integer:
+            return whole
+        frac = a.opt(a.seq(a.lit(b"."), digits))
+        exp_digits = a.seq(a.byte_set(DIGIT), a.star(a.byte_set(DIGIT)))
+        exp = a.opt(a.seq(a.byte_set(_bits(b"eE")), a.opt(a.byte_set(_bits(b"+-"))), exp_digits))
+        return a.seq(whole, frac, exp)
+
+    def any_value(self) -> tuple[int, int]:
+        """A call of the free-form JSON value subroutine (built once)."""
+        a = self.a
+        if self._any is None:
+            self._any = entry = a.node()
+            end = a.node()
+            a.ret.add(end)
+
+            def member() -> tuple[int, int]:
+                return a.seq(self.string(), a.ws(), a.lit(b":"), a.ws(), a.calls(entry))
+
+            obj = self.container(b"{", b"}", member, 0, None)
+            arr = self.container(b"[", b"]", lambda: a.calls(entry), 0, None)
+            scalars = [self.string(), self.number(False)]
+            scalars += [a.lit(w) for w in (b"true", b"false", b"null")]
+            body = a.alt(obj, arr, *scalars)
+            a.seq((entry, entry), body, (end, end))
+        return a.calls(self._any)
+
+    def container(self, open_: bytes, close: bytes, item, lo: int, hi: int | None):  # noqa: ANN001, ANN201
+        a = self.a
+        items = self.repeat(item, lo, hi, self.comma)
+        return a.seq(a.lit(open_), a.ws(), items, a.ws(), a.lit(close))
+
+    # -- schemas
+    def value(self, s: Any, path: str) -> tuple[int, int]:
+        a = self.a
+        if s is True or s == {}:
+            return self.any_value()
+        if s is False:
+            raise SchemaError(f"{path}: the schema false allows no value")
+        if not isinstance(s, dict):
+            raise SchemaError(f"{path}: a schema must be an object or a boolean, got {s!r}")
+        unknown = sorted(set(s) - KEYWORDS - ANNOTATIONS)
+        if unknown:
+            raise SchemaError(f"{path}: '{unknown[0]}' is not supported")
+        if s.get("nullable"):
+            rest = {k: v for k, v in s.items() if k != "nullable"}
+            return a.alt(self.value(rest, path), a.lit(b"null"))
+        if "$ref" in s:
+            self._only(s, "$ref", path)
+            return self.ref(s["$ref"], path)
+        if "const" in s or "enum" in s:
+            values = [s["const"]] if "const" in s else s["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{path}: enum must be a non-empty list")
+            return a.alt(*(self.literal(v) for v in values))
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                subs = s[key]
+                if not isinstance(subs, list) or not subs:
+                    raise SchemaError(f"{path}: {key} must be a non-empty list")
+                rest = {k: v for k, v in s.items() if k != key and k not in ANNOTATIONS}
+                if rest:
+                    raise SchemaError(f"{path}: {key} beside {sorted(rest)[0]!r} is not supported")
+                return a.alt(*(self.value(x, f"{path}/{key}/{i}") for i, x in enumerate(subs)))
+        if "allOf" in s:
+            subs = s["allOf"]
+            if not isinstance(subs, list) or len(subs) != 1 or len(set(s) - ANNOTATIONS) != 1:
+                raise SchemaError(
+                    f"{path}: allOf is supported with one schema and nothing beside it"
+                )
+            return self.value(subs[0], f"{path}/allOf/0")
+        types = s.get("type")
+        if types is None:
+            if {"properties", "additionalProperties", "required"} & set(s):
+                types = "object"
+            elif {"items", "prefixItems", "minItems", "maxItems"} & set(s):
+                types = "array"
+            elif {"minLength", "maxLength"} & set(s):
+                types = "string"
+            else:
+                return self.any_value()
+        names = types if isinstance(types, list) else [types]
+        bad = [t for t in names if t not in TYPES]
+        if bad or not names:
+            raise SchemaError(
+                f"{path}: type must be one of {', '.join(TYPES)} (or a list), got {types!r}"
+            )
+        return a.alt(*(self.typed(t, s, path) for t in dict.fromkeys(names)))
+
+    def typed(self, t: str, s: dict, path: str) -> tuple[int, int]:
+        a = self.a
+        if t == "string":
+            return self.string(*self._bounds(s, "minLength", "maxLength", path))
+        if t in ("integer", "number"):
+            return self.number(t == "integer")
+        if t == "boolean":
+            return a.alt(a.lit(b"true"), a.lit(b"false"))
+        if t == "null":
+            return a.lit(b"null")
+        if t == "array":
+            return self.array(s, path)
+        return self.object(s, path)
+
+    def then(self, piece: tuple[int, int], cont: int) -> int:
+        # a continuation (an entry node whose paths all reach one exit) after a piece
+        self.a.eps[piece[1]].append(cont)
+        return piece[0]
+
+    def either(self, *conts: int) -> int:
+        n = self.a.node()
+        self.a.eps[n].extend(conts)
+        return n
+
+    def comma(self) -> tuple[int, int]:
+        a = self.a
+        return a.seq(a.ws(), a.lit(b","), a.ws())
+
+    def array(self, s: dict, path: str) -> tuple[int, int]:
+        a = self.a
+        lo, hi = self._bounds(s, "minItems", "maxItems", path)
+        prefix = s.get("prefixItems", [])
+        items = s.get("items", True)
+        if not isinstance(prefix, list):
+            raise SchemaError(f"{path}: prefixItems must be a list")
+        if not prefix:
+            if items is False:
+                hi = 0
+            if hi is not None and lo > hi:
+                raise SchemaError(f"{path}: no array fits minItems {lo} and maxItems {hi}")
+            item = lambda: self.value(items, f"{path}/items")  # noqa: E731
+            return self.container(b"[", b"]", item, lo, hi)
+        # the prefix items one by one, built back to front as continuations: after item j the
+        # array may end (minItems met) or go on with item j + 1, or after the last, with `items`
+        k = len(prefix) if hi is None else min(len(prefix), hi)
+        rest_hi = 0 if items is False else None if hi is None else hi - k
+        out = a.node()
+        end = self.then(a.seq(a.ws(), a.lit(b"]")), out)
+        tail = None
+        if rest_hi != 0:  # (hi >= lo, so the rest can hold the items minItems still needs)
+            rest = self.repeat(
+                lambda: self.value(items, f"{path}/items"), max(lo - k, 1), rest_hi, self.comma
+            )
+            tail = self.then(a.seq(self.comma(), rest, a.ws(), a.lit(b"]")), out)
+        body = None
+        for j in reversed(range(k)):
+            conts = [end] if j + 1 >= lo else []
+            if j + 1 < k:
+                conts.append(self.then(self.comma(), body))
+            elif tail is not None:
+                conts.append(tail)
+            if not conts:
+                raise SchemaError(f"{path}: no array fits minItems {lo}")
+            body = self.then(self.value(prefix[j], f"{path}/prefixItems/{j}"), self.either(*conts))
+        first = [body] if k else []
+        if lo == 0:
+            first.append(end)
+        if not first:
+            raise SchemaError(f"{path}: no array fits minItems {lo} and maxItems {hi}")
+        return self.then(a.seq(a.lit(b"["), a.ws()), self.either(*first)), out
+
+    def object(self, s: dict, path: str) -> tuple[int, int]:
+        a = self.a
+        props = s.get("properties")
+        extra = s.get("additionalProperties", props is None)
+        required = s.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{path}: required must be a list of names")
+        props = props or {}
+        if not isinstance(props, dict):
+            raise SchemaError(f"{path}: properties must be an object")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise SchemaError(f"{path}: required property {missing[0]!r} is not in properties")
+
+        def member(name: str) -> tuple[int, int]:
+            value = self.value(props[name], f"{path}/properties/{name}")
+            return a.seq(a.lit(self.dump(name)), a.ws(), a.lit(b":"), a.ws(), value)
+
+        def any_member() -> tuple[int, int]:
+            value = self.value(extra, f"{path}/additionalProperties")
+            return a.seq(self.string(), a.ws(), a.lit(b":"), a.ws(), value)
+
+        # continuations, back to front over the declared properties: f = nothing written yet,
+        # w = a member written (the next one needs a comma); other keys after the declared ones
+        out = a.node()
+        close = self.then(a.seq(a.ws(), a.lit(b"}")), out)
+        f = w = close
+        if extra is not False:
+            w = self.either(close)
+            a.eps[w].append(self.then(a.seq(self.comma(), any_member()), w))
+            f = self.either(close, self.then(a.seq(a.ws(), any_member()), w))
+        for name in reversed(list(props)):
+            wrote_f = self.then(a.seq(a.ws(), member(name)), w)
+            wrote_w = self.then(a.seq(self.comma(), member(name)), w)
+            if name in required:
+                f, w = wrote_f, wrote_w
+            else:
+                f, w = self.either(wrote_f, f), self.either(wrote_w, w)
+        return self.then(a.lit(b"{"), f), out
+
+    def ref(self, ref: Any, path: str) -> tuple[int, int]:
+        a = self.a
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(
+                f"{path}: only $ref into this schema ('#...') is supported, got {ref!r}"
+            )
+        if ref not in self.subs:
+            target = self.root
+            for part in [p for p in ref[1:].split("/") if p]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if not isinstance(target, dict) or part not in target:
+                    raise SchemaError(f"{path}: $ref {ref!r} does not resolve")
+                target = target[part]
+            self.subs[ref] = entry = a.node()
+            end = a.node()
+            a.ret.add(end)
+            a.seq((entry, entry), self.value(target, ref), (end, end))
+        return a.calls(self.subs[ref])
+
+    def literal(self, v: Any) -> tuple[int, int]:
+        """Exactly the JSON value v, whitespace free between its tokens (the member order kept)."""
+        a = self.a
+        if isinstance(v, dict):
+            members = [
+                a.seq(a.lit(self.dump(k)), a.ws(), a.lit(b":"), a.ws(), self.literal(x))
+                for k, x in v.items()
+            ]
+            return self.listed(b"{", b"}", members)
+        if isinstance(v, list):
+            return self.listed(b"[", b"]", [self.literal(x) for x in v])
+        return a.lit(self.dump(v))
+
+    def listed(self, open_: bytes, close: bytes, parts: list) -> tuple[int, int]:
+        a = self.a
+        body = [p if i == 0 else a.seq(self.comma(), p) for i, p in enumerate(parts)]
+        return a.seq(a.lit(open_), a.ws(), *body, a.ws(), a.lit(close))
+
+    # -- helpers
+    @staticmethod
+    def dump(v: Any) -> bytes:
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":")).encode()
+
+    @staticmethod
+    def _only(s: dict, key: str, path: str) -> None:
+        rest = sorted(set(s) - {key} - ANNOTATIONS)
+        if rest:
+            raise SchemaError(f"{path}: {key} beside {rest[0]!r} is not supported")
+
+    @staticmethod
+    def _bounds(s: dict, lo_key: str, hi_key: str, path: str) -> tuple[int, int | None]:
+        lo, hi = s.get(lo_key, 0), s.get(hi_key)
+        for key, v in ((lo_key, lo), (hi_key, hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise SchemaError(f"{path}: {key} must be an integer >= 0, got {v!r}")
+            if v is not None and v > MAX_COUNT:
+                raise SchemaError(f"{path}: {key} above {MAX_COUNT} is not supported")
+        if hi is not None and lo > hi:
+            raise SchemaError(f"{path}: {lo_key} {lo} > {hi_key} {hi}")
+        return lo, hi
+
+
+def _key(schema: Any) -> str:
+    return json.dumps(schema)  # (keys in their order: the properties' order is the output's)
+
+
+@lru_cache(maxsize=64)
+def _compiled(key: str) -> Automaton:
+    schema = json.loads(key)
+    c = _Compiler(schema)
+    c.a.finish(c.value(schema, "#"))
+    return c.a
+
+
+def compile_schema(schema: Any) -> Automaton:
+    """The automaton of a JSON schema (a dict, a bool, or its JSON text); SchemaError if it
+    cannot be constrained to. Cached per schema (the same automaton for the same schema)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SchemaError(f"the schema is not JSON: {e}") from None
+    return _compiled(_key(schema))
+
+
+@lru_cache(maxsize=64)
+def _choices(key: str) -> Automaton:
+    a = Automaton()
+    a.final = a.node()
+    start = a.node()
+    body = a.alt(*(a.lit(c.encode()) for c in json.loads(key)))
+    a.seq((start, start), body, (a.final, a.final))
+    a.START = a._intern(a._closure([(start, ())]))
+    return a
+
+
+def compile_choice(choices: list[str]) -> Automaton:
+    """The output is exactly one of these strings (vLLM's guided_choice)."""
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise SchemaError("choice must be a non-empty list of strings")
+    return _choices(json.dumps(choices))
