@@ -19,14 +19,18 @@ What the output may be (as vLLM's xgrammar backend and OpenAI's strict mode):
 - Supported: type (or a list of types), enum, const, properties, required,
   additionalProperties, items, prefixItems, minItems / maxItems, minLength / maxLength, anyOf,
   oneOf (as anyOf: exclusivity is not enforced), allOf with one schema, $ref into the document
-  ("#", "#/$defs/..", "#/definitions/.."), nullable, and annotations (title, description, ..).
-  Any other keyword (pattern, format, minimum, ...) is a SchemaError naming it and its place:
-  a constraint is never silently dropped.
+  ("#", "#/$defs/..", "#/definitions/.."), nullable, annotations (title, description, ..),
+  minimum / maximum / exclusiveMinimum / exclusiveMaximum (any bounds for integers; whole-number
+  bounds for numbers, which are then written without an exponent), and the string formats
+  date, time, date-time (RFC 3339; days 01-31 in every month), uuid and ipv4. Any other keyword
+  or format (pattern, multipleOf, email, ...) is a SchemaError naming it and its place: a
+  constraint is never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from typing import Any
 
@@ -39,7 +43,13 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
                "deprecated", "readOnly", "writeOnly", "$defs", "definitions", "strict"}  # fmt: skip
 KEYWORDS = {"type", "enum", "const", "properties", "required", "additionalProperties", "items",
             "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf",
-            "allOf", "$ref", "nullable"}  # fmt: skip
+            "allOf", "$ref", "nullable", "minimum", "maximum", "exclusiveMinimum",
+            "exclusiveMaximum", "format"}  # fmt: skip
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+FORMATS = ("date", "time", "date-time", "uuid", "ipv4")
+# a bound of an integer as the first / last integer inside it
+INT_BOUND = {"minimum": math.ceil, "maximum": math.floor,
+             "exclusiveMinimum": lambda v: math.floor(v) + 1, "exclusiveMaximum": lambda v: math.ceil(v) - 1}  # fmt: skip
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 
 
@@ -280,6 +290,187 @@ class _Compiler:
         exp = a.opt(a.seq(a.byte_set(_bits(b"eE")), a.opt(a.byte_set(_bits(b"+-"))), exp_digits))
         return a.seq(whole, frac, exp)
 
+    # -- numbers in a range (canonical decimal digits: no leading zeros)
+    def same_length(self, x: str, y: str) -> tuple[int, int]:
+        # the digit strings of len(x) between x and y (x <= y, as many digits)
+        a = self.a
+        if not x:
+            return a.empty()
+        if x[0] == y[0]:
+            return a.seq(a.lit(x[0].encode()), self.same_length(x[1:], y[1:]))
+        rest = len(x) - 1
+        parts = [
+            a.seq(a.lit(x[0].encode()), self.same_length(x[1:], "9" * rest)),
+            a.seq(a.lit(y[0].encode()), self.same_length("0" * rest, y[1:])),
+        ]
+        if int(y[0]) - int(x[0]) > 1:
+            mid = a.byte_set(_bits(range(ord(x[0]) + 1, ord(y[0]))))
+            parts.append(a.seq(mid, *(a.byte_set(DIGIT) for _ in range(rest))))
+        return a.alt(*parts)
+
+    def digits_between(self, lo: int, hi: int | None) -> tuple[int, int]:
+        """The decimal digits of the integers lo..hi (hi None: no end), 0 <= lo <= hi."""
+        a = self.a
+        n = len(str(lo))
+        if hi is None:
+            longer = a.seq(
+                a.byte_set(NONZERO),
+                *(a.byte_set(DIGIT) for _ in range(n)),
+                a.star(a.byte_set(DIGIT)),
+            )
+            return a.alt(self.same_length(str(lo), "9" * n), longer)
+        parts = []
+        for width in range(n, len(str(hi)) + 1):
+            x = str(lo) if width == n else "1" + "0" * (width - 1)
+            y = str(hi) if width == len(str(hi)) else "9" * width
+            parts.append(self.same_length(x, y))
+        return a.alt(*parts)
+
+    def decimal_between(self, lo: int, lo_in: bool, hi: int | None, hi_in: bool, integer: bool):  # noqa: ANN201
+        # a non-negative decimal (no sign, no exponent) in the range between integers lo <= hi,
+        # each end included or not: by its integer part; a fraction only where it stays inside
+        a = self.a
+        frac_any = a.opt(a.seq(a.lit(b"."), a.byte_set(DIGIT), a.star(a.byte_set(DIGIT))))
+        parts = []
+        if integer:
+            first, last = lo + (not lo_in), None if hi is None else hi - (not hi_in)
+            return self.digits_between(first, last) if last is None or first <= last else None
+        if hi is not None and lo == hi:  # one point: lo itself, zeros after the point
+            return (
+                a.seq(self.digits_between(lo, lo), self._zero_frac()) if lo_in and hi_in else None
+            )
+        if lo_in:
+            parts.append(a.seq(self.digits_between(lo, lo), frac_any))
+        else:  # above lo: a fraction with a non-zero digit
+            nonzero = a.seq(
+                a.lit(b"."),
+                a.star(a.byte_set(DIGIT)),
+                a.byte_set(NONZERO),
+                a.star(a.byte_set(DIGIT)),
+            )
+            parts.append(a.seq(self.digits_between(lo, lo), nonzero))
+        if hi is None or hi - lo >= 2:
+            parts.append(
+                a.seq(self.digits_between(lo + 1, None if hi is None else hi - 1), frac_any)
+            )
+        if hi is not None and hi_in:
+            parts.append(a.seq(self.digits_between(hi, hi), self._zero_frac()))
+        return a.alt(*parts)
+
+    def _zero_frac(self) -> tuple[int, int]:
+        a = self.a
+        return a.opt(a.seq(a.lit(b"."), a.lit(b"0"), a.star(a.lit(b"0"))))
+
+    def bounded(self, t: str, s: dict, path: str) -> tuple[int, int]:
+        """An integer or a number between minimum / exclusiveMinimum and maximum /
+        exclusiveMaximum (a bounded number is written without an exponent; its bounds must be
+        whole numbers)."""
+        a = self.a
+        lo = hi = None
+        lo_in = hi_in = True
+        for key in BOUNDS:
+            v = s.get(key)
+            if v is None:
+                continue
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or v != v
+                or v in (float("inf"), -float("inf"))
+            ):
+                raise SchemaError(f"{path}: {key} must be a finite number, got {v!r}")
+            if t == "integer":  # the integers inside: inclusive integer bounds
+                v, inclusive = INT_BOUND[key](v), True
+            elif v != int(v):
+                raise SchemaError(
+                    f"{path}: {key} {v!r} is not supported for numbers (only whole bounds)"
+                )
+            else:
+                inclusive = not key.startswith("exclusive")
+            v = int(v)
+            if key.endswith("inimum") and (lo is None or v > lo or (v == lo and not inclusive)):
+                lo, lo_in = v, inclusive
+            if key.endswith("aximum") and (hi is None or v < hi or (v == hi and not inclusive)):
+                hi, hi_in = v, inclusive
+        integer = t == "integer"
+        parts = []
+        if hi is None or hi > 0 or (hi == 0 and hi_in):  # x >= 0
+            start, start_in = (0, True) if lo is None or lo < 0 else (lo, lo_in)
+            part = self.decimal_between(start, start_in, hi, hi_in, integer)
+            if part is not None:
+                parts.append(part)
+        if lo is None or lo < 0:  # x < 0: "-" and -x between -hi and -lo (ends swapped)
+            start, start_in = (0, False) if hi is None or hi >= 0 else (-hi, hi_in)
+            part = self.decimal_between(
+                start, start_in, None if lo is None else -lo, lo_in, integer
+            )
+            if part is not None:
+                parts.append(a.seq(a.lit(b"-"), part))
+        if not parts:
+            raise SchemaError(f"{path}: no {t} fits the bounds")
+        return a.alt(*parts)
+
+    # -- string formats
+    def formatted(self, s: dict, path: str) -> tuple[int, int]:
+        a = self.a
+        fmt = s["format"]
+        if fmt not in FORMATS:
+            raise SchemaError(
+                f"{path}: format {fmt!r} is not supported (only {', '.join(FORMATS)})"
+            )
+        if {"minLength", "maxLength"} & set(s):
+            raise SchemaError(f"{path}: format beside minLength / maxLength is not supported")
+
+        def digits(n: int) -> tuple[int, int]:
+            return a.seq(*(a.byte_set(DIGIT) for _ in range(n)))
+
+        def hexes(n: int) -> tuple[int, int]:
+            return a.seq(*(a.byte_set(HEX) for _ in range(n)))
+
+        def date() -> tuple[int, int]:  # (days 01-31 in every month)
+            return a.seq(
+                digits(4),
+                a.lit(b"-"),
+                self.same_length("01", "12"),
+                a.lit(b"-"),
+                self.same_length("01", "31"),
+            )
+
+        def time() -> tuple[int, int]:
+            hms = a.seq(self.same_length("00", "23"), a.lit(b":"), self.same_length("00", "59"), a.lit(b":"),
+                        self.same_length("00", "60"))  # fmt: skip
+            frac = a.opt(a.seq(a.lit(b"."), a.byte_set(DIGIT), a.star(a.byte_set(DIGIT))))
+            offset = a.seq(
+                a.byte_set(_bits(b"+-")),
+                self.same_length("00", "23"),
+                a.lit(b":"),
+                self.same_length("00", "59"),
+            )
+            return a.seq(hms, frac, a.alt(a.byte_set(_bits(b"Zz")), offset))
+
+        if fmt == "date":
+            body = date()
+        elif fmt == "time":
+            body = time()
+        elif fmt == "date-time":
+            body = a.seq(date(), a.byte_set(_bits(b"Tt")), time())
+        elif fmt == "uuid":
+            body = a.seq(
+                hexes(8),
+                a.lit(b"-"),
+                hexes(4),
+                a.lit(b"-"),
+                hexes(4),
+                a.lit(b"-"),
+                hexes(4),
+                a.lit(b"-"),
+                hexes(12),
+            )
+        else:  # ipv4: four numbers 0-255, no leading zeros
+            octets = [self.digits_between(0, 255) for _ in range(4)]
+            body = a.seq(octets[0], *(a.seq(a.lit(b"."), o) for o in octets[1:]))
+        return a.seq(a.lit(b'"'), body, a.lit(b'"'))
+
     def any_value(self) -> tuple[int, int]:
         """A call of the free-form JSON value subroutine (built once)."""
         a = self.a
@@ -364,8 +555,12 @@ class _Compiler:
     def typed(self, t: str, s: dict, path: str) -> tuple[int, int]:
         a = self.a
         if t == "string":
+            if "format" in s:
+                return self.formatted(s, path)
             return self.string(*self._bounds(s, "minLength", "maxLength", path))
         if t in ("integer", "number"):
+            if any(k in s for k in BOUNDS):
+                return self.bounded(t, s, path)
             return self.number(t == "integer")
         if t == "boolean":
             return a.alt(a.lit(b"true"), a.lit(b"false"))

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ PERSON = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "height": {"type": "number", "minimum": -3, "maximum": 250},
         "email": {"type": ["string", "null"]},
         "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
         "pos": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "boolean"}],
@@ -88,14 +90,15 @@ def accepts(auto, text: str | bytes) -> bool:  # noqa: ANN001
 
 def test_objects_in_declared_order_required_and_optional():
     auto = compile_schema(PERSON)
-    for text in ['{"name":"x","age":3}', ' {"name" : "é\\n", "age" : -0 , "meta": {"k": [1, {}]}} ',
+    for text in ['{"name":"x","age":3}', ' {"name" : "é\\n", "age" : 0 , "meta": {"k": [1, {}]}} ',
                  '{"name":"x","age":1,"email":null,"tags":["a",3,null],"pos":[1.5e3]}',
                  '{"name":"x","age":1,"pos":[-0.5,true]}', '{"name":"中","age":1}']:  # fmt: skip
         assert accepts(auto, text), text
     for text in ['{"age":3,"name":"x"}', '{"name":"x"}', '{"name":"","age":3}', '{"name":"123456789","age":3}',
                  '{"name":"x","age":3.5}', '{"name":"x","age":3,"zz":1}', '{"name":"x","age":3,"tags":[1]}',
                  '{"name":"x","age":3,"tags":["a","a","a","a"]}', '{"name":"x","age":3,"pos":[]}',
-                 '{"name":"x","age":3,"pos":[1,true,2]}', '{"name":"x","age":01}', '{"name":"\\x"}',
+                 '{"name":"x","age":3,"pos":[1,true,2]}', '{"name":"x","age":01}', '{"name":"x","age":-1}', '{"name":"x","age":151}',
+                 '{"name":"x","age":3,"height":1e2}', '{"name":"\\x"}',
                  '{"name":"\x01","age":1}', '[1]', '{"name":"x","age":3} x']:  # fmt: skip
         assert not accepts(auto, text), text
     # an unfinished instance is alive, not accepted; invalid UTF-8 in a string dies
@@ -132,8 +135,10 @@ def test_choices_and_literals():
     "schema,words",
     [
         ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
-        ({"type": "string", "format": "date"}, "'format' is not supported"),
-        ({"type": "integer", "minimum": 0}, "'minimum' is not supported"),
+        ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+        ({"type": "integer", "multipleOf": 2}, "'multipleOf' is not supported"),
+        ({"type": "number", "minimum": 0.5}, "minimum 0.5 is not supported for numbers"),
+        ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer fits"),
         ({"properties": {"a": {"type": "nope"}}}, "#/properties/a: type must be one of"),
         ({"$ref": "#/$defs/missing"}, "does not resolve"),
         ({"$ref": "https://x/y.json"}, "only $ref into this schema"),
@@ -151,6 +156,108 @@ def test_what_cannot_be_constrained_is_refused_by_name(schema, words: str):  # n
     with pytest.raises(SchemaError, match=None) as e:
         compile_schema(schema)
     assert words in str(e.value), str(e.value)
+
+
+def test_integer_and_number_bounds_against_python():
+    # every integer in a window, and decimals with up to 3 fraction digits, accepted exactly when
+    # they lie in the bounds (compared as exact decimals)
+    from decimal import Decimal
+
+    rng = random.Random(5)
+    keys = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+    for k in range(60):
+        bounds = {}
+        for key in rng.sample(keys, rng.randint(1, 2)):
+            v = rng.choice([0, 1, -1, 9, 10, 99, 100, -100, 255, rng.randint(-5000, 5000)])
+            bounds[key] = v + (0.5 if k % 4 == 0 and rng.random() < 0.5 else 0)
+        inside = lambda x: (  # noqa: E731
+            ("minimum" not in bounds or x >= Decimal(str(bounds["minimum"])))
+            and ("exclusiveMinimum" not in bounds or x > Decimal(str(bounds["exclusiveMinimum"])))
+            and ("maximum" not in bounds or x <= Decimal(str(bounds["maximum"])))
+            and ("exclusiveMaximum" not in bounds or x < Decimal(str(bounds["exclusiveMaximum"])))
+        )
+        try:
+            auto = compile_schema({"type": "integer", **bounds})
+        except SchemaError:
+            assert not any(inside(Decimal(i)) for i in range(-6000, 6000)), bounds
+            continue
+        for i in range(-6000, 6000, 1 if k < 10 else 7):
+            assert accepts(auto, str(i)) == inside(Decimal(i)), (bounds, i)
+        assert not accepts(auto, "007") and not accepts(auto, "1e2") and not accepts(auto, "-0")
+        if any(isinstance(v, float) for v in bounds.values()):
+            continue
+        try:
+            auto = compile_schema({"type": "number", **bounds})
+        except SchemaError:
+            continue
+        for _ in range(3000):
+            x = Decimal(rng.randint(-6000000, 6000000)) / 1000
+            text = rng.choice(
+                [str(x), f"{x:.3f}", f"{x:.1f}" if x == x.quantize(Decimal("0.1")) else str(x)]
+            )
+            assert accepts(auto, text) == inside(Decimal(text)), (bounds, text)
+        for edge in bounds.values():
+            for text in (f"{edge}", f"{edge}.0", f"{edge}.001", f"{edge - 1}.999"):
+                assert accepts(auto, text) == inside(Decimal(text)), (bounds, text)
+
+
+def test_string_formats():
+    import datetime
+    import ipaddress
+    import uuid
+
+    rng = random.Random(6)
+    checks = {
+        "date": datetime.date.fromisoformat,
+        "date-time": lambda t: datetime.datetime.fromisoformat(
+            t.replace("t", "T").replace("z", "Z")
+        ),
+        "time": lambda t: datetime.time.fromisoformat(t.replace("z", "Z")),
+        "uuid": uuid.UUID,
+        "ipv4": ipaddress.IPv4Address,
+    }
+    samples = {
+        "date": ["2024-02-29", "1999-12-31", "0001-01-01"],
+        "date-time": [
+            "2024-02-29T23:59:59Z",
+            "2024-01-01t10:00:00.123+05:30",
+            "2024-06-01T00:00:00-08:00",
+        ],
+        "time": ["23:59:59Z", "00:00:00.5+01:00"],
+        "uuid": [str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(5)]
+        + ["ABCDEF01-2345-6789-abcd-ef0123456789"],
+        "ipv4": ["0.0.0.0", "255.255.255.255", "10.1.20.199"],
+    }
+    bad = {
+        "date": ["2024-13-01", "2024-00-10", "2024-01-32", "24-01-01", "2024-1-01"],
+        "date-time": ["2024-01-01 10:00:00Z", "2024-01-01T24:00:00Z", "2024-01-01T10:00:00"],
+        "time": ["10:60:00Z", "1:00:00Z", "10:00:00+24:00"],
+        "uuid": [
+            "abcdef01-2345-6789-abcd-ef012345678",
+            "abcdef0123456789abcdef0123456789",
+            "g" * 8 + "-0000-0000-0000-000000000000",
+        ],
+        "ipv4": ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5"],
+    }
+    for fmt, check in checks.items():
+        auto = compile_schema({"type": "string", "format": fmt})
+        for text in samples[fmt]:
+            check(text)
+            assert accepts(auto, json.dumps(text)), (fmt, text)
+        for text in bad[fmt]:
+            assert not accepts(auto, json.dumps(text)), (fmt, text)
+        for _ in range(40):  # walks that finish are well-formed (day 31 in any month aside)
+            sid, out = auto.START, bytearray()
+            while not auto.accepts(sid):
+                auto.rows(np.array([sid]))
+                b = rng.choice(np.nonzero(auto.table[sid])[0].tolist())
+                out.append(b)
+                sid = auto.step(sid, b)
+            text = json.loads(out.decode())
+            if fmt in ("date", "date-time"):
+                text = text[:8] + "01" + text[10:]  # (the day: 01-31 whatever the month)
+            text = re.sub(r"(\d\d:\d\d):60", r"\1:59", text)  # (RFC 3339's leap second)
+            check(text)
 
 
 def _instance(s, rng: random.Random, root, depth: int = 0):  # noqa: ANN001, ANN202
@@ -178,8 +285,10 @@ def _instance(s, rng: random.Random, root, depth: int = 0):  # noqa: ANN001, ANN
         lo, hi = s.get("minLength", 0), s.get("maxLength", 6)
         return "".join(rng.choice('ab"\\\n\u00e9\u4e2d/{}') for _ in range(rng.randint(lo, hi)))
     if t == "integer":
-        return rng.randint(-(10**6), 10**6)
+        return rng.randint(s.get("minimum", -(10**6)), s.get("maximum", 10**6))
     if t == "number":
+        if "minimum" in s:
+            return round(rng.uniform(s["minimum"], s["maximum"]), 3)
         return rng.choice([rng.randint(-9, 9), rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-20, 20)])
     if t == "boolean":
         return rng.random() < 0.5
