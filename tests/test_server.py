@@ -453,12 +453,12 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
         r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 8} | body).json()
         assert r["choices"][0]["message"]["content"] in ("yes", "no"), r
         assert r["choices"][0]["finish_reason"] == "stop", r
-    bad = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}
+    bad = {"type": "object", "properties": {"d": {"type": "string", "format": "email"}}}
     for extra, param, words in (
         (
             {"response_format": fmt | {"json_schema": {"schema": bad}}},
             "response_format",
-            "'format'",
+            "format 'email'",
         ),
         ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not resolve"),
         ({"guided_json": schema, "guided_choice": ["a"]}, "guided_choice", "combined"),
