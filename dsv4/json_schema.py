@@ -2,6 +2,7 @@
 
   compile_schema(schema) -> Automaton     response_format json_schema (cached per schema)
   compile_choice(choices) -> Automaton    vLLM's guided_choice: the output is one of the strings
+  compile_regex(pattern) -> Automaton     vLLM's guided_regex, SGLang's regex: the output matches
   Automaton.step(state, byte) -> state    0 = dead; Automaton.START; Automaton.accepts(state)
 
 The schema becomes a graph of nodes joined by byte edges (a 256-bit set each), empty moves, and
@@ -21,10 +22,10 @@ What the output may be (as vLLM's xgrammar backend and OpenAI's strict mode):
   oneOf (as anyOf: exclusivity is not enforced), allOf with one schema, $ref into the document
   ("#", "#/$defs/..", "#/definitions/.."), nullable, annotations (title, description, ..),
   minimum / maximum / exclusiveMinimum / exclusiveMaximum (any bounds for integers; whole-number
-  bounds for numbers, which are then written without an exponent), and the string formats
-  date, time, date-time (RFC 3339; days 01-31 in every month), uuid and ipv4. Any other keyword
-  or format (pattern, multipleOf, email, ...) is a SchemaError naming it and its place: a
-  constraint is never silently dropped.
+  bounds for numbers, which are then written without an exponent), pattern (`dsv4.regex`'s
+  syntax; a search, as JSON schema means it), and the string formats date, time, date-time
+  (RFC 3339; days 01-31 in every month), uuid and ipv4. Any other keyword or format (multipleOf,
+  email, ...) is a SchemaError naming it and its place: a constraint is never silently dropped.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", 
 KEYWORDS = {"type", "enum", "const", "properties", "required", "additionalProperties", "items",
             "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf",
             "allOf", "$ref", "nullable", "minimum", "maximum", "exclusiveMinimum",
-            "exclusiveMaximum", "format"}  # fmt: skip
+            "exclusiveMaximum", "format", "pattern"}  # fmt: skip
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 FORMATS = ("date", "time", "date-time", "uuid", "ipv4")
 # a bound of an integer as the first / last integer inside it
@@ -151,11 +152,12 @@ class Automaton:
     def ws(self) -> tuple[int, int]:
         return self.star(self.byte_set(WS))
 
-    def finish(self, top: tuple[int, int]) -> None:
-        """The document: whitespace, top, whitespace, then FINAL."""
+    def finish(self, top: tuple[int, int], ws: bool = True) -> None:
+        """The document: top (with whitespace around it, ws), then FINAL."""
         self.final = self.node()
         start = self.node()
-        self.seq((start, start), self.ws(), top, self.ws(), (self.final, self.final))
+        parts = (self.ws(), top, self.ws()) if ws else (top,)
+        self.seq((start, start), *parts, (self.final, self.final))
         self.START = self._intern(self._closure([(start, ())]))
 
     # ---- running --------------------------------------------------------------------------------
@@ -410,6 +412,20 @@ class _Compiler:
             raise SchemaError(f"{path}: no {t} fits the bounds")
         return a.alt(*parts)
 
+    def patterned(self, s: dict, path: str) -> tuple[int, int]:
+        """A string with a match of `pattern` (a search, as JSON schema means it: anchor with ^ $)."""
+        from dsv4.regex import regex_piece
+
+        a = self.a
+        other = sorted({"minLength", "maxLength", "format"} & set(s))
+        if other:
+            raise SchemaError(f"{path}: pattern beside {other[0]} is not supported")
+        try:
+            body = regex_piece(a, s["pattern"], json_string=True, search=True)
+        except SchemaError as e:
+            raise SchemaError(f"{path}: {e}") from None
+        return a.seq(a.lit(b'"'), body, a.lit(b'"'))
+
     # -- string formats
     def formatted(self, s: dict, path: str) -> tuple[int, int]:
         a = self.a
@@ -555,6 +571,8 @@ class _Compiler:
     def typed(self, t: str, s: dict, path: str) -> tuple[int, int]:
         a = self.a
         if t == "string":
+            if "pattern" in s:
+                return self.patterned(s, path)
             if "format" in s:
                 return self.formatted(s, path)
             return self.string(*self._bounds(s, "minLength", "maxLength", path))
@@ -754,12 +772,25 @@ def compile_schema(schema: Any) -> Automaton:
 @lru_cache(maxsize=64)
 def _choices(key: str) -> Automaton:
     a = Automaton()
-    a.final = a.node()
-    start = a.node()
-    body = a.alt(*(a.lit(c.encode()) for c in json.loads(key)))
-    a.seq((start, start), body, (a.final, a.final))
-    a.START = a._intern(a._closure([(start, ())]))
+    a.finish(a.alt(*(a.lit(c.encode()) for c in json.loads(key))), ws=False)
     return a
+
+
+@lru_cache(maxsize=64)
+def _regex(pattern: str) -> Automaton:
+    from dsv4.regex import regex_piece
+
+    a = Automaton()
+    a.finish(regex_piece(a, pattern, json_string=False), ws=False)
+    return a
+
+
+def compile_regex(pattern: str) -> Automaton:
+    """The output matches this regex as a whole (vLLM's guided_regex, SGLang's regex;
+    `dsv4.regex` says which syntax)."""
+    if not isinstance(pattern, str):
+        raise SchemaError(f"a regex must be a string, got {pattern!r}")
+    return _regex(pattern)
 
 
 def compile_choice(choices: list[str]) -> Automaton:

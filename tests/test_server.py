@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -413,7 +414,7 @@ def test_response_format_json_object(server, client):  # noqa: ANN001
     assert grammar.advance((grammar.START, ()), text.encode()) is not None, text
     # SGLang's structured-output keys on /generate are refused, not dropped
     r = httpx.post(server.url + "/generate",
-                   json={"text": "hi", "sampling_params": {"regex": "[a-z]+"}})  # fmt: skip
+                   json={"text": "hi", "sampling_params": {"ebnf": "root ::= x"}})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params", r.text
 
 
@@ -449,10 +450,17 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
     for body in (
         {"guided_choice": ["yes", "no"]},
         {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"guided_regex": "yes|no"},
+        {"structured_outputs": {"regex": "(?:yes|no)"}},
     ):
         r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 8} | body).json()
         assert r["choices"][0]["message"]["content"] in ("yes", "no"), r
         assert r["choices"][0]["finish_reason"] == "stop", r
+    native = {"text": "hi", "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 8}}
+    r = httpx.post(server.url + "/generate", json=native).json()
+    assert (
+        re.fullmatch("[0-9]{3}", r["text"]) and r["meta_info"]["finish_reason"]["type"] == "stop"
+    ), r
     bad = {"type": "object", "properties": {"d": {"type": "string", "format": "email"}}}
     for extra, param, words in (
         (
@@ -462,7 +470,8 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
         ),
         ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not resolve"),
         ({"guided_json": schema, "guided_choice": ["a"]}, "guided_choice", "combined"),
-        ({"guided_regex": "[a-z]+"}, "guided_regex", "not supported"),
+        ({"guided_regex": "(?=a)b"}, "guided_regex", "'(?' group"),
+        ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
         ({"structured_outputs": {"grammar": "x"}}, "structured_outputs", "grammar"),
         (
             {"response_format": fmt, "chat_template_kwargs": {"thinking": True}},
