@@ -311,13 +311,18 @@ class Sampler:
     ) -> Tensor:
         """Processed logits [B, V] fp32: softmax = sampling distribution (greedy rows: argmax).
         constraints: a `dsv4.grammar` constraint per row (None: free), or None."""
-        # min_tokens mask -> JSON mode -> allowed_token_ids, logit_bias -> penalties ->
-        # temperature -> min_p -> top_k -> top_p (vLLM v1 order); greedy rows stop after the
-        # penalties
+        # constraints (JSON mode, structured outputs) and the min_tokens mask -> allowed_token_ids,
+        # logit_bias -> penalties -> temperature -> min_p -> top_k -> top_p (vLLM v1 order);
+        # greedy rows stop after the penalties
         B, V = logits.shape
         dev = logits.device
-        logits = self.mask_min_tokens(logits, params, output_ids)
-        logits = self.constrain(logits, output_ids, constraints)
+        constrained = self.constrain(logits, output_ids, constraints)
+        logits = self.mask_min_tokens(constrained, params, output_ids)
+        if any(c is not None and len(o) < p.min_tokens
+               for c, o, p in zip(constraints or [], output_ids, params)):  # fmt: skip
+            # a complete constrained output may allow only EOS: it ends there, min_tokens or not
+            # (a row with no token left would sample garbage)
+            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), constrained, logits)
         logits = self.bias(logits, params)
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
         if all(p.greedy for p in params):
@@ -439,6 +444,7 @@ class StopChecker:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._stop_ids = set(params.stop_token_ids)
+        self._constrained = params.json_object or params.automaton() is not None
         self._streamed: list[str] = []  # deltas returned so far
         # text not streamed yet. A stop string that ends in new text starts inside it: its start
         # was a held tail (a stop-string prefix), so the search never looks at streamed text and
@@ -456,10 +462,11 @@ class StopChecker:
         p = self.params
         for n, tok in enumerate(new_token_ids, 1):
             self.num_tokens += 1
-            # the first min_tokens tokens never stop the request (the Sampler masks stop ids too)
+            # the first min_tokens tokens never stop the request (the Sampler masks stop ids too),
+            # but for an EOS that a complete constrained output left as its only token
             can_stop = self.num_tokens > p.min_tokens
             is_eos = tok == self.eos_token_id and not p.ignore_eos
-            if can_stop and (is_eos or tok in self._stop_ids):
+            if (can_stop or (is_eos and self._constrained)) and (is_eos or tok in self._stop_ids):
                 # a stop token ends the output and its text is not part of it
                 return self._finish(n, "stop", None if is_eos else tok)
             old_len = len(self._pending)

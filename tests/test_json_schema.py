@@ -135,7 +135,10 @@ def test_choices_and_literals():
 @pytest.mark.parametrize(
     "schema,words",
     [
-        ({"type": "string", "pattern": "(?<=a)b"}, "'(?' group other than (?: (at 1) is not supported"),
+        (
+            {"type": "string", "pattern": "(?<=a)b"},
+            "'(?' group other than (?: (at 1) is not supported",
+        ),
         ({"type": "string", "contentEncoding": "base64"}, "'contentEncoding' is not supported"),
         ({"type": "string", "format": "email"}, "format 'email' is not supported"),
         ({"type": "integer", "multipleOf": 2}, "'multipleOf' is not supported"),
@@ -420,6 +423,12 @@ def test_generation_with_a_schema(tiny: Path):
     assert all(
         o.text in ("yes", "no") and o.finish_reason == "stop" for o in llm.generate(prompts, pick)
     )
+    # min_tokens does not outlast a complete constrained output (only EOS is left: it ends there)
+    held = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=10, min_tokens=8, guided_choice=["ab"]
+    )
+    (out,) = llm.generate([prompts[0]], held)
+    assert out.text == "ab" and out.finish_reason == "stop" and len(out.token_ids) == 3, out
     greedy = SamplingParams(temperature=0, max_tokens=24, json_schema=PERSON)
     want = [o.token_ids for o in llm.generate(prompts, greedy)]
     spec = LLM(tiny, device="cpu", progress=False, max_seqs=4,
