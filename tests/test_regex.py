@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -77,6 +78,10 @@ def test_random_patterns_match_as_python_re():
                 sid = auto.step(sid, out[-1])
 
 
+def _hit(seqs: list, b: bytes) -> bool:
+    return any(len(s) == len(b) and all(x <= c <= y for c, (x, y) in zip(b, s)) for s in seqs)
+
+
 def test_utf8_sequences_cover_exactly_the_range():
     rng = random.Random(1)
     for _ in range(200):
@@ -86,10 +91,7 @@ def test_utf8_sequences_cover_exactly_the_range():
         hi = min(0x10FFFF, lo + rng.choice([0, 1, 63, 64, 4095, 70000, rng.randint(0, 0x10FFFF)]))
         seqs = utf8_sequences(lo, hi)
 
-        def hit(b: bytes) -> bool:
-            return any(
-                len(s) == len(b) and all(x <= c <= y for c, (x, y) in zip(b, s)) for s in seqs
-            )  # noqa: B023
+        hit = functools.partial(_hit, seqs)
 
         for cp in {lo, hi, (lo + hi) // 2, *(rng.randint(lo, hi) for _ in range(50))}:
             if not 0xD800 <= cp <= 0xDFFF:
