@@ -37,15 +37,22 @@ def _norm(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _negate(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for lo, hi in _norm(ranges + [SURROGATES]):
-        if lo > at:
-            out.append((at, lo - 1))
-        at = hi + 1
-    if at <= MAX_CP:
-        out.append((at, MAX_CP))
+def _gaps(lo: int, hi: int, removed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    # the parts of lo..hi that no range of `removed` covers
+    out, at = [], lo
+    for a, b in _norm(removed):
+        if a > hi:
+            break
+        if a > at:
+            out.append((at, a - 1))
+        at = max(at, b + 1)
+    if at <= hi:
+        out.append((at, hi))
     return out
+
+
+def _negate(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return _gaps(0, MAX_CP, ranges + [SURROGATES])
 
 
 def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
@@ -249,24 +256,13 @@ def _set_piece(a: Automaton, ranges: list[tuple[int, int]], json_string: bool) -
             cp for cp in (*range(0x20), 0x22, 0x5C) if any(lo <= cp <= hi for lo, hi in ranges)
         ]
         alts += [a.lit(_char_bytes(cp, True)) for cp in special]
-        ranges = [r for lo, hi in ranges for r in _without(lo, hi, special)]
+        ranges = [r for lo, hi in ranges for r in _gaps(lo, hi, [(c, c) for c in special])]
     for lo, hi in ranges:
         for seq in utf8_sequences(lo, hi):
             alts.append(a.seq(*(a.byte_set(_bits(range(x, y + 1))) for x, y in seq)))
     if not alts:
         raise SchemaError("a regex class that matches no character")
     return alts[0] if len(alts) == 1 else a.alt(*alts)
-
-
-def _without(lo: int, hi: int, points: list[int]) -> list[tuple[int, int]]:
-    out, at = [], lo
-    for p in sorted(x for x in points if lo <= x <= hi):
-        if p > at:
-            out.append((at, p - 1))
-        at = p + 1
-    if at <= hi:
-        out.append((at, hi))
-    return out
 
 
 def _piece(a: Automaton, node: tuple, json_string: bool) -> tuple[int, int]:
