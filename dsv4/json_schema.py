@@ -144,6 +144,29 @@ class Automaton:
     def opt(self, part: tuple[int, int]) -> tuple[int, int]:
         return self.alt(part, self.empty())
 
+    def repeat(self, make, lo: int, hi: int | None, sep=None) -> tuple[int, int]:  # noqa: ANN001
+        """lo..hi pieces from make() (hi None: no end), a piece from sep() between two."""
+        if hi == 0:
+            return self.empty()
+
+        def item(first: bool) -> tuple[int, int]:
+            return make() if first or sep is None else self.seq(sep(), make())
+
+        parts = [item(i == 0) for i in range(lo)]
+        if hi is None:
+            tail = (
+                self.star(item(False))
+                if lo
+                else self.opt(self.seq(item(True), self.star(item(False))))
+            )
+            parts.append(tail)
+        else:
+            rest = self.empty()  # nested options: copy j is there only if copy j - 1 is
+            for j in reversed(range(lo, hi)):
+                rest = self.opt(self.seq(item(j == 0), rest))
+            parts.append(rest)
+        return self.seq(*parts) if parts else self.empty()
+
     def calls(self, entry: int) -> tuple[int, int]:
         a, b = self.node(), self.node()
         self.call[a] = (entry, b)
@@ -257,39 +280,21 @@ class _Compiler:
         escape = a.seq(a.lit(b"\\"), a.alt(a.byte_set(ESCAPED), unicode))
         return a.alt(utf8, escape)
 
-    def repeat(self, make, lo: int, hi: int | None, sep=None) -> tuple[int, int]:  # noqa: ANN001
-        # lo..hi copies of make() (hi None: unbounded), sep() between them
-        a = self.a
-        if hi is not None and hi == 0:
-            return a.empty()
-
-        def item(first: bool) -> tuple[int, int]:
-            return make() if first or sep is None else a.seq(sep(), make())
-
-        parts = [item(i == 0) for i in range(lo)]
-        if hi is None:
-            tail = a.star(item(lo == 0)) if lo else a.opt(a.seq(item(True), a.star(item(False))))
-            parts.append(tail)
-        else:
-            rest = a.empty()  # nested options: copy j is there only if copy j - 1 is
-            for j in reversed(range(lo, hi)):
-                rest = a.opt(a.seq(item(j == 0), rest))
-            parts.append(rest)
-        return a.seq(*parts) if parts else a.empty()
-
     def string(self, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
         a = self.a
-        return a.seq(a.lit(b'"'), self.repeat(self.string_char, lo, hi), a.lit(b'"'))
+        return a.seq(a.lit(b'"'), self.a.repeat(self.string_char, lo, hi), a.lit(b'"'))
 
     def number(self, integer: bool) -> tuple[int, int]:
         a = self.a
-        digits = a.seq(a.byte_set(DIGIT), a.star(a.byte_set(DIGIT)))
+
+        def digits() -> tuple[int, int]:
+            return a.seq(a.byte_set(DIGIT), a.star(a.byte_set(DIGIT)))
+
         whole = a.seq(a.opt(a.lit(b"-")), a.alt(a.lit(b"0"), a.seq(a.byte_set(NONZERO), a.star(a.byte_set(DIGIT)))))  # fmt: skip
         if integer:
             return whole
-        frac = a.opt(a.seq(a.lit(b"."), digits))
-        exp_digits = a.seq(a.byte_set(DIGIT), a.star(a.byte_set(DIGIT)))
-        exp = a.opt(a.seq(a.byte_set(_bits(b"eE")), a.opt(a.byte_set(_bits(b"+-"))), exp_digits))
+        frac = a.opt(a.seq(a.lit(b"."), digits()))
+        exp = a.opt(a.seq(a.byte_set(_bits(b"eE")), a.opt(a.byte_set(_bits(b"+-"))), digits()))
         return a.seq(whole, frac, exp)
 
     # -- numbers in a range (canonical decimal digits: no leading zeros)
@@ -508,7 +513,7 @@ class _Compiler:
 
     def container(self, open_: bytes, close: bytes, item, lo: int, hi: int | None):  # noqa: ANN001, ANN201
         a = self.a
-        items = self.repeat(item, lo, hi, self.comma)
+        items = self.a.repeat(item, lo, hi, self.comma)
         return a.seq(a.lit(open_), a.ws(), items, a.ws(), a.lit(close))
 
     # -- schemas
@@ -624,7 +629,7 @@ class _Compiler:
         end = self.then(a.seq(a.ws(), a.lit(b"]")), out)
         tail = None
         if rest_hi != 0:  # (hi >= lo, so the rest can hold the items minItems still needs)
-            rest = self.repeat(
+            rest = self.a.repeat(
                 lambda: self.value(items, f"{path}/items"), max(lo - k, 1), rest_hi, self.comma
             )
             tail = self.then(a.seq(self.comma(), rest, a.ws(), a.lit(b"]")), out)

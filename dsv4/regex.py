@@ -274,15 +274,7 @@ def _piece(a: Automaton, node: tuple, json_string: bool) -> tuple[int, int]:
     if kind == "alt":
         return a.alt(*(_piece(a, x, json_string) for x in node[1]))
     _, inner, lo, hi = node
-    parts = [_piece(a, inner, json_string) for _ in range(lo)]
-    if hi is None:
-        parts.append(a.star(_piece(a, inner, json_string)))
-    else:
-        rest = a.empty()  # nested options: copy j only after copy j - 1
-        for _ in range(hi - lo):
-            rest = a.opt(a.seq(_piece(a, inner, json_string), rest))
-        parts.append(rest)
-    return a.seq(*parts)
+    return a.repeat(lambda: _piece(a, inner, json_string), lo, hi)
 
 
 def regex_piece(
