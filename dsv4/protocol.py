@@ -104,6 +104,7 @@ class GenerationRequest(BaseModel):
     guided_json: dict[str, Any] | str | bool | None = None
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
+    guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
     def structured(self) -> tuple[str | None, dict]:
@@ -127,12 +128,14 @@ class GenerationRequest(BaseModel):
             asked.append(("guided_choice", {"guided_choice": self.guided_choice}))
         if self.guided_regex is not None:
             asked.append(("guided_regex", {"guided_regex": self.guided_regex}))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", {"guided_grammar": self.guided_grammar}))
         so = self.structured_outputs
         if so is not None:
             other = sorted(
                 k
                 for k, v in so.items()
-                if v is not None and k not in ("json", "choice", "regex", "json_object")
+                if v is not None and k not in ("json", "choice", "regex", "grammar", "json_object")
             )
             if other:
                 raise ApiError(
@@ -144,11 +147,10 @@ class GenerationRequest(BaseModel):
                 asked.append(("structured_outputs", {"guided_choice": so["choice"]}))
             if so.get("regex") is not None:
                 asked.append(("structured_outputs", {"guided_regex": so["regex"]}))
+            if so.get("grammar") is not None:
+                asked.append(("structured_outputs", {"guided_grammar": so["grammar"]}))
             if so.get("json_object") is True:
                 asked.append(("structured_outputs", {"json_object": True}))
-        if (self.model_extra or {}).get("guided_grammar") is not None:
-            msg = "guided_grammar is not supported (JSON schemas, regexes and choices are)"
-            raise ApiError(400, msg, "guided_grammar")
         if len(asked) > 1:
             raise ApiError(400, f"{asked[1][0]} cannot be combined with {asked[0][0]}", asked[1][0])
         if not asked:
@@ -397,6 +399,7 @@ class NativeSamplingParams(BaseModel):
     sampling_seed: int | None = None
     json_schema: str | None = None  # structured outputs: the schema's JSON text (dsv4.json_schema)
     regex: str | None = None  # the output matches this regex (dsv4.regex)
+    ebnf: str | None = None  # a sentence of this grammar (dsv4.ebnf)
 
 
 class GenerateRequest(BaseModel):
@@ -420,11 +423,11 @@ class GenerateRequest(BaseModel):
         if self.sampling_params.n != 1:
             raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
         # SGLang's other structured outputs: refused by name rather than dropped with the
-        # unknown keys (json_schema and regex are supported)
-        asked = [k for k in ("ebnf", "structural_tag")
+        # unknown keys (json_schema, regex and ebnf are supported)
+        asked = [k for k in ("structural_tag",)
                  if (self.sampling_params.model_extra or {}).get(k) is not None]  # fmt: skip
         if asked:
-            msg = f"sampling_params {asked[0]} is not supported (json_schema and regex are)"
+            msg = f"sampling_params {asked[0]} is not supported (json_schema, regex and ebnf are)"
             raise ApiError(400, msg, "sampling_params")
 
     def params(self) -> SamplingParams:
@@ -447,6 +450,7 @@ class GenerateRequest(BaseModel):
                 skip_special_tokens=p.skip_special_tokens,
                 json_schema=p.json_schema,
                 guided_regex=p.regex,
+                guided_grammar=p.ebnf,
             )
         except ValueError as e:
             raise ApiError(400, str(e), "sampling_params") from e

@@ -265,16 +265,19 @@ def _set_piece(a: Automaton, ranges: list[tuple[int, int]], json_string: bool) -
     return alts[0] if len(alts) == 1 else a.alt(*alts)
 
 
-def _piece(a: Automaton, node: tuple, json_string: bool) -> tuple[int, int]:
+def _piece(a: Automaton, node: tuple, json_string: bool, ref=None) -> tuple[int, int]:  # noqa: ANN001
+    # a tree's piece of graph (ref(name): the piece of a ("ref", name) node, `dsv4.ebnf`'s rules)
     kind = node[0]
     if kind == "set":
         return _set_piece(a, node[1], json_string)
+    if kind == "ref":
+        return ref(node[1])
     if kind == "seq":
-        return a.seq(*(_piece(a, x, json_string) for x in node[1])) if node[1] else a.empty()
+        return a.seq(*(_piece(a, x, json_string, ref) for x in node[1])) if node[1] else a.empty()
     if kind == "alt":
-        return a.alt(*(_piece(a, x, json_string) for x in node[1]))
+        return a.alt(*(_piece(a, x, json_string, ref) for x in node[1]))
     _, inner, lo, hi = node
-    return a.repeat(lambda: _piece(a, inner, json_string), lo, hi)
+    return a.repeat(lambda: _piece(a, inner, json_string, ref), lo, hi)
 
 
 def regex_piece(

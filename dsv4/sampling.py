@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv4.ebnf import compile_grammar
 from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_regex, compile_schema
 
 # temperature below this is greedy (vLLM's _SAMPLING_EPS); dividing by ~0 would overflow fp32
@@ -57,13 +58,13 @@ class SamplingParams:
     # them (a forced tool call after thinking mode's `</think>`: `dsv4.grammar.ForcedAfter`)
     forced_after: tuple[int, list[int]] | None = None
     # structured outputs (`dsv4.json_schema`): the output is an instance of this JSON schema
-    # (response_format json_schema, vLLM's guided_json; a dict, a bool or its JSON text) or
-    # exactly one of these strings (vLLM's guided_choice)
+    # (response_format json_schema, vLLM's guided_json; a dict, a bool or its JSON text),
+    # exactly one of these strings (vLLM's guided_choice), a match of this regex (guided_regex,
+    # `dsv4.regex`) or a sentence of this grammar's root rule (guided_grammar, `dsv4.ebnf`)
     json_schema: dict | bool | str | None = None
     guided_choice: list[str] | None = None
-    guided_regex: str | None = (
-        None  # the output matches this regex (vLLM's guided_regex; dsv4.regex)
-    )
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,7 +152,8 @@ class SamplingParams:
                 and all(_is_int(t) and t >= 0 for t in ids),
                 f"forced_after must be (token id, non-empty list of token ids), got {self.forced_after!r}",
             )  # fmt: skip
-        asked = [name for name in ("json_object", "json_schema", "guided_choice", "guided_regex", "forced_after")
+        asked = [name for name in ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar",
+                             "forced_after")
                  if getattr(self, name) not in (None, False)]  # fmt: skip
         _check(len(asked) <= 1, f"{asked[-1]} cannot be combined with {asked[0]}" if asked else "")
         try:
@@ -160,14 +162,16 @@ class SamplingParams:
             raise ValueError(f"{asked[0]}: {e}") from None
 
     def automaton(self) -> Automaton | None:
-        """The structured-output automaton of json_schema / guided_choice / guided_regex (compiled
-        once per value)."""
+        """The structured-output automaton of json_schema / guided_choice / guided_regex /
+        guided_grammar (compiled once per value)."""
         if self.json_schema is not None:
             return compile_schema(self.json_schema)
         if self.guided_choice is not None:
             return compile_choice(self.guided_choice)
         if self.guided_regex is not None:
             return compile_regex(self.guided_regex)
+        if self.guided_grammar is not None:
+            return compile_grammar(self.guided_grammar)
         return None
 
     def token_ids(self) -> list[int]:

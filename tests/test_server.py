@@ -414,7 +414,7 @@ def test_response_format_json_object(server, client):  # noqa: ANN001
     assert grammar.advance((grammar.START, ()), text.encode()) is not None, text
     # SGLang's structured-output keys on /generate are refused, not dropped
     r = httpx.post(server.url + "/generate",
-                   json={"text": "hi", "sampling_params": {"ebnf": "root ::= x"}})  # fmt: skip
+                   json={"text": "hi", "sampling_params": {"structural_tag": "x"}})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params", r.text
 
 
@@ -452,15 +452,17 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
         {"structured_outputs": {"choice": ["yes", "no"]}},
         {"guided_regex": "yes|no"},
         {"structured_outputs": {"regex": "(?:yes|no)"}},
+        {"guided_grammar": 'root ::= "yes" | "no"'},
+        {"structured_outputs": {"grammar": 'root ::= answer\nanswer ::= "yes" | "no"'}},
     ):
         r = httpx.post(server.url + CHAT, json={"messages": HI, "max_tokens": 8} | body).json()
         assert r["choices"][0]["message"]["content"] in ("yes", "no"), r
         assert r["choices"][0]["finish_reason"] == "stop", r
-    native = {"text": "hi", "sampling_params": {"regex": "[0-9]{3}", "max_new_tokens": 8}}
-    r = httpx.post(server.url + "/generate", json=native).json()
-    assert (
-        re.fullmatch("[0-9]{3}", r["text"]) and r["meta_info"]["finish_reason"]["type"] == "stop"
-    ), r
+    for key, value in (("regex", "[0-9]{3}"), ("ebnf", "root ::= [0-9] [0-9] [0-9]")):
+        native = {"text": "hi", "sampling_params": {key: value, "max_new_tokens": 8}}
+        r = httpx.post(server.url + "/generate", json=native).json()
+        assert re.fullmatch("[0-9]{3}", r["text"]), r
+        assert r["meta_info"]["finish_reason"]["type"] == "stop", r
     bad = {"type": "object", "properties": {"d": {"type": "string", "format": "email"}}}
     for extra, param, words in (
         (
@@ -471,8 +473,8 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
         ({"guided_json": {"$ref": "#/nowhere"}}, "guided_json", "does not resolve"),
         ({"guided_json": schema, "guided_choice": ["a"]}, "guided_choice", "combined"),
         ({"guided_regex": "(?=a)b"}, "guided_regex", "'(?' group"),
-        ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
-        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs", "grammar"),
+        ({"guided_grammar": "root ::= x"}, "guided_grammar", "rule 'x' is not defined"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
         (
             {"response_format": fmt, "chat_template_kwargs": {"thinking": True}},
             "response_format",
