@@ -19,11 +19,12 @@ from dsv4 import parallel
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.grammar import (
-    ForcedAfter,
+    AfterTrigger,
     JsonGrammar,
     JsonState,
     SchemaGrammar,
     SchemaState,
+    forced_after,
     token_bytes,
 )
 from dsv4.json_schema import Automaton
@@ -216,12 +217,15 @@ class Engine:
         )
         # constrained decoding: a mask per step from the output so far (`Sampler.constrain`)
         automaton = params.automaton()
-        req.extra["constraint"] = (
+        eos, vocab = self.args.eos_token_id, self.args.vocab_size
+        constraint = (
             JsonState(self.json_grammar()) if params.json_object
             else SchemaState(self.schema_grammar(automaton)) if automaton is not None
-            else ForcedAfter(*params.forced_after, self.args.eos_token_id, self.args.vocab_size)
-            if params.forced_after else None
+            else forced_after(*params.forced_after, eos, vocab) if params.forced_after else None
         )  # fmt: skip
+        if params.constrain_after is not None:  # thinking mode: the answer after `</think>`
+            constraint = AfterTrigger(params.constrain_after, constraint, eos, vocab)
+        req.extra["constraint"] = constraint
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.leads:

@@ -417,18 +417,13 @@ class SchemaState(_Prefixes):
         return None if sid == 0 else self.grammar.mask(sid)
 
 
-class ForcedAfter:
-    """A forced continuation: once `trigger` is out, the next tokens are `ids`, and EOS is masked
-    until they are (thinking mode's tool_choice "required" / named: after `</think>`, the DSML
-    call's start). The same mask interface as JsonState; None = nothing masked."""
+class AfterTrigger:
+    """A constraint that starts once `trigger` is out, on the tokens after it; before it only EOS
+    is masked (thinking mode: the answer's constraint after `</think>`, and no end before it).
+    The same mask interface as JsonState; None = nothing masked."""
 
-    def __init__(self, trigger: int, ids: list[int], eos_token_id: int, vocab_size: int) -> None:
-        self.trigger, self.ids, self.eos, self.vocab_size = (
-            trigger,
-            list(ids),
-            eos_token_id,
-            vocab_size,
-        )
+    def __init__(self, trigger: int, inner, eos_token_id: int, vocab_size: int) -> None:  # noqa: ANN001
+        self.trigger, self.inner = trigger, inner
         self._no_eos = torch.ones(vocab_size, dtype=torch.bool)
         if 0 <= eos_token_id < vocab_size:
             self._no_eos[eos_token_id] = False
@@ -438,9 +433,25 @@ class ForcedAfter:
             at = output_ids.index(self.trigger)
         except ValueError:
             return self._no_eos  # the reasoning goes on until the trigger: no end before it
-        done = output_ids[at + 1 :]
+        return self.inner.mask(output_ids[at + 1 :])
+
+
+class Forced:
+    """These tokens come first, one by one; then nothing is masked (None; also once the output
+    left them)."""
+
+    def __init__(self, ids: list[int], vocab_size: int) -> None:
+        self.ids, self.vocab_size = list(ids), vocab_size
+
+    def mask(self, done: list[int]) -> torch.Tensor | None:
         if len(done) >= len(self.ids) or done != self.ids[: len(done)]:
-            return None  # forced part out (or left: then nothing is forced any more)
+            return None
         only = torch.zeros(self.vocab_size, dtype=torch.bool)
         only[self.ids[len(done)]] = True
         return only
+
+
+def forced_after(trigger: int, ids: list[int], eos_token_id: int, vocab_size: int) -> AfterTrigger:
+    """Once `trigger` is out the next tokens are `ids`, and EOS waits for them (thinking mode's
+    tool_choice "required" / named: after `</think>`, the DSML call's start)."""
+    return AfterTrigger(trigger, Forced(ids, vocab_size), eos_token_id, vocab_size)

@@ -303,14 +303,14 @@ class ChatCompletionRequest(GenerationRequest):
         }
 
     def check_structured(self, opts: dict, prefix: str) -> None:
-        """Structured output (JSON mode, a schema, a choice) constrains the reply from its first
-        token, so it has no room for thinking mode's reasoning, a forced tool call or a
-        continued message."""
+        """Structured output (JSON mode, a schema, a regex, a grammar, a choice) constrains the
+        answer from its first token (in thinking mode: from the token after `</think>`), so it
+        has no room for a forced tool call or a continued message."""
         field = self.structured()[0]
         if field is None:
             return
         clash = (
-            "thinking mode" if opts["thinking"] else "a forced tool_choice" if prefix
+            "a forced tool_choice" if prefix
             else "continue_final_message" if self.continue_final_message else None
         )  # fmt: skip
         if clash:

@@ -55,7 +55,7 @@ class SamplingParams:
     # the output is one JSON object (response_format json_object): `dsv4.grammar` masks each step
     json_object: bool = False
     # (trigger id, ids): once the trigger token is out, these tokens follow, and EOS waits for
-    # them (a forced tool call after thinking mode's `</think>`: `dsv4.grammar.ForcedAfter`)
+    # them (a forced tool call after thinking mode's `</think>`: `dsv4.grammar.forced_after`)
     forced_after: tuple[int, list[int]] | None = None
     # structured outputs (`dsv4.json_schema`): the output is an instance of this JSON schema
     # (response_format json_schema, vLLM's guided_json; a dict, a bool or its JSON text),
@@ -65,6 +65,9 @@ class SamplingParams:
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    # JSON mode / structured output from the token after this one (thinking mode: `</think>`;
+    # the reasoning before it is free, and EOS waits for it)
+    constrain_after: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -156,6 +159,13 @@ class SamplingParams:
                              "forced_after")
                  if getattr(self, name) not in (None, False)]  # fmt: skip
         _check(len(asked) <= 1, f"{asked[-1]} cannot be combined with {asked[0]}" if asked else "")
+        if self.constrain_after is not None:
+            _check(
+                _is_int(self.constrain_after) and self.constrain_after >= 0
+                and bool(asked) and asked[0] != "forced_after",
+                f"constrain_after must be a token id, with json_object or a structured output, "
+                f"got {self.constrain_after!r}",
+            )  # fmt: skip
         try:
             self.automaton()  # a schema it cannot constrain to fails here, by name
         except SchemaError as e:
@@ -177,6 +187,7 @@ class SamplingParams:
     def token_ids(self) -> list[int]:
         """The token ids the settings name (for the vocabulary check of `Engine.add_request`)."""
         forced = [self.forced_after[0], *self.forced_after[1]] if self.forced_after else []
+        forced += [self.constrain_after] if self.constrain_after is not None else []
         return list(self.logit_bias or ()) + list(self.allowed_token_ids or ()) + forced
 
     def choice(self, j: int) -> SamplingParams:
@@ -272,7 +283,7 @@ class Sampler:
 
     @staticmethod
     def constrain(logits: Tensor, output_ids: list[list[int]], constraints: list | None) -> Tensor:
-        # constrained decoding (a `dsv4.grammar` JsonState / ForcedAfter per row, None for free
+        # constrained decoding (a `dsv4.grammar` constraint per row, None for free
         # rows): the tokens the constraint does not allow get -inf
         rows = [i for i, c in enumerate(constraints or []) if c is not None]
         masks = [constraints[i].mask(output_ids[i]) for i in rows]

@@ -453,6 +453,9 @@ def build_app(server: Server) -> FastAPI:
             params = dataclasses.replace(
                 params, forced_after=(tokenizer.token_to_id(THINK_END), forced)
             )
+        if opts["thinking"] and body.structured()[0] is not None:
+            # the reasoning is free; the answer after `</think>` is constrained
+            params = dataclasses.replace(params, constrain_after=tokenizer.token_to_id(THINK_END))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmts = [
             ChatFormatter(

@@ -177,7 +177,7 @@ def test_generation_in_json_mode(tiny: Path):
 def test_forced_after_trigger():
     # a forced continuation: EOS is masked until the trigger; then only the next forced token;
     # free again once the forced tokens are out
-    f = g.ForcedAfter(trigger=7, ids=[3, 4, 5], eos_token_id=1, vocab_size=10)
+    f = g.forced_after(trigger=7, ids=[3, 4, 5], eos_token_id=1, vocab_size=10)
     before = f.mask([2, 2])
     assert not before[1] and int(before.sum()) == 9
     for done, nxt in (([], 3), ([3], 4), ([3, 4], 5)):

@@ -429,6 +429,19 @@ def test_generation_with_a_schema(tiny: Path):
     )
     (out,) = llm.generate([prompts[0]], held)
     assert out.text == "ab" and out.finish_reason == "stop" and len(out.token_ids) == 3, out
+    # constrain_after (thinking mode's `</think>`): free before the trigger, EOS held until it;
+    # after it the schema
+    trigger = tokens.index(b"#")
+    after = SamplingParams(temperature=0, max_tokens=30, json_schema=small, constrain_after=trigger,
+                           logit_bias={**bias, trigger: 40.0})  # fmt: skip
+    (out,) = llm.generate([prompts[1]], after)
+    ids = out.token_ids
+    assert ids[0] == trigger and out.finish_reason == "stop", out
+    assert json.loads(b"".join(tokens[i] for i in ids[1:-1]))["k"] in (1, 2), out
+    free = SamplingParams(temperature=0, max_tokens=5, json_schema=small, constrain_after=trigger,
+                          logit_bias={llm.args.eos_token_id: 40.0, trigger: -40.0})  # fmt: skip
+    (out,) = llm.generate([prompts[1]], free)
+    assert out.finish_reason == "length" and llm.args.eos_token_id not in out.token_ids, out
     greedy = SamplingParams(temperature=0, max_tokens=24, json_schema=PERSON)
     want = [o.token_ids for o in llm.generate(prompts, greedy)]
     spec = LLM(tiny, device="cpu", progress=False, max_seqs=4,

@@ -402,12 +402,10 @@ def test_response_format_json_object(server, client):  # noqa: ANN001
     assert grammar.advance((grammar.START, ()), texts[0].encode()) is not None, texts[0]
     free = client.chat.completions.create(**kw).choices[0].message.content
     assert free != texts[0]
-    for extra in (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-        {"response_format": fmt, "chat_template_kwargs": {"thinking": True}},
-    ):
-        r = httpx.post(server.url + CHAT, json={"messages": HI} | extra)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    r = httpx.post(
+        server.url + CHAT, json={"messages": HI, "response_format": {"type": "json_schema"}}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     # on /v1/completions too (as vLLM): the text from the prompt on is one object's prefix
     body = {"prompt": "Reply in JSON:", "max_tokens": 24, "seed": 3, "response_format": fmt}
     text = httpx.post(server.url + C, json=body).json()["choices"][0]["text"]
@@ -476,14 +474,27 @@ def test_response_format_json_schema(server, client):  # noqa: ANN001
         ({"guided_grammar": "root ::= x"}, "guided_grammar", "rule 'x' is not defined"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural_tag"),
         (
-            {"response_format": fmt, "chat_template_kwargs": {"thinking": True}},
+            {"response_format": fmt, "tools": TOOLS, "tool_choice": "required"},
             "response_format",
-            "thinking",
+            "forced tool_choice",
         ),
     ):
         r = httpx.post(server.url + CHAT, json={"messages": HI} | extra)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param and words in err["message"], r.text
+    # thinking mode: the reasoning is free and the answer after `</think>` is constrained (here
+    # `</think>` pushed up, so that the random model ends its reasoning at once); EOS cannot end
+    # the reasoning
+    think = {"messages": HI, "max_tokens": 16, "temperature": 0, "response_format": fmt,
+             "chat_template_kwargs": {"thinking": True}}  # fmt: skip
+    msg = httpx.post(server.url + CHAT, json=think | {"logit_bias": {"128822": 100}}).json()
+    content = msg["choices"][0]["message"]["content"]
+    assert content and auto.advance(auto.START, content.encode()) != 0, msg
+    eos = tiny_args().eos_token_id
+    r = httpx.post(server.url + CHAT, json=think | {"logit_bias": {str(eos): 100}}).json()
+    assert (
+        r["choices"][0]["finish_reason"] == "length" and not r["choices"][0]["message"]["content"]
+    ), r
     r = httpx.post(
         server.url + "/generate", json={"text": "hi", "sampling_params": {"json_schema": "{"}}
     )
