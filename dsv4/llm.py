@@ -393,7 +393,7 @@ class LLM:
         thinking, reasoning_effort, drop_thinking; add_generation_prompt and
         continue_final_message as vLLM's), then generated. The text comes back raw (thinking
         and DSML tool calls unparsed, as vLLM's offline chat)."""
-        from dsv4.chat import encode_messages
+        from dsv4.chat import THINK_END, encode_messages
 
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
@@ -415,6 +415,16 @@ class LLM:
             ).ids
             for c in conversations
         ]
+        if kw.get("thinking") and add_generation_prompt and not continue_final_message:
+            # structured output constrains the answer after `</think>` (as the server does)
+            end = self.tokenizer.token_to_id(THINK_END)
+            one = params is None or isinstance(params, SamplingParams)
+            params = [
+                dataclasses.replace(p, constrain_after=end)
+                if p is not None and p.constrained and p.constrain_after is None else p
+                for p in ([params] if one else params)
+            ]  # fmt: skip
+            params = params[0] if one else params
         return self.generate(ids, params, use_tqdm)
 
     def _forget(self) -> None:

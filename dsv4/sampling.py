@@ -171,6 +171,11 @@ class SamplingParams:
         except SchemaError as e:
             raise ValueError(f"{asked[0]}: {e}") from None
 
+    @property
+    def constrained(self) -> bool:
+        """JSON mode or a structured output (not a forced continuation)."""
+        return self.json_object or self.automaton() is not None
+
     def automaton(self) -> Automaton | None:
         """The structured-output automaton of json_schema / guided_choice / guided_regex /
         guided_grammar (compiled once per value)."""
@@ -459,7 +464,7 @@ class StopChecker:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._stop_ids = set(params.stop_token_ids)
-        self._constrained = params.json_object or params.automaton() is not None
+        self._constrained = params.constrained
         self._streamed: list[str] = []  # deltas returned so far
         # text not streamed yet. A stop string that ends in new text starts inside it: its start
         # was a held tail (a stop-string prefix), so the search never looks at streamed text and

@@ -447,3 +447,19 @@ def test_generation_with_a_schema(tiny: Path):
     spec = LLM(tiny, device="cpu", progress=False, max_seqs=4,
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
     assert [o.token_ids for o in spec.generate(prompts, greedy)] == want
+
+
+def test_chat_in_thinking_mode_constrains_the_answer(tmp_path: Path):
+    # LLM.chat in thinking mode: the reasoning is free and the choice comes after `</think>`
+    # (pushed up here, so the random model ends its reasoning at once)
+    model = make_tiny(tmp_path / "m", tiny_args(), seed=0, tokenizer="deepseek")
+    llm = LLM(model, device="cpu", progress=False, max_seqs=2)
+    think_end = llm.tokenizer.token_to_id("</think>")
+    sp = SamplingParams(
+        temperature=0, max_tokens=12, guided_choice=["yes", "no"], logit_bias={think_end: 100}
+    )
+    (out,) = llm.chat(
+        [{"role": "user", "content": "hi"}], sp, chat_template_kwargs={"thinking": True}
+    )
+    assert out.token_ids[0] == think_end and out.finish_reason == "stop", out
+    assert llm.tokenizer.decode(out.token_ids[1:-1]) in ("yes", "no"), out
