@@ -143,7 +143,8 @@ def continues_reasoning(messages: list[dict], thinking: bool) -> bool:
 def tool_call_prefix(name: str | None) -> str:
     """The start of a DSML tool-call block, up to a named function's invoke tag (name None: up to
     the name's opening quote, for the model to pick one). A reply made to begin with it calls a
-    tool: tool_choice "required" / a named function without constrained decoding."""
+    tool: tool_choice "required" / a named function (its arguments constrained by
+    `dsv4.dsml_grammar`)."""
     invoke = f'<{DSML}invoke name="' + (f'{name}">\n' if name is not None else "")
     return "\n\n" + CALLS_START + "\n" + invoke
 

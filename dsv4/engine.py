@@ -220,9 +220,10 @@ class Engine:
         eos, vocab = self.args.eos_token_id, self.args.vocab_size
         constraint = (
             JsonState(self.json_grammar()) if params.json_object
-            else SchemaState(self.schema_grammar(automaton)) if automaton is not None
-            else forced_after(*params.forced_after, eos, vocab) if params.forced_after else None
+            else SchemaState(self.schema_grammar(automaton)) if automaton is not None else None
         )  # fmt: skip
+        if params.forced_after:  # thinking mode's forced tool call: its start, then the arguments
+            constraint = forced_after(*params.forced_after, eos, vocab, then=constraint)
         if params.constrain_after is not None:  # thinking mode: the answer after `</think>`
             constraint = AfterTrigger(params.constrain_after, constraint, eos, vocab)
         req.extra["constraint"] = constraint

@@ -197,16 +197,22 @@ def step(state: tuple[int, tuple], b: int) -> tuple[int, tuple] | None:
 
 
 def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:  # noqa: ANN001
-    """Each id's bytes (a byte-level BPE's token text through the byte alphabet); None for
-    special tokens and ids the tokenizer does not have."""
+    """Each id's bytes (a byte-level BPE's token text through the byte alphabet); an added token
+    that decodes as its own text (not special, not a `<...>` marker such as `</think>`: e.g.
+    `｜DSML｜`, which DSML tool calls are written with) as its UTF-8; None for the other added
+    tokens and ids the tokenizer does not have."""
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = {ch: i for i, ch in enumerate(_byte_alphabet(ByteLevel.alphabet()))}
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    added = {t.content: t for t in tokenizer.get_added_tokens_decoder().values()}
     out: list[bytes | None] = []
     for i in range(vocab_size):
         text = tokenizer.id_to_token(i)
-        if text is None or text in special or any(ch not in alphabet for ch in text):
+        tok = added.get(text)
+        if tok is not None:
+            marker = tok.special or (text.startswith("<") and text.endswith(">"))
+            out.append(None if marker else text.encode())
+        elif text is None or any(ch not in alphabet for ch in text):
             out.append(None)
         else:
             out.append(bytes(alphabet[ch] for ch in text))
@@ -437,21 +443,26 @@ class AfterTrigger:
 
 
 class Forced:
-    """These tokens come first, one by one; then nothing is masked (None; also once the output
-    left them)."""
+    """These tokens come first, one by one; then the constraint `then` on the rest (None:
+    nothing masked; also once the output left the forced tokens)."""
 
-    def __init__(self, ids: list[int], vocab_size: int) -> None:
-        self.ids, self.vocab_size = list(ids), vocab_size
+    def __init__(self, ids: list[int], vocab_size: int, then=None) -> None:  # noqa: ANN001
+        self.ids, self.vocab_size, self.then = list(ids), vocab_size, then
 
     def mask(self, done: list[int]) -> torch.Tensor | None:
-        if len(done) >= len(self.ids) or done != self.ids[: len(done)]:
+        n = len(self.ids)
+        if done[:n] != self.ids[: len(done)]:
             return None
+        if len(done) >= n:
+            return None if self.then is None else self.then.mask(done[n:])
         only = torch.zeros(self.vocab_size, dtype=torch.bool)
         only[self.ids[len(done)]] = True
         return only
 
 
-def forced_after(trigger: int, ids: list[int], eos_token_id: int, vocab_size: int) -> AfterTrigger:
-    """Once `trigger` is out the next tokens are `ids`, and EOS waits for them (thinking mode's
-    tool_choice "required" / named: after `</think>`, the DSML call's start)."""
-    return AfterTrigger(trigger, Forced(ids, vocab_size), eos_token_id, vocab_size)
+def forced_after(trigger: int, ids: list[int], eos_token_id: int, vocab_size: int,
+                 then=None) -> AfterTrigger:  # noqa: ANN001  # fmt: skip
+    """Once `trigger` is out the next tokens are `ids`, and EOS waits for them, then `then`
+    constrains the rest (thinking mode's tool_choice "required" / named: after `</think>`, the
+    DSML call's start, then its constrained arguments)."""
+    return AfterTrigger(trigger, Forced(ids, vocab_size, then), eos_token_id, vocab_size)

@@ -266,7 +266,7 @@ class _Compiler:
     def __init__(self, root: Any) -> None:
         self.root = root
         self.a = Automaton()
-        self.subs: dict[str, int] = {}  # $ref -> the entry of its subroutine
+        self.subs: dict[tuple, int] = {}  # (document, $ref) -> the entry of its subroutine
         self._any: int | None = None
 
     # -- JSON values
@@ -432,7 +432,7 @@ class _Compiler:
         return a.seq(a.lit(b'"'), body, a.lit(b'"'))
 
     # -- string formats
-    def formatted(self, s: dict, path: str) -> tuple[int, int]:
+    def formatted(self, s: dict, path: str, quoted: bool = True) -> tuple[int, int]:
         a = self.a
         fmt = s["format"]
         if fmt not in FORMATS:
@@ -490,7 +490,7 @@ class _Compiler:
         else:  # ipv4: four numbers 0-255, no leading zeros
             octets = [self.digits_between(0, 255) for _ in range(4)]
             body = a.seq(octets[0], *(a.seq(a.lit(b"."), o) for o in octets[1:]))
-        return a.seq(a.lit(b'"'), body, a.lit(b'"'))
+        return a.seq(a.lit(b'"'), body, a.lit(b'"')) if quoted else body
 
     def any_value(self) -> tuple[int, int]:
         """A call of the free-form JSON value subroutine (built once)."""
@@ -696,18 +696,19 @@ class _Compiler:
             raise SchemaError(
                 f"{path}: only $ref into this schema ('#...') is supported, got {ref!r}"
             )
-        if ref not in self.subs:
+        key = (id(self.root), ref)  # (a tool-call grammar compiles several documents)
+        if key not in self.subs:
             target = self.root
             for part in [p for p in ref[1:].split("/") if p]:
                 part = part.replace("~1", "/").replace("~0", "~")
                 if not isinstance(target, dict) or part not in target:
                     raise SchemaError(f"{path}: $ref {ref!r} does not resolve")
                 target = target[part]
-            self.subs[ref] = entry = a.node()
+            self.subs[key] = entry = a.node()
             end = a.node()
             a.ret.add(end)
             a.seq((entry, entry), self.value(target, ref), (end, end))
-        return a.calls(self.subs[ref])
+        return a.calls(self.subs[key])
 
     def literal(self, v: Any) -> tuple[int, int]:
         """Exactly the JSON value v, whitespace free between its tokens (the member order kept)."""

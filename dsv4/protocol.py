@@ -320,8 +320,8 @@ class ChatCompletionRequest(GenerationRequest):
         """tool_choice "required" or a named function: the DSML text the answer is made to begin
         with (`chat.tool_call_prefix`), else "". In chat mode it goes after the prompt; in
         thinking mode the sampler forces its tokens right after `</think>` (`forced_after`).
-        The model writes the arguments (and for "required" the name): they are not
-        constrained."""
+        The arguments (and for "required" the name) are constrained by the tools' schemas
+        (`tool_constraint`)."""
         choice = self.tool_choice
         if choice in (None, "auto", "none"):
             return ""
@@ -344,6 +344,25 @@ class ChatCompletionRequest(GenerationRequest):
         if name not in names:
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
         return tool_call_prefix(name)
+
+    def tool_constraint(self) -> dict | None:
+        """tool_choice "required" / named: the arguments of the forced call constrained by the
+        tools' schemas (`SamplingParams.tool_calls`; call after `tool_prefix`, which checks the
+        choice); a strict function's schema it cannot constrain to is a 400 naming tools."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        name = None if choice == "required" else choice["function"]["name"]
+        spec = {
+            "tools": self.tools,
+            "name": name,
+            "parallel": self.parallel_tool_calls is not False,
+        }
+        try:
+            SamplingParams(tool_calls=spec)
+        except ValueError as e:
+            raise ApiError(400, f"tools: {str(e).split(': ', 1)[-1]}", "tools") from None
+        return spec
 
     def output_in_reasoning(self, opts: dict) -> bool:
         """Whether the model's output starts inside its reasoning, to be split off into

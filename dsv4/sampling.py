@@ -10,9 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv4.dsml_grammar import compile_tool_calls
 from dsv4.ebnf import compile_grammar
 from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_regex, compile_schema
 
+# the fields that constrain the output (one at a time; `SamplingParams.automaton`)
+STRUCTURED = ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar",
+              "tool_calls")  # fmt: skip
 # temperature below this is greedy (vLLM's _SAMPLING_EPS); dividing by ~0 would overflow fp32
 GREEDY_EPS = 1e-5
 
@@ -65,6 +69,9 @@ class SamplingParams:
     guided_choice: list[str] | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    # tool_choice "required" / named: {"tools": [...], "name": str | None, "parallel": bool}, the
+    # arguments of the forced DSML call constrained by the tools' schemas (`dsv4.dsml_grammar`)
+    tool_calls: dict | None = None
     # JSON mode / structured output from the token after this one (thinking mode: `</think>`;
     # the reasoning before it is free, and EOS waits for it)
     constrain_after: int | None = None
@@ -155,14 +162,16 @@ class SamplingParams:
                 and all(_is_int(t) and t >= 0 for t in ids),
                 f"forced_after must be (token id, non-empty list of token ids), got {self.forced_after!r}",
             )  # fmt: skip
-        asked = [name for name in ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar",
-                             "forced_after")
-                 if getattr(self, name) not in (None, False)]  # fmt: skip
+        asked = [name for name in STRUCTURED if getattr(self, name) not in (None, False)]
         _check(len(asked) <= 1, f"{asked[-1]} cannot be combined with {asked[0]}" if asked else "")
+        _check(
+            self.forced_after is None or asked in ([], ["tool_calls"]),
+            f"forced_after cannot be combined with {asked[0] if asked else ''}",
+        )
         if self.constrain_after is not None:
             _check(
                 _is_int(self.constrain_after) and self.constrain_after >= 0
-                and bool(asked) and asked[0] != "forced_after",
+                and bool(asked) and self.forced_after is None,
                 f"constrain_after must be a token id, with json_object or a structured output, "
                 f"got {self.constrain_after!r}",
             )  # fmt: skip
@@ -187,6 +196,9 @@ class SamplingParams:
             return compile_regex(self.guided_regex)
         if self.guided_grammar is not None:
             return compile_grammar(self.guided_grammar)
+        if self.tool_calls is not None:
+            t = self.tool_calls
+            return compile_tool_calls(t.get("tools"), t.get("name"), t.get("parallel", True))
         return None
 
     def token_ids(self) -> list[int]:

@@ -448,6 +448,9 @@ def build_app(server: Server) -> FastAPI:
         params = body.sampling_params(
             max_tokens, (body.top_logprobs or 0) if body.logprobs else None
         )
+        tool_calls = body.tool_constraint()
+        if tool_calls is not None:  # the forced call's arguments under the tools' schemas
+            params = dataclasses.replace(params, tool_calls=tool_calls)
         if after_thinking:
             forced = tokenizer.encode(after_thinking, add_special_tokens=False).ids
             params = dataclasses.replace(

@@ -78,7 +78,11 @@ def deepseek() -> g.JsonGrammar:
             except UnicodeDecodeError:
                 continue
             assert tok.decode([i]) == text, i
-    assert all(tokens[i] is None for i in range(128000, 129280))  # special tokens never match
+    # special tokens and markers never match; an added token that decodes as text is its text
+    texts = {i: tokens[i] for i in range(128000, 129280) if tokens[i] is not None}
+    assert texts and all(tok.decode([i]) == t.decode() for i, t in texts.items()), texts
+    assert tokens[tok.token_to_id("｜DSML｜")] == "｜DSML｜".encode()
+    assert tokens[tok.token_to_id("</think>")] is None and tokens[1] is None
     return g.JsonGrammar(tokens, 1)
 
 

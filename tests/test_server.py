@@ -544,6 +544,37 @@ def test_tool_choice_named_and_required(server, client):  # noqa: ANN001
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
+def test_tool_choice_constrains_the_arguments(server, client):  # noqa: ANN001
+    # the forced call's arguments follow the tool's schema (dsv4/dsml_grammar.py): the random
+    # model writes a valid call and stops, in chat and thinking mode; a strict function whose
+    # schema cannot be constrained to is a 400 naming tools
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3},
+                                         "u": {"enum": ["a", "b"]}}, "required": ["n", "u"]}}}  # fmt: skip
+    for choice in ({"type": "function", "function": {"name": "pick"}}, "required"):
+        for think in (False, True):
+            body = {"messages": HI, "tools": [pick, *TOOLS], "tool_choice": choice, "temperature": 0,
+                    "max_tokens": 250, "parallel_tool_calls": False,
+                    "chat_template_kwargs": {"thinking": think}}  # fmt: skip
+            if think:  # (`</think>` pushed up: the random model ends its reasoning at once)
+                body["logit_bias"] = {"128822": 100}
+            if choice == "required":  # (the random model picks the function: make it pick)
+                body["tools"] = [pick]
+            r = httpx.post(server.url + CHAT, json=body).json()
+            (call,) = r["choices"][0]["message"]["tool_calls"]
+            args = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] == "pick" and args["n"] in (1, 2, 3), r
+            assert args["u"] in ("a", "b") and r["choices"][0]["finish_reason"] == "tool_calls", r
+    strict = {"type": "function", "function": {"name": "s", "strict": True, "parameters": {
+        "type": "object", "properties": {"e": {"type": "string", "format": "email"}}}}}  # fmt: skip
+    body = {"messages": HI, "tools": [strict], "tool_choice": "required"}
+    r = httpx.post(server.url + CHAT, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    loose = {"type": "function", "function": strict["function"] | {"strict": False}}
+    r = httpx.post(server.url + CHAT, json=body | {"tools": [loose], "max_tokens": 4})
+    assert r.status_code == 200, r.text  # (not strict: that parameter's value is left free)
+
+
 def test_continue_final_message_and_separate_reasoning(server, client):  # noqa: ANN001
     # vLLM's continue_final_message: the reply goes on from the final assistant message, the same
     # greedy tokens as a completion of that prompt; SGLang's separate_reasoning=false leaves the
