@@ -75,13 +75,6 @@ class _Grammar(_Parser):
                 raise self.fail("unbalanced ')'")
         return out
 
-    def alternation(self) -> tuple:
-        branches = [self.sequence()]
-        while self.peek() == "|":
-            self.take()
-            branches.append(self.sequence())
-        return ("alt", branches) if len(branches) > 1 else branches[0]
-
     def sequence(self) -> tuple:
         items = []
         while True:
