@@ -342,6 +342,8 @@ class _Compiler:
         if integer:
             first, last = lo + (not lo_in), None if hi is None else hi - (not hi_in)
             return self.digits_between(first, last) if last is None or first <= last else None
+        if hi is not None and lo > hi:
+            return None
         if hi is not None and lo == hi:  # one point: lo itself, zeros after the point
             return (
                 a.seq(self.digits_between(lo, lo), self._zero_frac()) if lo_in and hi_in else None

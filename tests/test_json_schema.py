@@ -209,6 +209,14 @@ def test_integer_and_number_bounds_against_python():
                 assert accepts(auto, text) == inside(Decimal(text)), (bounds, text)
 
 
+def test_empty_bounds_are_refused():
+    for t in ("integer", "number"):
+        for bounds in ({"minimum": 5, "maximum": 3}, {"minimum": 2, "exclusiveMaximum": 2},
+                       {"exclusiveMinimum": -1, "maximum": -1}):  # fmt: skip
+            with pytest.raises(SchemaError, match="fits the bounds"):
+                compile_schema({"type": t, **bounds})
+
+
 def test_string_formats():
     import datetime
     import ipaddress
