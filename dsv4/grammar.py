@@ -448,6 +448,9 @@ class Forced:
 
     def __init__(self, ids: list[int], vocab_size: int, then=None) -> None:  # noqa: ANN001
         self.ids, self.vocab_size, self.then = list(ids), vocab_size, then
+        self._only: dict[
+            int, torch.Tensor
+        ] = {}  # (one tensor per token: the sampler's device cache)
 
     def mask(self, done: list[int]) -> torch.Tensor | None:
         n = len(self.ids)
@@ -455,9 +458,11 @@ class Forced:
             return None
         if len(done) >= n:
             return None if self.then is None else self.then.mask(done[n:])
-        only = torch.zeros(self.vocab_size, dtype=torch.bool)
-        only[self.ids[len(done)]] = True
-        return only
+        t = self.ids[len(done)]
+        if t not in self._only:
+            self._only[t] = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self._only[t][t] = True
+        return self._only[t]
 
 
 def forced_after(trigger: int, ids: list[int], eos_token_id: int, vocab_size: int,

@@ -434,3 +434,23 @@ def test_stop_strings_with_real_detokenizer(tokenizer, text, stop, want):
         if r.finish_reason:
             break
     assert r.finish_reason == "stop" and streamed == sc.output_text == want
+
+
+def test_constraint_masks_are_copied_to_the_device_once():
+    # a grammar's cached mask (the same host tensor each step) is copied to the logits' device
+    # once and reused; the copies are bounded (least recently used first out)
+    from dsv4 import sampling
+
+    sampler = Sampler(eos_token_id=1)
+    meta = torch.device("meta")  # (a device other than the host's, on any machine)
+    masks = [torch.ones(10, dtype=torch.bool) for _ in range(sampling.MASK_CACHE + 1)]
+    first = sampler._on_device(masks[0], meta)
+    assert first.device == meta and sampler._on_device(masks[0], meta) is first
+    assert sampler._on_device(masks[1], meta) is not first
+    for m in masks[1:]:
+        sampler._on_device(m, meta)
+    assert (
+        len(sampler._masks) == sampling.MASK_CACHE
+        and sampler._on_device(masks[0], meta) is not first
+    )
+    assert sampler._on_device(masks[0], torch.device("cpu")) is masks[0]  # same device: as is
