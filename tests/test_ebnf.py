@@ -115,6 +115,5 @@ def test_grammars_match_the_same_language_as_regexes():
     ],
 )
 def test_what_cannot_be_taken_is_refused(text: str, words: str):
-    with pytest.raises(SchemaError) as e:
+    with pytest.raises(SchemaError, match=re.escape(words)):
         compile_grammar(text)
-    assert words in str(e.value), str(e.value)

@@ -127,9 +127,8 @@ def test_unicode_classes_and_anchors():
     ],
 )
 def test_what_is_not_supported_is_refused_by_name(pattern: str, words: str):
-    with pytest.raises(SchemaError) as e:
+    with pytest.raises(SchemaError, match=re.escape(words)):
         compile_regex(pattern)
-    assert words in str(e.value), str(e.value)
 
 
 def test_schema_pattern_searches_inside_json_strings():
