@@ -23,6 +23,7 @@ from typing import Any
 
 from dsv4.chat import CALLS_END, DSML
 from dsv4.json_schema import ANNOTATIONS, Automaton, SchemaError, _bits, _Compiler
+from dsv4.regex import regex_piece
 
 PARAM_END = f"</{DSML}parameter>".encode()
 INVOKE_END = f"\n</{DSML}invoke>".encode()
@@ -65,8 +66,6 @@ class _ToolCompiler(_Compiler):
         # the value of a string="true" parameter
         a = self.a
         if "pattern" in s:
-            from dsv4.regex import regex_piece
-
             return regex_piece(a, s["pattern"], json_string=False, search=True)
         if "format" in s:
             return self.formatted(s, path, quoted=False)
@@ -78,12 +77,6 @@ class _ToolCompiler(_Compiler):
 
             return a.repeat(char, lo, hi)
         return _avoid(a, PARAM_END)
-
-    def utf8_multibyte(self) -> list[tuple[int, int]]:
-        from dsv4.json_schema import UTF8
-
-        a = self.a
-        return [a.seq(*(a.byte_set(_bits(range(lo, hi + 1))) for lo, hi in seq)) for seq in UTF8]
 
     def parameter(self, key: str, s: Any, path: str) -> tuple[int, int]:
         """One parameter's tag and value; a schema this compiler cannot constrain to is a
@@ -134,16 +127,12 @@ class _ToolCompiler(_Compiler):
             raise SchemaError(f"{path}: required parameter {missing[0]!r} is not in properties")
         out = a.node()
         end = self.then(a.lit(INVOKE_END), out)
-        f = w = end
-        for key in reversed(list(props)):
-            sub = f"{path}/parameters/properties/{key}"
-            wrote_f = self.then(self.parameter(key, props[key], sub), w)
-            wrote_w = self.then(a.seq(a.lit(b"\n"), self.parameter(key, props[key], sub)), w)
-            if key in required:
-                f, w = wrote_f, wrote_w
-            else:
-                f, w = self.either(wrote_f, f), self.either(wrote_w, w)
-        return f, out
+
+        def first(key: str) -> tuple[int, int]:
+            return self.parameter(key, props[key], f"{path}/parameters/properties/{key}")
+
+        later = lambda key: a.seq(a.lit(b"\n"), first(key))  # noqa: E731
+        return self.in_order(list(props), required, first, later, end, end), out
 
     def invoke(self, name: str, fn: dict, with_tag: bool) -> tuple[int, int]:
         a = self.a

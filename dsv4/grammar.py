@@ -331,11 +331,21 @@ def advance(state: tuple[int, tuple] | None, data: bytes | None) -> tuple[int, t
 class _Prefixes:
     """The states of every prefix of one sequence's output, rebuilt from its output ids: a
     speculative step's tokens may be dropped again, so the common prefix with the last call is
-    reused. Subclasses give the start state and one token's step."""
+    reused. Subclasses give the start state, the dead state and one token's step; the grammar's
+    mask(state) gives the tokens allowed in a state."""
 
-    def __init__(self, start: object) -> None:
+    dead: object = None  # the state once the output left the grammar: nothing masked then
+
+    def __init__(self, grammar, start: object) -> None:  # noqa: ANN001
+        self.grammar = grammar
         self._ids: list[int] = []
         self._states: list = [start]
+
+    def mask(self, output_ids: list[int]) -> torch.Tensor | None:
+        """The tokens allowed after output_ids; None once the output left the grammar (an EOS
+        or a forced token: nothing is masked then)."""
+        state = self.state(output_ids)
+        return None if state == self.dead else self.grammar.mask(state)
 
     def _advance(self, state, token: int):  # noqa: ANN001, ANN202
         raise NotImplementedError
@@ -362,17 +372,10 @@ class JsonState(_Prefixes):
     """One sequence's JSON-mode state (the parser state after its output so far)."""
 
     def __init__(self, grammar: JsonGrammar) -> None:
-        super().__init__((START, ()))
-        self.grammar = grammar
+        super().__init__(grammar, (START, ()))
 
     def _advance(self, state, token: int):  # noqa: ANN001, ANN202
         return advance(state, _token_data(self.grammar, token))
-
-    def mask(self, output_ids: list[int]) -> torch.Tensor | None:
-        """The tokens allowed after output_ids; None once the output left JSON (an EOS or a
-        forced token: nothing is masked then)."""
-        state = self.state(output_ids)
-        return None if state is None else self.grammar.mask(state)
 
 
 class SchemaGrammar:
@@ -410,17 +413,13 @@ class SchemaState(_Prefixes):
     """One sequence's structured-output state: the automaton's state after its output so far
     (0 once it left the schema)."""
 
+    dead = 0
+
     def __init__(self, grammar: SchemaGrammar) -> None:
-        super().__init__(grammar.automaton.START)
-        self.grammar = grammar
+        super().__init__(grammar, grammar.automaton.START)
 
     def _advance(self, state, token: int):  # noqa: ANN001, ANN202
         return self.grammar.automaton.advance(state, _token_data(self.grammar, token))
-
-    def mask(self, output_ids: list[int]) -> torch.Tensor | None:
-        """The tokens allowed after output_ids; None once the output left the schema."""
-        sid = self.state(output_ids)
-        return None if sid == 0 else self.grammar.mask(sid)
 
 
 class AfterTrigger:

@@ -2,7 +2,6 @@
 
   compile_schema(schema) -> Automaton     response_format json_schema (cached per schema)
   compile_choice(choices) -> Automaton    vLLM's guided_choice: the output is one of the strings
-  compile_regex(pattern) -> Automaton     vLLM's guided_regex, SGLang's regex: the output matches
   Automaton.step(state, byte) -> state    0 = dead; Automaton.START; Automaton.accepts(state)
 
 The schema becomes a graph of nodes joined by byte edges (a 256-bit set each), empty moves, and
@@ -270,12 +269,14 @@ class _Compiler:
         self._any: int | None = None
 
     # -- JSON values
+    def utf8_multibyte(self) -> list[tuple[int, int]]:
+        """One piece per well-formed multi-byte UTF-8 sequence form (`UTF8`)."""
+        a = self.a
+        return [a.seq(*(a.byte_set(_bits(range(lo, hi + 1))) for lo, hi in seq)) for seq in UTF8]
+
     def string_char(self) -> tuple[int, int]:
         a = self.a
-        utf8 = a.alt(
-            a.byte_set(PLAIN),
-            *(a.seq(*(a.byte_set(_bits(range(lo, hi + 1))) for lo, hi in seq)) for seq in UTF8),
-        )
+        utf8 = a.alt(a.byte_set(PLAIN), *self.utf8_multibyte())
         unicode = a.seq(a.lit(b"u"), *(a.byte_set(HEX) for _ in range(4)))
         escape = a.seq(a.lit(b"\\"), a.alt(a.byte_set(ESCAPED), unicode))
         return a.alt(utf8, escape)
@@ -683,14 +684,22 @@ class _Compiler:
             w = self.either(close)
             a.eps[w].append(self.then(a.seq(self.comma(), any_member()), w))
             f = self.either(close, self.then(a.seq(a.ws(), any_member()), w))
-        for name in reversed(list(props)):
-            wrote_f = self.then(a.seq(a.ws(), member(name)), w)
-            wrote_w = self.then(a.seq(self.comma(), member(name)), w)
+        first = lambda name: a.seq(a.ws(), member(name))  # noqa: E731
+        later = lambda name: a.seq(self.comma(), member(name))  # noqa: E731
+        return self.then(a.lit(b"{"), self.in_order(list(props), required, first, later, f, w)), out
+
+    def in_order(self, names: list[str], required: list[str], first, later, f: int, w: int) -> int:  # noqa: ANN001
+        """Members in the given order, required ones always, others optional, before the
+        continuations f (nothing written yet) and w (a member written): first(name) / later(name)
+        is a member's piece as the first / after another (its separator in front). Built back to
+        front; -> the entry before the first member."""
+        for name in reversed(names):
+            wrote_f, wrote_w = self.then(first(name), w), self.then(later(name), w)
             if name in required:
                 f, w = wrote_f, wrote_w
             else:
                 f, w = self.either(wrote_f, f), self.either(wrote_w, w)
-        return self.then(a.lit(b"{"), f), out
+        return f
 
     def ref(self, ref: Any, path: str) -> tuple[int, int]:
         a = self.a
@@ -782,23 +791,6 @@ def _choices(key: str) -> Automaton:
     a = Automaton()
     a.finish(a.alt(*(a.lit(c.encode()) for c in json.loads(key))), ws=False)
     return a
-
-
-@lru_cache(maxsize=64)
-def _regex(pattern: str) -> Automaton:
-    from dsv4.regex import regex_piece
-
-    a = Automaton()
-    a.finish(regex_piece(a, pattern, json_string=False), ws=False)
-    return a
-
-
-def compile_regex(pattern: str) -> Automaton:
-    """The output matches this regex as a whole (vLLM's guided_regex, SGLang's regex;
-    `dsv4.regex` says which syntax)."""
-    if not isinstance(pattern, str):
-        raise SchemaError(f"a regex must be a string, got {pattern!r}")
-    return _regex(pattern)
 
 
 def compile_choice(choices: list[str]) -> Automaton:

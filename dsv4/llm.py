@@ -418,13 +418,10 @@ class LLM:
         if kw.get("thinking") and add_generation_prompt and not continue_final_message:
             # structured output constrains the answer after `</think>` (as the server does)
             end = self.tokenizer.token_to_id(THINK_END)
-            one = params is None or isinstance(params, SamplingParams)
-            params = [
-                dataclasses.replace(p, constrain_after=end)
-                if p is not None and p.constrained and p.constrain_after is None else p
-                for p in ([params] if one else params)
-            ]  # fmt: skip
-            params = params[0] if one else params
+            if isinstance(params, SamplingParams):
+                params = params.answer_after(end)
+            elif params is not None:
+                params = [p.answer_after(end) for p in params]
         return self.generate(ids, params, use_tqdm)
 
     def _forget(self) -> None:

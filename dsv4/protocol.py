@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +12,11 @@ from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_CHOICES = 128  # choices a request may ask for: prompts x n
+# vLLM's structured-output fields and structured_outputs keys -> SamplingParams fields
+GUIDED = {"guided_json": "json_schema", "guided_choice": "guided_choice",
+          "guided_regex": "guided_regex", "guided_grammar": "guided_grammar"}  # fmt: skip
+STRUCTURED_OUTPUTS = {"json": "json_schema", "choice": "guided_choice", "regex": "guided_regex",
+                      "grammar": "guided_grammar"}  # fmt: skip
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -107,10 +113,12 @@ class GenerationRequest(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    @functools.cached_property
     def structured(self) -> tuple[str | None, dict]:
         """(the field that asks for structured output, its SamplingParams keywords), (None, {})
-        when none does: JSON mode, a JSON schema or a choice. A schema is compiled here, so one it
-        cannot constrain to is a 400 naming the keyword (a constraint is never dropped)."""
+        when none does: JSON mode, a JSON schema, a regex, a grammar or a choice. A schema is
+        compiled here, so one it cannot constrain to is a 400 naming the keyword (a constraint
+        is never dropped)."""
         asked: list[tuple[str, dict]] = []
         rf = self.response_format
         if rf not in (None, {"type": "text"}, {"type": "json_object"}):
@@ -122,33 +130,17 @@ class GenerationRequest(BaseModel):
             asked.append(("response_format", {"json_schema": spec["schema"]}))
         elif rf == {"type": "json_object"}:
             asked.append(("response_format", {"json_object": True}))
-        if self.guided_json is not None:
-            asked.append(("guided_json", {"json_schema": self.guided_json}))
-        if self.guided_choice is not None:
-            asked.append(("guided_choice", {"guided_choice": self.guided_choice}))
-        if self.guided_regex is not None:
-            asked.append(("guided_regex", {"guided_regex": self.guided_regex}))
-        if self.guided_grammar is not None:
-            asked.append(("guided_grammar", {"guided_grammar": self.guided_grammar}))
+        asked += [(name, {key: getattr(self, name)}) for name, key in GUIDED.items()
+                  if getattr(self, name) is not None]  # fmt: skip
         so = self.structured_outputs
         if so is not None:
-            other = sorted(
-                k
-                for k, v in so.items()
-                if v is not None and k not in ("json", "choice", "regex", "grammar", "json_object")
-            )
+            other = sorted(k for k, v in so.items()
+                           if v is not None and k not in (*STRUCTURED_OUTPUTS, "json_object"))  # fmt: skip
             if other:
-                raise ApiError(
-                    400, f"structured_outputs {other[0]} is not supported", "structured_outputs"
-                )
-            if so.get("json") is not None:
-                asked.append(("structured_outputs", {"json_schema": so["json"]}))
-            if so.get("choice") is not None:
-                asked.append(("structured_outputs", {"guided_choice": so["choice"]}))
-            if so.get("regex") is not None:
-                asked.append(("structured_outputs", {"guided_regex": so["regex"]}))
-            if so.get("grammar") is not None:
-                asked.append(("structured_outputs", {"guided_grammar": so["grammar"]}))
+                msg = f"structured_outputs {other[0]} is not supported"
+                raise ApiError(400, msg, "structured_outputs")
+            asked += [("structured_outputs", {key: so[k]}) for k, key in STRUCTURED_OUTPUTS.items()
+                      if so.get(k) is not None]  # fmt: skip
             if so.get("json_object") is True:
                 asked.append(("structured_outputs", {"json_object": True}))
         if len(asked) > 1:
@@ -184,7 +176,7 @@ class GenerationRequest(BaseModel):
                 raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
-        self.structured()
+        _ = self.structured
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request; None fields take the OpenAI defaults."""
@@ -214,7 +206,7 @@ class GenerationRequest(BaseModel):
                 if self.logit_bias
                 else None,
                 allowed_token_ids=self.allowed_token_ids,
-                **self.structured()[1],
+                **self.structured[1],
             )
         except ValueError as e:  # SamplingParams messages start with the field name
             field = str(e).split(" ", 1)[0]
@@ -306,7 +298,7 @@ class ChatCompletionRequest(GenerationRequest):
         """Structured output (JSON mode, a schema, a regex, a grammar, a choice) constrains the
         answer from its first token (in thinking mode: from the token after `</think>`), so it
         has no room for a forced tool call or a continued message."""
-        field = self.structured()[0]
+        field = self.structured[0]
         if field is None:
             return
         clash = (
@@ -316,15 +308,16 @@ class ChatCompletionRequest(GenerationRequest):
         if clash:
             raise ApiError(400, f"{field} cannot be combined with {clash}", field)
 
-    def tool_prefix(self, opts: dict) -> str:
-        """tool_choice "required" or a named function: the DSML text the answer is made to begin
-        with (`chat.tool_call_prefix`), else "". In chat mode it goes after the prompt; in
-        thinking mode the sampler forces its tokens right after `</think>` (`forced_after`).
-        The arguments (and for "required" the name) are constrained by the tools' schemas
-        (`tool_constraint`)."""
+    def forced_tool(self, opts: dict) -> tuple[str, dict | None]:
+        """tool_choice "required" or a named function: (the DSML text the answer is made to
+        begin with, `chat.tool_call_prefix`; the constraint of the call's arguments by the tools'
+        schemas, `SamplingParams.tool_calls`), ("", None) otherwise. In chat mode the text goes
+        after the prompt; in thinking mode the sampler forces its tokens right after `</think>`
+        (`forced_after`). A strict function's schema it cannot constrain to is a 400 naming
+        tools."""
         choice = self.tool_choice
         if choice in (None, "auto", "none"):
-            return ""
+            return "", None
         if not self.tools:
             raise ApiError(400, f"tool_choice={choice!r} needs tools", "tool_choice")
         if opts["thinking"] and not self.add_generation_prompt:
@@ -333,26 +326,19 @@ class ChatCompletionRequest(GenerationRequest):
         if self.continue_final_message:
             msg = "tool_choice cannot be combined with continue_final_message"
             raise ApiError(400, msg, "tool_choice")
-        if choice == "required":
-            return tool_call_prefix(None)
-        fn = choice.get("function") if choice.get("type", "function") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name:
-            msg = "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
-            raise ApiError(400, msg, "tool_choice")
-        names = {(t.get("function") or {}).get("name") for t in self.tools if isinstance(t, dict)}
-        if name not in names:
-            raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        return tool_call_prefix(name)
-
-    def tool_constraint(self) -> dict | None:
-        """tool_choice "required" / named: the arguments of the forced call constrained by the
-        tools' schemas (`SamplingParams.tool_calls`; call after `tool_prefix`, which checks the
-        choice); a strict function's schema it cannot constrain to is a 400 naming tools."""
-        choice = self.tool_choice
-        if choice in (None, "auto", "none"):
-            return None
-        name = None if choice == "required" else choice["function"]["name"]
+        name = None
+        if choice != "required":
+            fn = choice.get("function") if choice.get("type", "function") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str) or not name:
+                msg = "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+                raise ApiError(400, msg, "tool_choice")
+            names = {
+                (t.get("function") or {}).get("name") for t in self.tools if isinstance(t, dict)
+            }
+            if name not in names:
+                msg = f"tool_choice names {name!r}, which is not in tools"
+                raise ApiError(400, msg, "tool_choice")
         spec = {
             "tools": self.tools,
             "name": name,
@@ -362,7 +348,7 @@ class ChatCompletionRequest(GenerationRequest):
             SamplingParams(tool_calls=spec)
         except ValueError as e:
             raise ApiError(400, f"tools: {str(e).split(': ', 1)[-1]}", "tools") from None
-        return spec
+        return tool_call_prefix(name), spec
 
     def output_in_reasoning(self, opts: dict) -> bool:
         """Whether the model's output starts inside its reasoning, to be split off into
@@ -443,10 +429,10 @@ class GenerateRequest(BaseModel):
             raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
         # SGLang's other structured outputs: refused by name rather than dropped with the
         # unknown keys (json_schema, regex and ebnf are supported)
-        asked = [k for k in ("structural_tag",)
-                 if (self.sampling_params.model_extra or {}).get(k) is not None]  # fmt: skip
-        if asked:
-            msg = f"sampling_params {asked[0]} is not supported (json_schema, regex and ebnf are)"
+        if (self.sampling_params.model_extra or {}).get("structural_tag") is not None:
+            msg = (
+                "sampling_params structural_tag is not supported (json_schema, regex and ebnf are)"
+            )
             raise ApiError(400, msg, "sampling_params")
 
     def params(self) -> SamplingParams:

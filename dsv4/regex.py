@@ -2,6 +2,7 @@
 schema's `pattern`, vLLM's guided_regex, SGLang's regex.
 
   regex_piece(a, pattern, json_string) -> (entry, exit)   the piece of graph that matches it
+  compile_regex(pattern) -> Automaton     the output matches it as a whole
 
 Syntax and meaning are Python's `re` with re.ASCII (what users of both engines write): literals;
 escapes \\d \\D \\w \\W \\s \\S (ASCII classes), \\t \\n \\r \\f \\v \\a \\0, \\xHH, \\uXXXX,
@@ -16,6 +17,7 @@ written in its JSON form as `json.dumps` writes it ('"' as \\", control characte
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from dsv4.json_schema import MAX_COUNT, Automaton, SchemaError, _bits
 
@@ -293,3 +295,17 @@ def regex_piece(
     before = a.empty() if start else _piece(a, anything, json_string)
     after = a.empty() if end else _piece(a, anything, json_string)
     return a.seq(before, body, after)
+
+
+@lru_cache(maxsize=64)
+def _compiled(pattern: str) -> Automaton:
+    a = Automaton()
+    a.finish(regex_piece(a, pattern, json_string=False), ws=False)
+    return a
+
+
+def compile_regex(pattern: str) -> Automaton:
+    """The output matches this regex as a whole (vLLM's guided_regex, SGLang's regex)."""
+    if not isinstance(pattern, str):
+        raise SchemaError(f"a regex must be a string, got {pattern!r}")
+    return _compiled(pattern)

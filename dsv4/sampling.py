@@ -13,7 +13,8 @@ from torch import Tensor
 
 from dsv4.dsml_grammar import compile_tool_calls
 from dsv4.ebnf import compile_grammar
-from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_regex, compile_schema
+from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_schema
+from dsv4.regex import compile_regex
 
 # the fields that constrain the output (one at a time; `SamplingParams.automaton`)
 STRUCTURED = ("json_object", "json_schema", "guided_choice", "guided_regex", "guided_grammar",
@@ -181,6 +182,13 @@ class SamplingParams:
             self.automaton()  # a schema it cannot constrain to fails here, by name
         except SchemaError as e:
             raise ValueError(f"{asked[0]}: {e}") from None
+
+    def answer_after(self, token: int) -> SamplingParams:
+        """Thinking mode: JSON mode / a structured output constrains the answer from the token
+        after `token` (`</think>`), the reasoning before it free; other params as they are."""
+        if self.constrained and self.constrain_after is None:
+            return dataclasses.replace(self, constrain_after=token)
+        return self
 
     @property
     def constrained(self) -> bool:

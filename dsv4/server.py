@@ -439,7 +439,7 @@ def build_app(server: Server) -> FastAPI:
         opts = body.encoder_options()
         # tool_choice "required" / named: the answer's forced start, after the prompt in chat mode,
         # forced by the sampler after `</think>` in thinking mode
-        prefix = body.tool_prefix(opts)
+        prefix, tool_calls = body.forced_tool(opts)
         body.check_structured(opts, prefix)
         after_thinking, prefix = (prefix, "") if opts["thinking"] else ("", prefix)
         ids = body.truncate(_encode_chat(tokenizer, body.messages, opts, prefix))
@@ -448,17 +448,15 @@ def build_app(server: Server) -> FastAPI:
         params = body.sampling_params(
             max_tokens, (body.top_logprobs or 0) if body.logprobs else None
         )
-        tool_calls = body.tool_constraint()
+        think_end = tokenizer.token_to_id(THINK_END)
         if tool_calls is not None:  # the forced call's arguments under the tools' schemas
-            params = dataclasses.replace(params, tool_calls=tool_calls)
-        if after_thinking:
-            forced = tokenizer.encode(after_thinking, add_special_tokens=False).ids
-            params = dataclasses.replace(
-                params, forced_after=(tokenizer.token_to_id(THINK_END), forced)
-            )
-        if opts["thinking"] and body.structured()[0] is not None:
-            # the reasoning is free; the answer after `</think>` is constrained
-            params = dataclasses.replace(params, constrain_after=tokenizer.token_to_id(THINK_END))
+            after = (
+                {"forced_after": (think_end, tokenizer.encode(after_thinking, add_special_tokens=False).ids)}
+                if after_thinking else {}
+            )  # fmt: skip
+            params = dataclasses.replace(params, tool_calls=tool_calls, **after)
+        elif opts["thinking"]:  # the reasoning free, a structured answer after `</think>`
+            params = params.answer_after(think_end)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         fmts = [
             ChatFormatter(
@@ -595,7 +593,7 @@ async def _profiled(done: concurrent.futures.Future) -> Path:
 
 
 def _encode_chat(tokenizer, messages: list[dict], opts: dict, prefix: str = "") -> list[int]:  # noqa: ANN001
-    # prefix: text the reply is made to begin with (ChatCompletionRequest.tool_prefix)
+    # prefix: text the reply is made to begin with (ChatCompletionRequest.forced_tool)
     try:
         prompt = encode_messages(messages, **opts) + prefix
     except ValueError as e:  # encoder messages start with the offending field

@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from dsv4.json_schema import SchemaError, compile_regex, compile_schema
-from dsv4.regex import utf8_sequences
+from dsv4.json_schema import SchemaError, compile_schema
+from dsv4.regex import compile_regex, utf8_sequences
 
 
 def accepts(auto, text: str) -> bool:  # noqa: ANN001
