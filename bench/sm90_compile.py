@@ -32,7 +32,12 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32},
+         "pipe": {"block_n": 32, "num_buf": 4, "pipe": True},
+         "pipe_one": {"block_n": 32, "num_buf": 4, "pipe": True, "num_splits": 1},
+         "pipe16": {"block_n": 16, "num_buf": 8, "pipe": True},
+         "pipe_rope": {"block_n": 32, "num_buf": 4, "pipe": True, "rope": True},
+         "pipe3": {"block_n": 32, "num_buf": 3, "pipe": True}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -53,7 +58,8 @@ def capture(case: dict) -> tuple[tuple, dict]:
     try:
         sm90.sparse_attn_sm90(
             q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
-            inv_rope=cs, block_n=case.get("block_n", 64),
+            inv_rope=cs, block_n=case.get("block_n", 64), num_buf=case.get("num_buf", 2),
+            pipe=case.get("pipe", False),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
         if not calls:

@@ -32,6 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
 )
 
 from dsv4.ops import sparse_attn as _triton
@@ -110,13 +112,33 @@ def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
-    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m, l
+def _softmax_p(s, valid, qk_scale, m_i):  # noqa: ANN001, ANN202
+    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
+    return gl.exp2(s - m_new[:, None]), gl.exp2(m_i - m_new), m_new
+
+
+@gluon.jit
+def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
+    # _softmax_p with the row sums: P, the rescale, new m, new l
+    p, alpha, m_new = _softmax_p(s, valid, qk_scale, m_i)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _pipe_pv(s, acc, l_acc, m_i, valid, qk_scale, p_buf, kv, o_layout: gl.constexpr,
+             LAST: gl.constexpr):  # fmt: skip
+    # PIPE: tile i's softmax (its S waited), the rescale, P into p_buf and P V issued (async
+    # unless LAST). The row sums stay per element (l_acc [64, BN]): no cross-warpgroup sum a tile
+    p, alpha, m_i = _softmax_p(s, valid, qk_scale, m_i)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    l_acc = l_acc * alpha[:, None] + p
+    p_buf.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's P (and, before it, its S and last P V) done
+    acc = warpgroup_mma(p_buf, kv, acc, is_async=not LAST)
+    return acc, l_acc, m_i
 
 
 @gluon.jit
@@ -135,6 +157,29 @@ def _mul_rn(a, b):  # noqa: ANN001, ANN202
     return gl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True, pack=1
     )
+
+
+@gluon.jit
+def _pipe_step(i, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem, kv_ptr,
+               stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale, s_zero,
+               o_layout: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+    # PIPE, tile i (not the last): S of tile i + 1 issued, S of i waited, tile i's P V issued,
+    # tile i + NUM_BUF - 1 gathered. Returns the token of S of i + 1 and the carried state
+    cp.wait_group(NUM_BUF - 3)  # tile i + 1 landed everywhere
+    fence_async_shared()
+    gl.thread_barrier()
+    s_nxt = warpgroup_mma(q_smem, kv_smem.index((i + 1) % NUM_BUF).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)  # fmt: skip
+    s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])  # S of i, P V of i - 1
+    valid = valid_next
+    valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+    acc, l_acc, m_i = _pipe_pv(s, acc, l_acc, m_i, valid, qk_scale, p_smem.index(i % 2),
+                               kv_smem.index(i % NUM_BUF), o_layout, False)  # fmt: skip
+    # past _pipe_pv's barrier every warp's P V of i - 1 is done: its buffer takes a new tile
+    nxt = i + NUM_BUF - 1
+    _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+    idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+    return s_nxt, acc, l_acc, m_i, valid_next, idx_next
 
 
 @gluon.jit
@@ -255,6 +300,7 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
+    PIPE: gl.constexpr = False,  # bf16 rows, MODE 0, NUM_BUF >= 3: S of tile i + 1 beside tile i
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
@@ -276,7 +322,7 @@ def _decode_kernel(
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [1 + PIPE, H, BLOCK_N], p_smem_layout)
     if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
@@ -318,41 +364,79 @@ def _decode_kernel(
     acc = gl.zeros([H, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
 
-    for i in range(n_tiles):
-        # tile i landed (this thread's copies), visible to the async proxy and every thread
+    if PIPE:
+        # S of tile i + 1 runs on the tensor cores while tile i's softmax runs (FA3's intra-
+        # warpgroup overlap); P V of tile i is in flight across the next iteration's top. Tiles
+        # i and i + 1 are read by the MMAs, NUM_BUF - 2 are in flight, P is double-buffered
         cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
-        # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
-        nxt = i + NUM_BUF - 1
-        if ENTRIES:
-            nb = nxt % NUM_BUF
-            _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
-                            stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
-        elif MODE != 2:
-            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+        # (S of tile 0 waited here: the zeros of acc must not be written while an MMA is in
+        # flight, or ptxas serializes every wgmma)
+        s_tok = warpgroup_mma_init(warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_zero,
+                                                 use_acc=False))  # fmt: skip
+        acc = warpgroup_mma_init(acc)
+        l_acc = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
+        # the S tokens alternate between two names (tiles taken in pairs) so that no register of
+        # an MMA in flight is copied at the loop's back edge (ptxas would serialize every wgmma)
+        for j in range((n_tiles - 1) // 2):
+            s_tok2, acc, l_acc, m_i, valid_next, idx_next = _pipe_step(
+                2 * j, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
+                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
+                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
+            s_tok, acc, l_acc, m_i, valid_next, idx_next = _pipe_step(
+                2 * j + 1, s_tok2, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
+                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
+                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
+        last = n_tiles - 1
+        if last % 2 == 1:  # one step left before the last tile (no token leaves this branch)
+            s_tok2, acc2, l_acc, m_i, valid_next, idx_next = _pipe_step(
+                last - 1, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
+                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
+                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
+            s, o_acc = warpgroup_mma_wait(0, deps=[s_tok2, acc2])
         else:
-            cp.commit_group()
-        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-        valid = valid_next
-        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-        if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
-            cb = i % NUM_BUF
-            kv = kv_smem.index(0)
-            _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
+            s, o_acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
+        acc, l_acc, m_i = _pipe_pv(s, o_acc, l_acc, m_i, valid_next, qk_scale,
+                                   p_smem.index(last % 2), kv_smem.index(last % NUM_BUF),
+                                   o_layout, True)  # fmt: skip
+        l_i = gl.sum(l_acc, 1)
+    else:
+        for i in range(n_tiles):
+            # tile i landed (this thread's copies), visible to the async proxy and every thread
+            cp.wait_group(NUM_BUF - 2)
             fence_async_shared()
             gl.thread_barrier()
-        if MODE != 1:
-            if not ENTRIES:
-                kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-            p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_smem, kv, acc)
-            gl.thread_barrier()  # p_smem is rewritten by the next tile
+            # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
+            nxt = i + NUM_BUF - 1
+            if ENTRIES:
+                nb = nxt % NUM_BUF
+                _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
+                                stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
+            elif MODE != 2:
+                _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+            else:
+                cp.commit_group()
+            idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+            valid = valid_next
+            valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+            if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
+                cb = i % NUM_BUF
+                kv = kv_smem.index(0)
+                _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
+                fence_async_shared()
+                gl.thread_barrier()
+            if MODE != 1:
+                if not ENTRIES:
+                    kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
+                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+                p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
+                p_smem.index(0).store(p.to(gl.bfloat16))
+                fence_async_shared()
+                gl.thread_barrier()
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                acc = warpgroup_mma(p_smem.index(0), kv, acc)
+                gl.thread_barrier()  # p_smem is rewritten by the next tile
 
     cp.wait_group(0)
 
@@ -426,18 +510,23 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
+    pipe: bool = False,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone); pipe:
+    S of the next tile beside the softmax (bf16 rows, num_buf >= 3)."""
     assert supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
     )
     (src,) = kv
     entries = src.dtype == torch.uint8
     assert not (entries and mode), "sparse_attn_sm90: the probe modes read bf16 rows"
+    assert not pipe or (not entries and not mode and num_buf >= 3), (
+        "sparse_attn_sm90: pipe needs bf16 rows and num_buf >= 3"
+    )
     T = q.shape[0]
     K = topk_idxs.shape[1]
     assert topk_idxs.dim() == 2 and topk_idxs.shape[0] == T and topk_idxs.stride(1) == 1
@@ -472,7 +561,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, PIPE=pipe,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:
