@@ -423,7 +423,9 @@ def _decode_kernel(
             if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
                 cb = i % NUM_BUF
                 kv = kv_smem.index(0)
-                _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
+                _decode_entries(
+                    raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE
+                )
                 fence_async_shared()
                 gl.thread_barrier()
             if MODE != 1:
