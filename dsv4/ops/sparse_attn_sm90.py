@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -465,6 +466,141 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
+# ---------------------------------------------------------------------------------------------
+# HALVES: the 512 channels split between two warpgroups (warp-specialised partitions)
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _half(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem, xbar, t,
+          split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn, stride_it,
+          stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
+          HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+          SPLIT: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
+    # one warpgroup owns channels HALF * 256 .. of q, the keys and o: it gathers its half of
+    # every key row, holds its half of q in registers (the A operand of S), computes its part of
+    # S = Q K^T over its channels, trades parts with the other warpgroup through shared memory
+    # (both then hold the same S: a + b == b + a), and accumulates its half of O. Nothing else
+    # is shared, so there is no CTA barrier and no q in shared memory: the buffers go to gathers
+    H: gl.constexpr = 64
+    DH: gl.constexpr = 256
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16]
+    )
+    qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    col0 = HALF * DH
+    half_kv = kv_ptr + col0
+    offs_gd = gl.arange(0, DH, layout=gl.SliceLayout(0, g_layout))
+    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
+    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, qa_layout))
+    offs_qd = gl.arange(0, DH, layout=gl.SliceLayout(0, qa_layout))
+    qa = gl.load(q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + (col0 + offs_qd)[None, :])
+
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, K)
+    n_tiles = gl.cdiv(k_end - k_begin, BLOCK_N)
+    idx_row = idx_ptr + t * stride_it
+    for b in gl.static_range(NUM_BUF - 1):
+        idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
+        _gather(kv_smem.index(HALF * NUM_BUF + b), half_kv, stride_kn, idx, offs_gd)
+    idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
+    valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
+
+    m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
+    for i in range(n_tiles):
+        # tile i landed (this warpgroup's copies, visible to its MMAs); the buffer of tile i - 1
+        # is free (its MMAs were waited for) and takes tile i + NUM_BUF - 1
+        cp.wait_group(NUM_BUF - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+        nxt = i + NUM_BUF - 1
+        _gather(kv_smem.index(HALF * NUM_BUF + nxt % NUM_BUF), half_kv, stride_kn, idx_next,
+                offs_gd)  # fmt: skip
+        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+        valid = valid_next
+        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+        kv = kv_smem.index(HALF * NUM_BUF + i % NUM_BUF)
+        s = warpgroup_mma(qa, kv.permute((1, 0)), s_zero, use_acc=False)
+        # trade the parts of S (two slots: a part is rewritten two tiles later, after the
+        # other warpgroup has arrived on the slot in between, so after it read this one)
+        slot = i % 2
+        x_smem.index(2 * HALF + slot).store(s)
+        gl.thread_barrier()  # every thread's part before the arrival
+        mbarrier.arrive(xbar.index(slot))
+        mbarrier.wait(xbar.index(slot), (i // 2) & 1)
+        s = s + x_smem.index(2 * (1 - HALF) + slot).load(s_layout)
+        p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
+        acc = warpgroup_mma(pa, kv, acc)
+    cp.wait_group(0)
+
+    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
+    offs_v = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    if SPLIT:
+        hv = offs_h[:, None] * stride_ph + (col0 + offs_v)[None, :]
+        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
+        if HALF == 0:  # (the same m and l in both warpgroups)
+            ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
+            gl.store(ml, m_o)
+            gl.store(ml + H, l_o)
+    else:
+        out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
+        o_hv = offs_h[:, None] * stride_oh + (col0 + offs_v)[None, :]
+        gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
+
+
+@gluon.jit
+def _halves_kernel(
+    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, K, keys_per_split, qk_scale,
+    stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh, stride_pt, stride_ps,
+    stride_ph, stride_mt, stride_ms,
+    BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr,
+    SPLIT: gl.constexpr,
+    REGS: gl.constexpr,  # the second warpgroup's registers
+    PDL: gl.constexpr = False,
+):  # fmt: skip  # noqa: ANN001
+    # `_decode_kernel`'s arguments and result (bf16 rows, no fixup): two partitions of one
+    # warpgroup each, `_half`
+    chain_start(PDL)
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 256], gl.bfloat16)
+    x_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
+    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_BUF, BLOCK_N, 256], kv_layout)
+    x_smem = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_N], x_layout)
+    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(xbar.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (_half, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem,
+                     xbar, t, split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
+                     stride_it, stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt,
+                     stride_ms, 0, BLOCK_N, NUM_BUF, SPLIT)),
+            (_half, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem,
+                     xbar, t, split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
+                     stride_it, stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt,
+                     stride_ms, 1, BLOCK_N, NUM_BUF, SPLIT)),
+        ],
+        [4],
+        [REGS],
+    )  # fmt: skip
+
+
 def supported(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
 ) -> bool:
@@ -513,13 +649,16 @@ def sparse_attn_sm90(
     num_buf: int = 2,
     mode: int = 0,
     pipe: bool = False,
+    halves: bool = False,
+    regs: int = 240,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone); pipe:
-    S of the next tile beside the softmax (bf16 rows, num_buf >= 3)."""
+    S of the next tile beside the softmax (bf16 rows, num_buf >= 3); halves: the channels
+    split between two warpgroups (`_halves_kernel`, bf16 rows; regs: the second one's)."""
     assert supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
     )
@@ -552,6 +691,17 @@ def sparse_attn_sm90(
         and T <= FIXUP_MAX_TOKENS and mode == 0
         and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
+    if halves:
+        assert not entries and not mode, "sparse_attn_sm90: halves reads bf16 rows"
+        launch = chain(q.device)
+        _halves_kernel[(T, num_splits)](
+            q, src, topk_idxs, attn_sink, o, part, ml, K, keys_per_split, scale * _triton.LOG2E,
+            q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0),
+            o.stride(1), part.stride(0), part.stride(1), part.stride(2) if split else 0,
+            ml.stride(0), ml.stride(1),
+            BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, REGS=regs, num_warps=4, **launch,
+        )  # fmt: skip
+        return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
     rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
