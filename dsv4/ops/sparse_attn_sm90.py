@@ -31,10 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
-    warpgroup_mma_wait,
 )
 
 from dsv4.ops import sparse_attn as _triton
@@ -113,33 +110,13 @@ def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_p(s, valid, qk_scale, m_i):  # noqa: ANN001, ANN202
-    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m
+def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
+    # one tile's online-softmax step (log2 domain): P, the rescale of what came before, new m, l
     s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    return gl.exp2(s - m_new[:, None]), gl.exp2(m_i - m_new), m_new
-
-
-@gluon.jit
-def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
-    # _softmax_p with the row sums: P, the rescale, new m, new l
-    p, alpha, m_new = _softmax_p(s, valid, qk_scale, m_i)
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
-def _pipe_pv(s, acc, l_acc, m_i, valid, qk_scale, p_buf, kv, o_layout: gl.constexpr,
-             LAST: gl.constexpr):  # fmt: skip
-    # PIPE: tile i's softmax (its S waited), the rescale, P into p_buf and P V issued (async
-    # unless LAST). The row sums stay per element (l_acc [64, BN]): no cross-warpgroup sum a tile
-    p, alpha, m_i = _softmax_p(s, valid, qk_scale, m_i)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    l_acc = l_acc * alpha[:, None] + p
-    p_buf.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()  # every warp's P (and, before it, its S and last P V) done
-    acc = warpgroup_mma(p_buf, kv, acc, is_async=not LAST)
-    return acc, l_acc, m_i
 
 
 @gluon.jit
@@ -158,29 +135,6 @@ def _mul_rn(a, b):  # noqa: ANN001, ANN202
     return gl.inline_asm_elementwise(
         "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32, is_pure=True, pack=1
     )
-
-
-@gluon.jit
-def _pipe_step(i, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem, kv_ptr,
-               stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale, s_zero,
-               o_layout: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
-    # PIPE, tile i (not the last): S of tile i + 1 issued, S of i waited, tile i's P V issued,
-    # tile i + NUM_BUF - 1 gathered. Returns the token of S of i + 1 and the carried state
-    cp.wait_group(NUM_BUF - 3)  # tile i + 1 landed everywhere
-    fence_async_shared()
-    gl.thread_barrier()
-    s_nxt = warpgroup_mma(q_smem, kv_smem.index((i + 1) % NUM_BUF).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)  # fmt: skip
-    s, acc = warpgroup_mma_wait(1, deps=[s_tok, acc])  # S of i, P V of i - 1
-    valid = valid_next
-    valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-    acc, l_acc, m_i = _pipe_pv(s, acc, l_acc, m_i, valid, qk_scale, p_smem.index(i % 2),
-                               kv_smem.index(i % NUM_BUF), o_layout, False)  # fmt: skip
-    # past _pipe_pv's barrier every warp's P V of i - 1 is done: its buffer takes a new tile
-    nxt = i + NUM_BUF - 1
-    _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
-    idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-    return s_nxt, acc, l_acc, m_i, valid_next, idx_next
 
 
 @gluon.jit
@@ -301,7 +255,6 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
-    PIPE: gl.constexpr = False,  # bf16 rows, MODE 0, NUM_BUF >= 3: S of tile i + 1 beside tile i
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
@@ -323,7 +276,7 @@ def _decode_kernel(
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [1 + PIPE, H, BLOCK_N], p_smem_layout)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
     if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
@@ -365,81 +318,41 @@ def _decode_kernel(
     acc = gl.zeros([H, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
 
-    if PIPE:
-        # S of tile i + 1 runs on the tensor cores while tile i's softmax runs (FA3's intra-
-        # warpgroup overlap); P V of tile i is in flight across the next iteration's top. Tiles
-        # i and i + 1 are read by the MMAs, NUM_BUF - 2 are in flight, P is double-buffered
+    for i in range(n_tiles):
+        # tile i landed (this thread's copies), visible to the async proxy and every thread
         cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
-        # (S of tile 0 waited here: the zeros of acc must not be written while an MMA is in
-        # flight, or ptxas serializes every wgmma)
-        s_tok = warpgroup_mma_init(warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_zero,
-                                                 use_acc=False))  # fmt: skip
-        acc = warpgroup_mma_init(acc)
-        l_acc = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
-        # the S tokens alternate between two names (tiles taken in pairs) so that no register of
-        # an MMA in flight is copied at the loop's back edge (ptxas would serialize every wgmma)
-        for j in range((n_tiles - 1) // 2):
-            s_tok2, acc, l_acc, m_i, valid_next, idx_next = _pipe_step(
-                2 * j, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
-                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
-                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
-            s_tok, acc, l_acc, m_i, valid_next, idx_next = _pipe_step(
-                2 * j + 1, s_tok2, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
-                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
-                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
-        last = n_tiles - 1
-        if last % 2 == 1:  # one step left before the last tile (no token leaves this branch)
-            s_tok2, acc2, l_acc, m_i, valid_next, idx_next = _pipe_step(
-                last - 1, s_tok, acc, l_acc, m_i, valid_next, idx_next, q_smem, kv_smem, p_smem,
-                kv_ptr, stride_kn, idx_row, k_begin, k_end, offs_gn, offs_gd, offs_sn, qk_scale,
-                s_zero, o_layout, BLOCK_N, NUM_BUF)  # fmt: skip
-            s, o_acc = warpgroup_mma_wait(0, deps=[s_tok2, acc2])
+        # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
+        nxt = i + NUM_BUF - 1
+        if ENTRIES:
+            nb = nxt % NUM_BUF
+            _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
+                            stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
+        elif MODE != 2:
+            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
         else:
-            s, o_acc = warpgroup_mma_wait(0, deps=[s_tok, acc])
-        acc, l_acc, m_i = _pipe_pv(s, o_acc, l_acc, m_i, valid_next, qk_scale,
-                                   p_smem.index(last % 2), kv_smem.index(last % NUM_BUF),
-                                   o_layout, True)  # fmt: skip
-        l_i = gl.sum(l_acc, 1)
-    else:
-        for i in range(n_tiles):
-            # tile i landed (this thread's copies), visible to the async proxy and every thread
-            cp.wait_group(NUM_BUF - 2)
+            cp.commit_group()
+        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
+        valid = valid_next
+        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
+        if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
+            cb = i % NUM_BUF
+            kv = kv_smem.index(0)
+            _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
             fence_async_shared()
             gl.thread_barrier()
-            # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
-            nxt = i + NUM_BUF - 1
-            if ENTRIES:
-                nb = nxt % NUM_BUF
-                _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
-                                stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
-            elif MODE != 2:
-                _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
-            else:
-                cp.commit_group()
-            idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-            valid = valid_next
-            valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-            if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
-                cb = i % NUM_BUF
-                kv = kv_smem.index(0)
-                _decode_entries(
-                    raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE
-                )
-                fence_async_shared()
-                gl.thread_barrier()
-            if MODE != 1:
-                if not ENTRIES:
-                    kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
-                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-                p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-                p_smem.index(0).store(p.to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                acc = warpgroup_mma(p_smem.index(0), kv, acc)
-                gl.thread_barrier()  # p_smem is rewritten by the next tile
+        if MODE != 1:
+            if not ENTRIES:
+                kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+            p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_smem, kv, acc)
+            gl.thread_barrier()  # p_smem is rewritten by the next tile
 
     cp.wait_group(0)
 
@@ -464,141 +377,6 @@ def _decode_kernel(
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
         o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-
-
-# ---------------------------------------------------------------------------------------------
-# HALVES: the 512 channels split between two warpgroups (warp-specialised partitions)
-# ---------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _half(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem, xbar, t,
-          split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn, stride_it,
-          stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-          HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-          SPLIT: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # one warpgroup owns channels HALF * 256 .. of q, the keys and o: it gathers its half of
-    # every key row, holds its half of q in registers (the A operand of S), computes its part of
-    # S = Q K^T over its channels, trades parts with the other warpgroup through shared memory
-    # (both then hold the same S: a + b == b + a), and accumulates its half of O. Nothing else
-    # is shared, so there is no CTA barrier and no q in shared memory: the buffers go to gathers
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16]
-    )
-    qa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    col0 = HALF * DH
-    half_kv = kv_ptr + col0
-    offs_gd = gl.arange(0, DH, layout=gl.SliceLayout(0, g_layout))
-    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, qa_layout))
-    offs_qd = gl.arange(0, DH, layout=gl.SliceLayout(0, qa_layout))
-    qa = gl.load(q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + (col0 + offs_qd)[None, :])
-
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, K)
-    n_tiles = gl.cdiv(k_end - k_begin, BLOCK_N)
-    idx_row = idx_ptr + t * stride_it
-    for b in gl.static_range(NUM_BUF - 1):
-        idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
-        _gather(kv_smem.index(HALF * NUM_BUF + b), half_kv, stride_kn, idx, offs_gd)
-    idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
-    valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
-
-    m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
-    for i in range(n_tiles):
-        # tile i landed (this warpgroup's copies, visible to its MMAs); the buffer of tile i - 1
-        # is free (its MMAs were waited for) and takes tile i + NUM_BUF - 1
-        cp.wait_group(NUM_BUF - 2)
-        fence_async_shared()
-        gl.thread_barrier()
-        nxt = i + NUM_BUF - 1
-        _gather(kv_smem.index(HALF * NUM_BUF + nxt % NUM_BUF), half_kv, stride_kn, idx_next,
-                offs_gd)  # fmt: skip
-        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-        valid = valid_next
-        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-        kv = kv_smem.index(HALF * NUM_BUF + i % NUM_BUF)
-        s = warpgroup_mma(qa, kv.permute((1, 0)), s_zero, use_acc=False)
-        # trade the parts of S (two slots: a part is rewritten two tiles later, after the
-        # other warpgroup has arrived on the slot in between, so after it read this one)
-        slot = i % 2
-        x_smem.index(2 * HALF + slot).store(s)
-        gl.thread_barrier()  # every thread's part before the arrival
-        mbarrier.arrive(xbar.index(slot))
-        mbarrier.wait(xbar.index(slot), (i // 2) & 1)
-        s = s + x_smem.index(2 * (1 - HALF) + slot).load(s_layout)
-        p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
-        acc = warpgroup_mma(pa, kv, acc)
-    cp.wait_group(0)
-
-    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
-    offs_v = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if SPLIT:
-        hv = offs_h[:, None] * stride_ph + (col0 + offs_v)[None, :]
-        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
-        if HALF == 0:  # (the same m and l in both warpgroups)
-            ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
-            gl.store(ml, m_o)
-            gl.store(ml + H, l_o)
-    else:
-        out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
-        o_hv = offs_h[:, None] * stride_oh + (col0 + offs_v)[None, :]
-        gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-
-
-@gluon.jit
-def _halves_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, K, keys_per_split, qk_scale,
-    stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh, stride_pt, stride_ps,
-    stride_ph, stride_mt, stride_ms,
-    BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr,
-    SPLIT: gl.constexpr,
-    REGS: gl.constexpr,  # the second warpgroup's registers
-    PDL: gl.constexpr = False,
-):  # fmt: skip  # noqa: ANN001
-    # `_decode_kernel`'s arguments and result (bf16 rows, no fixup): two partitions of one
-    # warpgroup each, `_half`
-    chain_start(PDL)
-    t = gl.program_id(0).to(gl.int64)
-    split = gl.program_id(1)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 256], gl.bfloat16)
-    x_layout: gl.constexpr = gl.SwizzledSharedLayout(2, 1, 8, [1, 0])
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_BUF, BLOCK_N, 256], kv_layout)
-    x_smem = gl.allocate_shared_memory(gl.float32, [4, 64, BLOCK_N], x_layout)
-    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(xbar.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (_half, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem,
-                     xbar, t, split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
-                     stride_it, stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt,
-                     stride_ms, 0, BLOCK_N, NUM_BUF, SPLIT)),
-            (_half, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, kv_smem, x_smem,
-                     xbar, t, split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
-                     stride_it, stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt,
-                     stride_ms, 1, BLOCK_N, NUM_BUF, SPLIT)),
-        ],
-        [4],
-        [REGS],
-    )  # fmt: skip
 
 
 def supported(
@@ -648,26 +426,18 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    pipe: bool = False,
-    halves: bool = False,
-    regs: int = 240,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone); pipe:
-    S of the next tile beside the softmax (bf16 rows, num_buf >= 3); halves: the channels
-    split between two warpgroups (`_halves_kernel`, bf16 rows; regs: the second one's)."""
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
     )
     (src,) = kv
     entries = src.dtype == torch.uint8
     assert not (entries and mode), "sparse_attn_sm90: the probe modes read bf16 rows"
-    assert not pipe or (not entries and not mode and num_buf >= 3), (
-        "sparse_attn_sm90: pipe needs bf16 rows and num_buf >= 3"
-    )
     T = q.shape[0]
     K = topk_idxs.shape[1]
     assert topk_idxs.dim() == 2 and topk_idxs.shape[0] == T and topk_idxs.stride(1) == 1
@@ -691,17 +461,6 @@ def sparse_attn_sm90(
         and T <= FIXUP_MAX_TOKENS and mode == 0
         and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
-    if halves:
-        assert not entries and not mode, "sparse_attn_sm90: halves reads bf16 rows"
-        launch = chain(q.device)
-        _halves_kernel[(T, num_splits)](
-            q, src, topk_idxs, attn_sink, o, part, ml, K, keys_per_split, scale * _triton.LOG2E,
-            q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0),
-            o.stride(1), part.stride(0), part.stride(1), part.stride(2) if split else 0,
-            ml.stride(0), ml.stride(1),
-            BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, REGS=regs, num_warps=4, **launch,
-        )  # fmt: skip
-        return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
     rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
@@ -713,7 +472,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, PIPE=pipe,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:
