@@ -431,48 +431,53 @@ def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
 
 
 @triton.jit
-def _index_hist_select_kernel(
+def _hist_segment(
+    seg,  # this program's segment of the row
+    n_seg,  # segments of the row (programs taking part)
+    t,
     key_ptr,  # [T, C] int32 score keys (INT32_MIN = not visible)
-    hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the kernel returns
+    hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the row's last segment is done
     coarse_ptr,  # [T, COARSE_BINS] int32 coarse counts ; zero again
-    count_ptr,  # [T] int64: winners filed | candidates filed << 24 | programs done << 48 ; zero again
+    count_ptr,  # [T] int64: winners filed | candidates filed << 24 | segments done << 48 ; zero again
     buf_ptr,  # [T, K + C] int64 scratch: winners at 0.., candidates at K..
     out_ptr,  # [T, K] int64 positions
+    rows_ptr,  # FUSED: [T] int32 score programs arrived (`_index_score_kernel`) ; zeroed here
     C,
     K,
     stride_kt,
     stride_bt,
     stride_ot,
     wcnt_ptr,  # not SORT: [T, n_seg] int32 winners of each segment
-    BLOCK_L: tl.constexpr,  # keys filed per program
+    BLOCK_L: tl.constexpr,  # keys filed per segment
     BLOCK_K: tl.constexpr,
     FAST: tl.constexpr,  # winners + candidates up to this many are sorted at once (>= 2 * BLOCK_K)
-    PDL: tl.constexpr,
-    SORT: tl.constexpr = True,  # else: winners in position order, then the threshold bin's picks
-    NSEG: tl.constexpr = 1,  # not SORT: segments of a row, rounded up to a power of 2
-    CAND: tl.constexpr = 128,  # not SORT: threshold-bin candidates ranked in registers up to this
+    SORT: tl.constexpr,  # else: winners in position order, then the threshold bin's picks
+    NSEG: tl.constexpr,  # not SORT: n_seg rounded up to a power of 2
+    CAND: tl.constexpr,  # not SORT: threshold-bin candidates ranked in registers up to this
+    FUSED: tl.constexpr,  # run by the score kernel: keys and counts read from L2 (.cg)
 ):
     # read COARSE_BINS + FINE_PER_COARSE counts + BLOCK_L keys ; write the winners and candidates
-    # among them (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the
-    # used bins
-    seg = tl.program_id(0)
-    t = tl.program_id(1)
+    # among them (int64) ; the row's last segment: + <= FAST int64, write K int64, zero the used
+    # bins
     t64 = t.to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
-    key = tl.load(key_ptr + t64 * stride_kt + offs, mask=offs < C, other=INT32_MIN)
-    # ---- the bin of the K-th largest key: its coarse bin, then the fine bin inside it
+    key_at = key_ptr + t64 * stride_kt + offs
     offs_b = tl.arange(0, COARSE_BINS)
-    coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
-    cb, above_c = _threshold_bin(coarse, K, COARSE_BINS)
     offs_f = tl.arange(0, FINE_PER_COARSE)
-    fine = tl.load(
-        hist_ptr + t64 * HIST_BINS + cb * FINE_PER_COARSE + offs_f,
-        mask=offs_f < tl.where(cb >= 0, FINE_PER_COARSE, 0),  # (no bool & scalar: interpreter)
-        other=0,
-    )
+    if FUSED:  # (written by other programs of this launch: past this SM's L1)
+        key = tl.load(key_at, mask=offs < C, other=INT32_MIN, cache_modifier=".cg")
+        coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b, cache_modifier=".cg")
+    else:
+        key = tl.load(key_at, mask=offs < C, other=INT32_MIN)
+        coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
+    # ---- the bin of the K-th largest key: its coarse bin, then the fine bin inside it
+    cb, above_c = _threshold_bin(coarse, K, COARSE_BINS)
+    fine_at = hist_ptr + t64 * HIST_BINS + cb * FINE_PER_COARSE + offs_f
+    fine_ok = offs_f < tl.where(cb >= 0, FINE_PER_COARSE, 0)  # (no bool & scalar: interpreter)
+    if FUSED:
+        fine = tl.load(fine_at, mask=fine_ok, other=0, cache_modifier=".cg")
+    else:
+        fine = tl.load(fine_at, mask=fine_ok, other=0)
     fb, above_f = _threshold_bin(fine, K - above_c, FINE_PER_COARSE)
     thr_bin = tl.where(cb >= 0, cb * FINE_PER_COARSE + fb, -1)  # -1: fewer than K visible, all win
     n_win = above_c + above_f
@@ -498,15 +503,15 @@ def _index_hist_select_kernel(
         base_w = seg * K
         before_c = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
         base_c = ((before_c >> 24) & 0xFFFFFF).to(tl.int32)
-        cand_row = buf_row + tl.num_programs(0) * K
-        tl.store(wcnt_ptr + t64 * tl.num_programs(0) + seg, n_both & 0xFFFF)
+        cand_row = buf_row + n_seg * K
+        tl.store(wcnt_ptr + t64 * n_seg + seg, n_both & 0xFFFF)
     tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=win != 0)
     tl.store(cand_row + base_c + (before >> 16), packed, mask=cand != 0)
 
-    # ---- the row's last program: sort winners + the best candidates, keep K, zero the counts
+    # ---- the row's last segment: sort winners + the best candidates, keep K, zero the counts
     tl.debug_barrier()  # every store of this program before its arrival is released
     arrived = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
-    if (arrived >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
+    if (arrived >> 48) == n_seg - 1:  # every other segment filed before it arrived
         n_cand = ((arrived >> 24) & 0xFFFFFF).to(tl.int32)
         offs_k = tl.arange(0, BLOCK_K)
         out_row = out_ptr + t64 * stride_ot
@@ -514,25 +519,48 @@ def _index_hist_select_kernel(
             if n_win + n_cand > FAST:
                 _keep_largest(cand_row, n_cand, K - n_win, FAST)
                 n_cand = K - n_win
-            offs_f = tl.arange(0, FAST)
-            src = tl.where(offs_f < n_win, offs_f, K + offs_f - n_win)
+            offs_x = tl.arange(0, FAST)
+            src = tl.where(offs_x < n_win, offs_x, K + offs_x - n_win)
             vals = tl.load(
-                buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
+                buf_row + src, mask=offs_x < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
             )
             top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
             tl.store(out_row + offs_k, _unpack_positions(top, C), mask=offs_k < K)
         else:
-            _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * tl.num_programs(0), out_row, n_win,
-                       n_cand, C, K, tl.num_programs(0), BLOCK_K, NSEG, CAND)  # fmt: skip
+            _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * n_seg, out_row, n_win, n_cand, C, K,
+                       n_seg, BLOCK_K, NSEG, CAND)  # fmt: skip
         # the fine bins of every coarse bin in use (ZERO_W of each a store), the coarse bins and
         # the counts
         offs_z = tl.arange(0, ZERO_W)
-        fine_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * FINE_PER_COARSE + offs_z[None, :]
+        zero_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * FINE_PER_COARSE + offs_z[None, :]
         for f0 in range(0, FINE_PER_COARSE, ZERO_W):
             zero = tl.zeros([COARSE_BINS, ZERO_W], tl.int32)
-            tl.store(fine_at + f0, zero, mask=(coarse != 0)[:, None])
+            tl.store(zero_at + f0, zero, mask=(coarse != 0)[:, None])
         tl.store(coarse_ptr + t64 * COARSE_BINS + offs_b, tl.zeros([COARSE_BINS], tl.int32))
         tl.store(count, tl.zeros([], tl.int64))
+        if FUSED:  # every program of the row is past its wait (each segment arrived after it)
+            tl.store(rows_ptr + t, 0)
+
+
+@triton.jit
+def _index_hist_select_kernel(
+    key_ptr, hist_ptr, coarse_ptr, count_ptr, buf_ptr, out_ptr, C, K, stride_kt, stride_bt,
+    stride_ot, wcnt_ptr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FAST: tl.constexpr,
+    PDL: tl.constexpr,
+    SORT: tl.constexpr = True,
+    NSEG: tl.constexpr = 1,
+    CAND: tl.constexpr = 128,
+):  # fmt: skip
+    # one program per (segment, row): `_hist_segment` (its arguments)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    _hist_segment(tl.program_id(0), tl.num_programs(0), tl.program_id(1), key_ptr, hist_ptr,
+                  coarse_ptr, count_ptr, buf_ptr, out_ptr, count_ptr, C, K, stride_kt, stride_bt,
+                  stride_ot, wcnt_ptr, BLOCK_L, BLOCK_K, FAST, SORT, NSEG, CAND, False)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
