@@ -1203,13 +1203,19 @@ def probe_fused_select() -> None:
             torch.cuda.synchronize()
             same = torch.equal(got, ref_out)
             for _ in range(2):
-                for fuse in (False, True):
+                for fuse, chained in ((False, False), (True, False), (True, True)):
                     kw = dict(select="hist", sort=sort, fuse=fuse)
-                    us(
-                        f"index_topk T={T} 128K {'sorted' if sort else 'unsorted'} "
-                        f"{'fused' if fuse else 'select launch'}{'' if same else ' DIFFERENT'}",
-                        lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),  # noqa: B023
-                    )
+                    indexer.FUSED_PDL = chained
+                    try:
+                        us(
+                            f"index_topk T={T} 128K {'sorted' if sort else 'unsorted'} "
+                            f"{'fused' if fuse else 'select launch'}{' PDL' if chained else ''}"
+                            f"{'' if same else ' DIFFERENT'}",
+                            lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),  # noqa: B023
+                        )
+                    except RuntimeError as e:
+                        print(f"    fused, PDL {chained}: {str(e)[:200]}")
+                    indexer.FUSED_PDL = False
         us(
             f"index scores T={T} 128K alone",
             lambda: indexer._scores(q, w, keys, cand),  # noqa: B023

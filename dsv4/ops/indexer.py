@@ -76,6 +76,7 @@ SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the un
 # the hist select run by the score kernel's programs once their row is scored (one cooperative
 # launch, no select launch after it), where the grid's programs fit on the GPU at once
 FUSED_SELECT = True
+FUSED_PDL = False  # the fused launch chained (PDL) as well as cooperative
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -769,6 +770,7 @@ def _scores(
     )  # fmt: skip
     if fused is not None:
         kwargs["launch_cooperative_grid"] = True
+        kwargs["launch_pdl"] = kwargs.get("launch_pdl", False) and FUSED_PDL
         fused["ran"] = grid[0] * grid[1] <= _resident(args, kwargs, grid, q.device)
         if not fused["ran"]:
             return _scores(q, weights, keys, cand_idxs, cfg, hist, key_scale, weight_scale)
@@ -787,6 +789,7 @@ def _resident(args: tuple, kwargs: dict, grid: tuple, device: torch.device) -> i
     key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "launch_pdl"))
     if key not in _RESIDENT:
         k = _index_score_kernel.warmup(*args, grid=grid, **kwargs)
+        k._init_handles()  # (loads the binary: n_regs)
         props = torch.cuda.get_device_properties(device)
         warps = kwargs["num_warps"]
         regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in 256s
