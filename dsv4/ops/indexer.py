@@ -70,8 +70,8 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
 RANK_W = tl.constexpr(16)  # candidates each ranking step compares against
-HIST_SUB = 0  # keys the select kernel files at a time (0: its whole segment; the fused select
-# files 1024 at a time, its program's tiles: 4 warps hold no more without spilling)
+HIST_SUB = 0  # keys the select kernel files at a time (0: its whole segment)
+FUSED_SUB = tl.constexpr(1024)  # and the fused select (4 warps hold no more without spilling)
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
 # the hist select run by the score kernel's programs once their row is scored (one cooperative
 # launch, no select launch after it), where the grid's programs fit on the GPU at once
@@ -214,7 +214,7 @@ def _index_score_kernel(
         # the row's select starts as soon as its last program has scored (no launch after the
         # last row): each program counts itself in; the first of every SEG_L keys then waits for
         # the whole row (its programs are all resident: a cooperative launch) and files its
-        # segment (`_hist_segment`, SCAN * BLOCK_N keys at a time), the row's last segment writes
+        # segment (`_hist_segment`, FUSED_SUB keys at a time), the row's last segment writes
         # the row's top-k
         tl.debug_barrier()  # every key and count of this program before its arrival
         tl.atomic_add(rows_ptr + t, 1, sem="release")
@@ -227,7 +227,7 @@ def _index_score_kernel(
             _hist_segment(pid_c // per_seg, n_seg, t, out_ptr, hist_ptr, coarse_ptr, count_ptr,
                           buf_ptr, sel_ptr, rows_ptr, C, K, stride_ot, stride_bt, stride_st,
                           wcnt_ptr, SEG_L, BLOCK_K, FAST, SORT, NSEG, CAND, True,
-                          SCAN * BLOCK_N)  # fmt: skip
+                          FUSED_SUB)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +479,21 @@ def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
 
 
 @triton.jit
+def _marks(row, k0, C, thr_bin, SUB: tl.constexpr, FUSED: tl.constexpr):  # noqa: ANN001, ANN202
+    # keys k0 .. k0 + SUB of a row of score keys: each one's winner (above the threshold bin) and
+    # candidate (in it) marks as win + cand << 16, the keys, their positions
+    offs = k0 + tl.arange(0, SUB)
+    if FUSED:  # (written by other programs of this launch: past this SM's L1)
+        key = tl.load(row + offs, mask=offs < C, other=INT32_MIN, cache_modifier=".cg")
+    else:
+        key = tl.load(row + offs, mask=offs < C, other=INT32_MIN)
+    vis = key != INT32_MIN
+    bin = ((key.to(tl.uint32, bitcast=True) ^ 0x80000000) >> 16).to(tl.int32)
+    both = (vis & (bin > thr_bin)).to(tl.int32) + ((vis & (bin == thr_bin)).to(tl.int32) << 16)
+    return both, key, offs
+
+
+@triton.jit
 def _hist_segment(
     seg,  # this program's segment of the row
     n_seg,  # segments of the row (programs taking part)
@@ -528,39 +543,33 @@ def _hist_segment(
     n_win = above_c + above_f
 
     # ---- file this segment's winners (bin above) and candidates (the bin), position order kept,
-    # SUB keys at a time
+    # SUB keys at a time: the chunks counted first, one atomic for the segment's slots, then filed
     count = count_ptr + t
     buf_row = buf_ptr + t64 * stride_bt
     cand_row = buf_row + (K if SORT else n_seg * K)
-    n_w = seg * 0  # winners this segment has filed
+    row_keys = key_ptr + t64 * stride_kt
+    n_both = seg * 0
     for c0 in tl.static_range(0, BLOCK_L, SUB):
-        offs = seg * BLOCK_L + c0 + tl.arange(0, SUB)
-        key_at = key_ptr + t64 * stride_kt + offs
-        if FUSED:
-            key = tl.load(key_at, mask=offs < C, other=INT32_MIN, cache_modifier=".cg")
-        else:
-            key = tl.load(key_at, mask=offs < C, other=INT32_MIN)
-        vis = key != INT32_MIN
-        bin = ((key.to(tl.uint32, bitcast=True) ^ 0x80000000) >> 16).to(tl.int32)
-        win = (vis & (bin > thr_bin)).to(tl.int32)
-        cand = (vis & (bin == thr_bin)).to(tl.int32)
-        both = win + (cand << 16)  # one scan for both slots (SUB < 65536)
-        before = tl.cumsum(both, 0) - both
-        n_both = tl.sum(both)
-        filed = (n_both & 0xFFFF).to(tl.int64) | ((n_both >> 16).to(tl.int64) << 24)
+        both, key, offs = _marks(row_keys, seg * BLOCK_L + c0, C, thr_bin, SUB, FUSED)
+        n_both += tl.sum(both)
+    filed = (n_both & 0xFFFF).to(tl.int64) | ((n_both >> 16).to(tl.int64) << 24)
+    if SORT:
+        before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
+        base_w = (before_w & 0xFFFFFF).to(tl.int32)
+    else:  # the winners in the segment's own K slots, in position order; candidates after them
+        base_w = seg * K
+        before_w = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
+        tl.store(wcnt_ptr + t64 * n_seg + seg, n_both & 0xFFFF)
+    base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
+    for c0 in tl.static_range(0, BLOCK_L, SUB):
+        both, key, offs = _marks(row_keys, seg * BLOCK_L + c0, C, thr_bin, SUB, FUSED)
+        before = tl.cumsum(both, 0) - both  # (each part < SUB: no carry between them)
         packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
-        if SORT:
-            before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
-            base_w = (before_w & 0xFFFFFF).to(tl.int32)
-        else:  # the winners in the segment's own K slots, in position order
-            base_w = seg * K + n_w
-            before_w = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
-        base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
-        tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=win != 0)
-        tl.store(cand_row + base_c + (before >> 16), packed, mask=cand != 0)
-        n_w += n_both & 0xFFFF
-    if not SORT:
-        tl.store(wcnt_ptr + t64 * n_seg + seg, n_w)
+        tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=(both & 0xFFFF) != 0)
+        tl.store(cand_row + base_c + (before >> 16), packed, mask=(both >> 16) != 0)
+        n = tl.sum(both)
+        base_w += n & 0xFFFF
+        base_c += n >> 16
 
     # ---- the row's last segment: sort winners + the best candidates, keep K, zero the counts
     tl.debug_barrier()  # every store of this program before its arrival is released
