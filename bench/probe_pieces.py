@@ -1189,40 +1189,6 @@ def probe_select_sweep() -> None:
     copy_floor("select sweep: copy_ of 128 MiB", 128 << 20)
 
 
-def probe_fused_select() -> None:
-    # index_topk at 128K with the hist select fused into the score kernel's launch against the
-    # select launched after it, in one run (both checked equal first), and the scores alone
-    for T in (16, 1, 4):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        fine, coarse, _ = indexer._hist_workspace(torch.device("cuda"))
-        for sort in (False, True):
-            ref_out = indexer.index_topk(
-                q, w, keys, cand, 512, select="hist", sort=sort, fuse=False
-            )
-            got = indexer.index_topk(q, w, keys, cand, 512, select="hist", sort=sort, fuse=True)
-            torch.cuda.synchronize()
-            same = torch.equal(got, ref_out)
-            for _ in range(2):
-                for fuse, chained in ((False, False), (True, False), (True, True)):
-                    kw = dict(select="hist", sort=sort, fuse=fuse)
-                    indexer.FUSED_PDL = chained
-                    try:
-                        us(
-                            f"index_topk T={T} 128K {'sorted' if sort else 'unsorted'} "
-                            f"{'fused' if fuse else 'select launch'}{' PDL' if chained else ''}"
-                            f"{'' if same else ' DIFFERENT'}",
-                            lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),  # noqa: B023
-                        )
-                    except RuntimeError as e:
-                        print(f"    fused, PDL {chained}: {str(e)[:200]}")
-                    indexer.FUSED_PDL = False
-        us(
-            f"index scores T={T} 128K alone",
-            lambda: indexer._scores(q, w, keys, cand),  # noqa: B023
-        )
-    copy_floor("fused select: copy_ of 128 MiB", 128 << 20)
-
-
 def probe_hist_tail() -> None:
     # the hist select's kernel alone: the workspace counts restored before each call (restore
     # alone timed beside it), and the final sort alone (topk of 1024 int64 in one program)
@@ -2309,7 +2275,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "fused_select": probe_fused_select, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -69,14 +69,7 @@ HIST_MAX_TOKENS = 16  # rows a hist select handles at once (its zeroed workspace
 # at T=64 the counting costs the score kernel more than the levels select takes: 185 + 10 vs 194 us)
 HIST_FAST = 1024  # the final sort's width: winners + threshold-bin candidates up to this are sorted
 HIST_CAND = 128  # unsorted output: threshold-bin candidates up to this are ranked without a sort
-RANK_W = tl.constexpr(16)  # candidates each ranking step compares against
-HIST_SUB = 0  # keys the select kernel files at a time (0: its whole segment)
-FUSED_SUB = tl.constexpr(1024)  # and the fused select (4 warps hold no more without spilling)
 SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the unsorted selects)
-# the hist select run by the score kernel's programs once their row is scored (one cooperative
-# launch, no select launch after it), where the grid's programs fit on the GPU at once
-FUSED_SELECT = True
-FUSED_PDL = False  # the fused launch chained (PDL) as well as cooperative
 
 # ---------------------------------------------------------------------------------------------
 # Scores: gather keys, tensor-core dot over the heads, relu, weighted head sum
@@ -104,15 +97,6 @@ def _index_score_kernel(
     stride_ot,
     w_scale,
     tiles,  # candidate tiles of BLOCK_N per program (<= SCAN; a runtime count: one compile for all)
-    rows_ptr,  # FUSED: [T] int32 programs of each row done scoring ; zero between launches
-    count_ptr,  # FUSED: the hist select's (`_hist_segment`) counts, scratch, output, winners
-    buf_ptr,
-    sel_ptr,
-    wcnt_ptr,
-    K,
-    n_seg,
-    stride_bt,
-    stride_st,
     UPCAST: tl.constexpr,  # compute the dot in fp32 (interpreter, fp32 or mixed inputs)
     PRECISION: tl.constexpr,  # "ieee" when UPCAST, else "tf32" (ignored for bf16)
     KEYS_ON_M: tl.constexpr,
@@ -124,13 +108,6 @@ def _index_score_kernel(
     PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
-    FUSED: tl.constexpr = False,  # HIST: the select in this launch (every program resident)
-    SEG_L: tl.constexpr = 4096,  # FUSED: `_hist_segment`'s BLOCK_L .. CAND
-    BLOCK_K: tl.constexpr = 16,
-    FAST: tl.constexpr = 32,
-    SORT: tl.constexpr = True,
-    NSEG: tl.constexpr = 1,
-    CAND: tl.constexpr = 128,
 ):
     # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
@@ -209,25 +186,6 @@ def _index_score_kernel(
         offs_b = tl.arange(0, COARSE_BINS)
         coarse_row = coarse_ptr + row_t * COARSE_BINS
         tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem="relaxed")
-
-    if FUSED:
-        # the row's select starts as soon as its last program has scored (no launch after the
-        # last row): each program counts itself in; the first of every SEG_L keys then waits for
-        # the whole row (its programs are all resident: a cooperative launch) and files its
-        # segment (`_hist_segment`, FUSED_SUB keys at a time), the row's last segment writes
-        # the row's top-k
-        tl.debug_barrier()  # every key and count of this program before its arrival
-        tl.atomic_add(rows_ptr + t, 1, sem="release")
-        per_seg = SEG_L // (tiles * BLOCK_N)
-        if pid_c % per_seg == 0:
-            n_prog = tl.num_programs(0)
-            done = tl.atomic_add(rows_ptr + t, 0, sem="acquire")
-            while done < n_prog:
-                done = tl.atomic_add(rows_ptr + t, 0, sem="acquire")
-            _hist_segment(pid_c // per_seg, n_seg, t, out_ptr, hist_ptr, coarse_ptr, count_ptr,
-                          buf_ptr, sel_ptr, rows_ptr, C, K, stride_ot, stride_bt, stride_st,
-                          wcnt_ptr, SEG_L, BLOCK_K, FAST, SORT, NSEG, CAND, True,
-                          FUSED_SUB)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,13 +416,7 @@ def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
         offs_c = tl.arange(0, CAND)
         ok = offs_c < n_cand
         v = tl.load(cand_row + offs_c, mask=ok, other=INT64_MIN, cache_modifier=".cg")
-        # (against RANK_W of them at a time: a [CAND, CAND] int64 compare held 250 registers)
-        rank = tl.zeros([CAND], tl.int32)
-        offs_w = tl.arange(0, RANK_W)
-        for w0 in tl.static_range(0, CAND, RANK_W):
-            ok_w = w0 + offs_w < n_cand
-            vw = tl.load(cand_row + w0 + offs_w, mask=ok_w, other=INT64_MIN, cache_modifier=".cg")
-            rank += tl.sum(((vw[None, :] > v[:, None]) & ok_w[None, :]).to(tl.int32), 1)
+        rank = tl.sum(((v[None, :] > v[:, None]) & ok[None, :]).to(tl.int32), 1)
         pick = ok & (rank < need)
         tl.store(out_row + n_win + rank, _unpack_positions(v, C), mask=pick)
         n_pick = tl.minimum(need, n_cand)
@@ -479,102 +431,82 @@ def _hist_emit(buf_row, cand_row, wcnt_row, out_row, n_win, n_cand, C, K, n_seg,
 
 
 @triton.jit
-def _marks(row, k0, C, thr_bin, SUB: tl.constexpr, FUSED: tl.constexpr):  # noqa: ANN001, ANN202
-    # keys k0 .. k0 + SUB of a row of score keys: each one's winner (above the threshold bin) and
-    # candidate (in it) marks as win + cand << 16, the keys, their positions
-    offs = k0 + tl.arange(0, SUB)
-    if FUSED:  # (written by other programs of this launch: past this SM's L1)
-        key = tl.load(row + offs, mask=offs < C, other=INT32_MIN, cache_modifier=".cg")
-    else:
-        key = tl.load(row + offs, mask=offs < C, other=INT32_MIN)
-    vis = key != INT32_MIN
-    bin = ((key.to(tl.uint32, bitcast=True) ^ 0x80000000) >> 16).to(tl.int32)
-    both = (vis & (bin > thr_bin)).to(tl.int32) + ((vis & (bin == thr_bin)).to(tl.int32) << 16)
-    return both, key, offs
-
-
-@triton.jit
-def _hist_segment(
-    seg,  # this program's segment of the row
-    n_seg,  # segments of the row (programs taking part)
-    t,
+def _index_hist_select_kernel(
     key_ptr,  # [T, C] int32 score keys (INT32_MIN = not visible)
-    hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the row's last segment is done
+    hist_ptr,  # [T, HIST_BINS] int32 fine counts ; zero again when the kernel returns
     coarse_ptr,  # [T, COARSE_BINS] int32 coarse counts ; zero again
-    count_ptr,  # [T] int64: winners filed | candidates filed << 24 | segments done << 48 ; zero again
+    count_ptr,  # [T] int64: winners filed | candidates filed << 24 | programs done << 48 ; zero again
     buf_ptr,  # [T, K + C] int64 scratch: winners at 0.., candidates at K..
     out_ptr,  # [T, K] int64 positions
-    rows_ptr,  # FUSED: [T] int32 score programs arrived (`_index_score_kernel`) ; zeroed here
     C,
     K,
     stride_kt,
     stride_bt,
     stride_ot,
     wcnt_ptr,  # not SORT: [T, n_seg] int32 winners of each segment
-    BLOCK_L: tl.constexpr,  # keys filed per segment
+    BLOCK_L: tl.constexpr,  # keys filed per program
     BLOCK_K: tl.constexpr,
     FAST: tl.constexpr,  # winners + candidates up to this many are sorted at once (>= 2 * BLOCK_K)
-    SORT: tl.constexpr,  # else: winners in position order, then the threshold bin's picks
-    NSEG: tl.constexpr,  # not SORT: n_seg rounded up to a power of 2
-    CAND: tl.constexpr,  # not SORT: threshold-bin candidates ranked in registers up to this
-    FUSED: tl.constexpr,  # run by the score kernel: keys and counts read from L2 (.cg)
-    SUB: tl.constexpr,  # keys filed at a time (BLOCK_L: all at once)
+    PDL: tl.constexpr,
+    SORT: tl.constexpr = True,  # else: winners in position order, then the threshold bin's picks
+    NSEG: tl.constexpr = 1,  # not SORT: segments of a row, rounded up to a power of 2
+    CAND: tl.constexpr = 128,  # not SORT: threshold-bin candidates ranked in registers up to this
 ):
     # read COARSE_BINS + FINE_PER_COARSE counts + BLOCK_L keys ; write the winners and candidates
-    # among them (int64) ; the row's last segment: + <= FAST int64, write K int64, zero the used
-    # bins
+    # among them (int64) ; the last program of a row: + <= FAST int64, write K int64, zero the
+    # used bins
+    seg = tl.program_id(0)
+    t = tl.program_id(1)
     t64 = t.to(tl.int64)
-    offs_b = tl.arange(0, COARSE_BINS)
-    offs_f = tl.arange(0, FINE_PER_COARSE)
-    if FUSED:  # (written by other programs of this launch: past this SM's L1)
-        coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b, cache_modifier=".cg")
-    else:
-        coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    offs = seg * BLOCK_L + tl.arange(0, BLOCK_L)
+    key = tl.load(key_ptr + t64 * stride_kt + offs, mask=offs < C, other=INT32_MIN)
     # ---- the bin of the K-th largest key: its coarse bin, then the fine bin inside it
+    offs_b = tl.arange(0, COARSE_BINS)
+    coarse = tl.load(coarse_ptr + t64 * COARSE_BINS + offs_b)
     cb, above_c = _threshold_bin(coarse, K, COARSE_BINS)
-    fine_at = hist_ptr + t64 * HIST_BINS + cb * FINE_PER_COARSE + offs_f
-    fine_ok = offs_f < tl.where(cb >= 0, FINE_PER_COARSE, 0)  # (no bool & scalar: interpreter)
-    if FUSED:
-        fine = tl.load(fine_at, mask=fine_ok, other=0, cache_modifier=".cg")
-    else:
-        fine = tl.load(fine_at, mask=fine_ok, other=0)
+    offs_f = tl.arange(0, FINE_PER_COARSE)
+    fine = tl.load(
+        hist_ptr + t64 * HIST_BINS + cb * FINE_PER_COARSE + offs_f,
+        mask=offs_f < tl.where(cb >= 0, FINE_PER_COARSE, 0),  # (no bool & scalar: interpreter)
+        other=0,
+    )
     fb, above_f = _threshold_bin(fine, K - above_c, FINE_PER_COARSE)
     thr_bin = tl.where(cb >= 0, cb * FINE_PER_COARSE + fb, -1)  # -1: fewer than K visible, all win
     n_win = above_c + above_f
 
-    # ---- file this segment's winners (bin above) and candidates (the bin), position order kept,
-    # SUB keys at a time: the chunks counted first, one atomic for the segment's slots, then filed
+    # ---- file this segment's winners (bin above) and candidates (the bin), position order kept
+    vis = key != INT32_MIN
+    bin = ((key.to(tl.uint32, bitcast=True) ^ 0x80000000) >> 16).to(tl.int32)
+    win = (vis & (bin > thr_bin)).to(tl.int32)
+    cand = (vis & (bin == thr_bin)).to(tl.int32)
+    both = win + (cand << 16)  # one scan for both slots (BLOCK_L < 65536)
+    before = tl.cumsum(both, 0) - both
+    n_both = tl.sum(both)
     count = count_ptr + t
-    buf_row = buf_ptr + t64 * stride_bt
-    cand_row = buf_row + (K if SORT else n_seg * K)
-    row_keys = key_ptr + t64 * stride_kt
-    n_both = seg * 0
-    for c0 in tl.static_range(0, BLOCK_L, SUB):
-        both, key, offs = _marks(row_keys, seg * BLOCK_L + c0, C, thr_bin, SUB, FUSED)
-        n_both += tl.sum(both)
     filed = (n_both & 0xFFFF).to(tl.int64) | ((n_both >> 16).to(tl.int64) << 24)
+    packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
+    buf_row = buf_ptr + t64 * stride_bt
     if SORT:
         before_w = tl.atomic_add(count, filed, sem="relaxed")  # one atomic for both bases
         base_w = (before_w & 0xFFFFFF).to(tl.int32)
+        base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
+        cand_row = buf_row + K
     else:  # the winners in the segment's own K slots, in position order; candidates after them
         base_w = seg * K
-        before_w = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
-        tl.store(wcnt_ptr + t64 * n_seg + seg, n_both & 0xFFFF)
-    base_c = ((before_w >> 24) & 0xFFFFFF).to(tl.int32)
-    for c0 in tl.static_range(0, BLOCK_L, SUB):
-        both, key, offs = _marks(row_keys, seg * BLOCK_L + c0, C, thr_bin, SUB, FUSED)
-        before = tl.cumsum(both, 0) - both  # (each part < SUB: no carry between them)
-        packed = (key.to(tl.int64) << 32) | (C - 1 - offs).to(tl.int64)
-        tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=(both & 0xFFFF) != 0)
-        tl.store(cand_row + base_c + (before >> 16), packed, mask=(both >> 16) != 0)
-        n = tl.sum(both)
-        base_w += n & 0xFFFF
-        base_c += n >> 16
+        before_c = tl.atomic_add(count, filed & ~0xFFFFFF, sem="relaxed")
+        base_c = ((before_c >> 24) & 0xFFFFFF).to(tl.int32)
+        cand_row = buf_row + tl.num_programs(0) * K
+        tl.store(wcnt_ptr + t64 * tl.num_programs(0) + seg, n_both & 0xFFFF)
+    tl.store(buf_row + base_w + (before & 0xFFFF), packed, mask=win != 0)
+    tl.store(cand_row + base_c + (before >> 16), packed, mask=cand != 0)
 
-    # ---- the row's last segment: sort winners + the best candidates, keep K, zero the counts
+    # ---- the row's last program: sort winners + the best candidates, keep K, zero the counts
     tl.debug_barrier()  # every store of this program before its arrival is released
     arrived = tl.atomic_add(count, tl.full([], 1, tl.int64) << 48, sem="acq_rel")
-    if (arrived >> 48) == n_seg - 1:  # every other segment filed before it arrived
+    if (arrived >> 48) == tl.num_programs(0) - 1:  # every other program filed before it arrived
         n_cand = ((arrived >> 24) & 0xFFFFFF).to(tl.int32)
         offs_k = tl.arange(0, BLOCK_K)
         out_row = out_ptr + t64 * stride_ot
@@ -582,50 +514,25 @@ def _hist_segment(
             if n_win + n_cand > FAST:
                 _keep_largest(cand_row, n_cand, K - n_win, FAST)
                 n_cand = K - n_win
-            offs_x = tl.arange(0, FAST)
-            src = tl.where(offs_x < n_win, offs_x, K + offs_x - n_win)
+            offs_f = tl.arange(0, FAST)
+            src = tl.where(offs_f < n_win, offs_f, K + offs_f - n_win)
             vals = tl.load(
-                buf_row + src, mask=offs_x < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
+                buf_row + src, mask=offs_f < n_win + n_cand, other=INT64_MIN, cache_modifier=".cg"
             )
             top = tl.topk(vals, BLOCK_K)  # descending: higher key, then lower position
             tl.store(out_row + offs_k, _unpack_positions(top, C), mask=offs_k < K)
         else:
-            _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * n_seg, out_row, n_win, n_cand, C, K,
-                       n_seg, BLOCK_K, NSEG, CAND)  # fmt: skip
+            _hist_emit(buf_row, cand_row, wcnt_ptr + t64 * tl.num_programs(0), out_row, n_win,
+                       n_cand, C, K, tl.num_programs(0), BLOCK_K, NSEG, CAND)  # fmt: skip
         # the fine bins of every coarse bin in use (ZERO_W of each a store), the coarse bins and
         # the counts
         offs_z = tl.arange(0, ZERO_W)
-        zero_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * FINE_PER_COARSE + offs_z[None, :]
+        fine_at = hist_ptr + t64 * HIST_BINS + offs_b[:, None] * FINE_PER_COARSE + offs_z[None, :]
         for f0 in range(0, FINE_PER_COARSE, ZERO_W):
             zero = tl.zeros([COARSE_BINS, ZERO_W], tl.int32)
-            tl.store(zero_at + f0, zero, mask=(coarse != 0)[:, None])
+            tl.store(fine_at + f0, zero, mask=(coarse != 0)[:, None])
         tl.store(coarse_ptr + t64 * COARSE_BINS + offs_b, tl.zeros([COARSE_BINS], tl.int32))
         tl.store(count, tl.zeros([], tl.int64))
-        if FUSED:  # every program of the row is past its wait (each segment arrived after it)
-            tl.store(rows_ptr + t, 0)
-
-
-@triton.jit
-def _index_hist_select_kernel(
-    key_ptr, hist_ptr, coarse_ptr, count_ptr, buf_ptr, out_ptr, C, K, stride_kt, stride_bt,
-    stride_ot, wcnt_ptr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FAST: tl.constexpr,
-    PDL: tl.constexpr,
-    SORT: tl.constexpr = True,
-    NSEG: tl.constexpr = 1,
-    CAND: tl.constexpr = 128,
-    SUB: tl.constexpr = 0,
-):  # fmt: skip
-    # one program per (segment, row): `_hist_segment` (its arguments; SUB 0: BLOCK_L)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    _hist_segment(tl.program_id(0), tl.num_programs(0), tl.program_id(1), key_ptr, hist_ptr,
-                  coarse_ptr, count_ptr, buf_ptr, out_ptr, count_ptr, C, K, stride_kt, stride_bt,
-                  stride_ot, wcnt_ptr, BLOCK_L, BLOCK_K, FAST, SORT, NSEG, CAND, False,
-                  SUB if SUB > 0 else BLOCK_L)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,35 +553,6 @@ def _hist_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, t
     )
 
 
-def _hist_plan(T: int, C: int, K: int, segment: int, sort: bool, device: torch.device) -> tuple:
-    """The hist select's scratch and shape: (buf [T, ..] int64, wcnt, n_seg, its constexprs)."""
-    block_k = max(16, next_power_of_2(K))
-    block_l = min(next_power_of_2(C), segment)
-    n_seg = cdiv(C, block_l)
-    buf = torch.empty(T, (K if sort else n_seg * K) + C, dtype=torch.int64, device=device)
-    wcnt = buf if sort else torch.empty(T, n_seg, dtype=torch.int32, device=device)
-    consts = dict(
-        BLOCK_L=block_l,
-        BLOCK_K=block_k,
-        FAST=max(2 * block_k, min(HIST_FAST, next_power_of_2(C))),
-        SORT=sort,
-        NSEG=next_power_of_2(n_seg),
-        CAND=HIST_CAND,
-    )
-    return buf, wcnt, n_seg, consts
-
-
-def _fused_select(out: torch.Tensor, C: int, segment: int, sort: bool) -> dict:
-    """`_scores`'s `fused`: the hist select into out [T, K] run by the score kernel."""
-    (T, K), device = out.shape, out.device
-    _, _, counts = _hist_workspace(device)
-    buf, wcnt, n_seg, consts = _hist_plan(T, C, K, segment, sort, device)
-    rows = arrival_counts("index_topk_rows", device, HIST_MAX_TOKENS)
-    consts["SEG_L"] = consts.pop("BLOCK_L")
-    args = (rows, counts, buf, out, wcnt, K, n_seg, buf.stride(0), out.stride(0))
-    return {"args": args, "consts": consts}
-
-
 def _hist_select(
     skey: torch.Tensor,
     out: torch.Tensor,
@@ -690,13 +568,21 @@ def _hist_select(
     in position order, then the threshold bin's picks, no sort)."""
     (T, C), K = skey.shape, out.shape[1]
     fine, coarse, counts = _hist_workspace(skey.device)
-    buf, wcnt, n_seg, consts = _hist_plan(T, C, K, segment, sort, skey.device)
+    block_k = max(16, next_power_of_2(K))
+    block_l = min(next_power_of_2(C), segment)
+    n_seg = cdiv(C, block_l)
+    buf = torch.empty(T, (K if sort else n_seg * K) + C, dtype=torch.int64, device=skey.device)
+    wcnt = buf if sort else torch.empty(T, n_seg, dtype=torch.int32, device=skey.device)
     griddep = pdl(skey.device)
     _index_hist_select_kernel[(n_seg, T)](
         skey, fine, coarse, counts, buf, out, C, K,
         skey.stride(0), buf.stride(0), out.stride(0), wcnt,
-        **consts,
-        SUB=min(HIST_SUB, consts["BLOCK_L"]),
+        BLOCK_L=block_l,
+        BLOCK_K=block_k,
+        FAST=max(2 * block_k, min(HIST_FAST, next_power_of_2(C))),
+        SORT=sort,
+        NSEG=next_power_of_2(n_seg),
+        CAND=HIST_CAND,
         PDL=griddep,
         launch_pdl=griddep and (n_seg * T <= PDL_MAX_PROGRAMS if early is None else early),
         num_warps=warps,
@@ -732,13 +618,10 @@ def _scores(
     hist: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_scale: torch.Tensor | None = None,
     weight_scale: float = 1.0,
-    fused: dict | None = None,
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
     coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys.
-    `weight_scale`: the head weights are weights.float() * weight_scale. `fused`: the hist
-    select's launch arguments (`_fused_select`): it runs in this launch (`fused["ran"]`), unless
-    this grid's programs cannot all be resident at once (the caller then launches the select)."""
+    `weight_scale`: the head weights are weights.float() * weight_scale."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     key_fp8 = key_scale is not None
@@ -747,21 +630,12 @@ def _scores(
     block_n = cfg.block_n if C >= 64 else max(16, next_power_of_2(C))
     n_tiles = cdiv(C, block_n)
     tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
-    grid = (cdiv(n_tiles, tiles), T)
-    if fused is not None:
-        sel = fused["args"]
-        consts = dict(fused["consts"], FUSED=True)
-        assert consts["SEG_L"] % (tiles * block_n) == 0, (consts["SEG_L"], tiles, block_n)
-    else:
-        sel, consts = (skey, skey, skey, skey, skey, 0, 0, 0, 0), {}
-    args = (
+    _index_score_kernel[(cdiv(n_tiles, tiles), T)](
         q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
         *(hist or (skey, skey)),
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
-        skey.stride(0), float(weight_scale), tiles, *sel,
-    )  # fmt: skip
-    kwargs = dict(
+        skey.stride(0), float(weight_scale), tiles,
         UPCAST=not tensor_core,
         PRECISION="tf32" if tensor_core else "ieee",
         KEYS_ON_M=cfg.keys_on_m,
@@ -774,42 +648,9 @@ def _scores(
         DECODE=decode_mode(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **consts,
         **chain(q.device),
     )  # fmt: skip
-    if fused is not None:
-        kwargs["launch_cooperative_grid"] = True
-        kwargs["launch_pdl"] = kwargs.get("launch_pdl", False) and FUSED_PDL
-        fused["ran"] = grid[0] * grid[1] <= _resident(args, kwargs, grid, q.device)
-        if not fused["ran"]:
-            return _scores(q, weights, keys, cand_idxs, cfg, hist, key_scale, weight_scale)
-    _index_score_kernel[grid](*args, **kwargs)
     return skey
-
-
-# the score kernel's constexprs -> programs the GPU holds at once
-_RESIDENT: dict = {}
-
-
-def _resident(args: tuple, kwargs: dict, grid: tuple, device: torch.device) -> int:
-    """Programs of this score-kernel launch that the GPU holds at once (a cooperative launch's
-    limit): per SM the fewest that registers (64K), shared memory and threads allow, times the
-    SMs. Compiles the kernel (`warmup`) the first time."""
-    key = tuple(sorted((k, v) for k, v in kwargs.items() if k != "launch_pdl"))
-    if key not in _RESIDENT:
-        k = _index_score_kernel.warmup(*args, grid=grid, **kwargs)
-        k._init_handles()  # (loads the binary: n_regs)
-        props = torch.cuda.get_device_properties(device)
-        warps = kwargs["num_warps"]
-        regs = cdiv(k.n_regs * 32, 256) * 256 * warps  # allocated per warp in 256s
-        per_sm = min(
-            65536 // regs,
-            props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024),
-            props.max_threads_per_multi_processor // (32 * warps),
-            32,
-        )
-        _RESIDENT[key] = per_sm * props.multi_processor_count
-    return _RESIDENT[key]
 
 
 def index_topk(
@@ -826,7 +667,6 @@ def index_topk(
     select: str | None = None,
     select_warps: int | None = None,
     score_config: ScoreConfig | None = None,
-    fuse: bool | None = None,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order (sort), -1 = none
@@ -836,13 +676,11 @@ def index_topk(
     # winners above the threshold bin in position order, then the bin's picks by score -- unless
     # SORT_ALWAYS ; segment: keys per select program ; select: "hist" or "levels", default hist for
     # rows longer than one segment ;
-    # select_warps: warps of a select program ; score_config: the score kernel's tiles ; fuse: the
-    # hist select inside the score kernel's launch on a GPU (default FUSED_SELECT) -- knobs for
-    # bench/probe_pieces.py and the tests)
+    # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
+    # for bench/probe_pieces.py and the tests)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     sort = sort or SORT_ALWAYS
-    fuse = FUSED_SELECT if fuse is None else fuse
     assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q dtype {q.dtype}"
     if key_scale is None:
         assert keys.dtype in (torch.bfloat16, torch.float16, torch.float32), (
@@ -888,13 +726,11 @@ def index_topk(
             f"hist select: C < 2^24, segment < 2^16 ({C}, {segment})"
         )
         fine, coarse, _ = _hist_workspace(q.device)
-        fused = _fused_select(out, C, segment, sort) if fuse and q.is_cuda else None
         skey = _scores(
             q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale,
-            weight_scale, fused,
+            weight_scale,
         )  # fmt: skip
-        if fused is None or not fused["ran"]:
-            _hist_select(skey, out, segment, select_warps or 16, sort=sort)
+        _hist_select(skey, out, segment, select_warps or 16, sort=sort)
         return out
 
     skey = _scores(

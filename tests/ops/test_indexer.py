@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.ops import device, indexer, ref
+from dsv4.ops import indexer, ref
 
 
 def _inputs(
@@ -230,17 +230,6 @@ def test_index_topk_hist_full_bin(topk: int, integer: bool, select: str, monkeyp
     _check(*_path_rows(integer), topk, segment=64, select=select)
 
 
-@pytest.mark.parametrize("select", ["hist", "hist-unsorted"])
-@pytest.mark.parametrize("integer", [False, True])
-@pytest.mark.parametrize("topk", [1, 16, 64])
-def test_index_topk_hist_chunked_filing(topk: int, integer: bool, select: str, monkeypatch) -> None:  # noqa: ANN001
-    # a segment filed 16 keys at a time (the fused select files its 1024 keys a chunk at a time,
-    # each chunk taking its candidates' slots by one atomic): the same positions as the levels
-    # select, in the same cases as test_index_topk_search_paths
-    monkeypatch.setattr(indexer, "HIST_SUB", 16)
-    _check(*_path_rows(integer), topk, segment=64, select=select)
-
-
 def test_index_topk_hist_workspace() -> None:
     # the hist select leaves its counts zero (graph replays and later calls rely on it), and rows
     # past HIST_MAX_TOKENS take the levels select by default
@@ -376,42 +365,6 @@ def test_index_topk_gpu_hist_graph(T: int, integer: bool, sort: bool) -> None:
         bad = int((got != (want if sort else want.sort(-1).values)).sum())
         assert bad == 0, f"{bad} positions differ"
         for ws in indexer._hist_workspace(q.device):
-            assert not ws.any(), ws.nonzero()[:4]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("sort", [True, False])
-@pytest.mark.parametrize("T,C", [(1, 32768), (4, 8192), (16, 32768)])
-@pytest.mark.parametrize("integer", [False, True])
-def test_index_topk_gpu_fused_select(
-    T: int, C: int, sort: bool, integer: bool, monkeypatch
-) -> None:  # noqa: ANN001
-    # the hist select inside the score kernel's launch (fuse=True; no select launch after it, so
-    # _hist_select must not be called) gives the separate select's positions exactly, on every
-    # CUDA-graph replay, and leaves every workspace count (the rows' arrivals too) at zero.
-    # Integer scores: crowded threshold bins
-    q, weights, keys, cand = _inputs(
-        T, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=integer, device="cuda"
-    )
-    want = indexer.index_topk(q, weights, keys, cand, 512, select="hist", sort=sort, fuse=False)
-
-    def no_launch(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        raise AssertionError("the fused select fell back to a select launch")
-
-    monkeypatch.setattr(indexer, "_hist_select", no_launch)
-    kw = dict(select="hist", sort=sort, fuse=True)
-    first = indexer.index_topk(q, weights, keys, cand, 512, **kw)
-    assert torch.equal(first, want), int((first != want).sum())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = indexer.index_topk(q, weights, keys, cand, 512, **kw)
-    rows = device.arrival_counts("index_topk_rows", q.device, indexer.HIST_MAX_TOKENS)
-    for _ in range(3):
-        out.fill_(-7)
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-        for ws in (*indexer._hist_workspace(q.device), rows):
             assert not ws.any(), ws.nonzero()[:4]
 
 
