@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -12,6 +13,13 @@ from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_CHOICES = 128  # choices a request may ask for: prompts x n
+# SGLang /generate fields that would change or add to the answer (a 400 naming them)
+REFUSED_NATIVE = (
+    "token_ids_logprob",
+    "return_hidden_states",
+    "custom_logit_processor",
+    "lora_path",
+)
 # vLLM's structured-output fields and structured_outputs keys -> SamplingParams fields
 GUIDED = {"guided_json": "json_schema", "guided_choice": "guided_choice",
           "guided_regex": "guided_regex", "guided_grammar": "guided_grammar"}  # fmt: skip
@@ -408,32 +416,91 @@ class NativeSamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """SGLang's native POST /generate, one prompt: `text` or `input_ids`. The response is
-    {text, output_ids, meta_info}; a stream sends that body after every step, text cumulative."""
+    """SGLang's native POST /generate: `text` or `input_ids`, one prompt or a batch (a list). The
+    response is {text, output_ids, meta_info}, or a list of them for a batch or n > 1 (prompt
+    by prompt, n each); a stream sends that body after every step, text cumulative (with
+    `index` when there are several). return_logprob adds meta_info's output_token_logprobs
+    ([logprob, token id, text or None] per token), and from logprob_start_len (-1: none) the
+    prompt's input_token_logprobs (None for the first token); top_logprobs_num > 0 the
+    output_top_logprobs / input_top_logprobs lists too."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
-    text: str | None = None
-    input_ids: list[int] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    return_text_in_logprobs: bool = False
+
+    @property
+    def batch(self) -> bool:
+        """The prompts came as a list (the response is a list)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def prompts(self) -> list:
+        """The prompts: texts or token id lists."""
+        one = self.text if self.text is not None else self.input_ids
+        return list(one) if self.batch else [one]
+
+    def rids(self, count: int) -> list[str]:
+        """An id per job (prompt by prompt, n each): the request's rid (a list for a batch of
+        n = 1), with -j for completion j of n > 1, or generated."""
+        n = self.sampling_params.n
+        if self.rid is None:
+            base = [f"gen-{uuid.uuid4().hex}" for _ in range(count // n)]
+        elif isinstance(self.rid, list):
+            base = list(self.rid)
+        else:
+            base = [self.rid]
+        if len(base) * n != count:
+            raise ApiError(400, f"rid: {len(base)} ids for {count // n} prompts", "rid")
+        return base if n == 1 else [f"{b}-{j}" for b in base for j in range(n)]
 
     def check(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ApiError(400, "send exactly one of text and input_ids", "text")
-        if self.return_logprob:
-            raise ApiError(400, "return_logprob is not supported on /generate", "return_logprob")
-        if self.sampling_params.n != 1:
-            raise ApiError(400, "n > 1 is not supported; only n=1", "sampling_params")
-        # SGLang's other structured outputs: refused by name rather than dropped with the
-        # unknown keys (json_schema, regex and ebnf are supported)
+        field = "text" if self.text is not None else "input_ids"
+        prompts = self.prompts()
+        if not prompts:
+            raise ApiError(400, f"{field}: an empty batch", field)
+        if (
+            self.batch
+            and self.input_ids is not None
+            and not all(isinstance(p, list) for p in prompts)
+        ):
+            raise ApiError(400, "input_ids: a list of token ids or a list of such lists", field)
+        jobs = len(prompts) * self.sampling_params.n
+        if jobs > MAX_CHOICES:
+            raise ApiError(
+                400, f"{jobs} completions (prompts x n); at most {MAX_CHOICES}", "sampling_params"
+            )
+        # SGLang's fields whose answer this server cannot give: refused by name rather than
+        # dropped with the unknown keys
+        for name in REFUSED_NATIVE:
+            if (self.model_extra or {}).get(name) not in (None, False):
+                raise ApiError(400, f"{name} is not supported on /generate", name)
+        # SGLang's other structured outputs (json_schema, regex and ebnf are supported)
         if (self.sampling_params.model_extra or {}).get("structural_tag") is not None:
             msg = (
                 "sampling_params structural_tag is not supported (json_schema, regex and ebnf are)"
             )
             raise ApiError(400, msg, "sampling_params")
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """logprob_start_len within a prompt (SGLang refuses it at or past the prompt's end)."""
+        if self.return_logprob and self.logprob_start_len >= len(ids):
+            raise ApiError(
+                400,
+                f"logprob_start_len {self.logprob_start_len} is past the prompt's {len(ids)} "
+                f"tokens",
+                "logprob_start_len",
+            )
 
     def params(self) -> SamplingParams:
         p = self.sampling_params
@@ -456,6 +523,12 @@ class GenerateRequest(BaseModel):
                 json_schema=p.json_schema,
                 guided_regex=p.regex,
                 guided_grammar=p.ebnf,
+                logprobs=self.top_logprobs_num if self.return_logprob else None,
+                prompt_logprobs=(
+                    self.top_logprobs_num
+                    if self.return_logprob and self.logprob_start_len >= 0
+                    else None
+                ),
             )
         except ValueError as e:
             raise ApiError(400, str(e), "sampling_params") from e

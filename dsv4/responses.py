@@ -314,10 +314,20 @@ class ChatFormatter(Formatter):
 
 class NativeFormatter:
     """SGLang's /generate bodies: {text, output_ids, meta_info} with the text so far (a stream
-    repeats the whole body after every step, as SGLang does by default)."""
+    repeats the whole body after every step, as SGLang does by default). `logprobs`: None, or
+    (logprob_start_len, top_logprobs_num, return_text_in_logprobs) of a return_logprob request;
+    `index`: this body's place in a stream of several (None: one)."""
 
-    def __init__(self, request_id: str, eos_token_id: int) -> None:
-        self.id, self.eos_token_id = request_id, eos_token_id
+    def __init__(
+        self,
+        request_id: str,
+        eos_token_id: int,
+        tokenizer=None,  # noqa: ANN001 - tokenizers.Tokenizer or None
+        logprobs: tuple[int, int, bool] | None = None,
+        index: int | None = None,
+    ) -> None:
+        self.id, self.eos_token_id, self.tokenizer = request_id, eos_token_id, tokenizer
+        self.logprobs, self.index = logprobs, index
 
     def _finish(self, out: RequestOutput) -> dict | None:
         if out.finish_reason == "length":
@@ -329,8 +339,35 @@ class NativeFormatter:
             return {"type": out.finish_reason}
         return None
 
+    def _item(self, logprob: float | None, token_id: int) -> list:
+        # SGLang's [logprob, token id, text or None]
+        with_text = self.logprobs[2] and self.tokenizer is not None
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False) if with_text else None
+        return [logprob, token_id, text]
+
+    def _top(self, entry: dict | None) -> list | None:
+        return None if entry is None else [self._item(lp, t) for t, lp in entry.get("top", [])]
+
+    def _logprobs(self, out: RequestOutput) -> dict:
+        start, top_n, _ = self.logprobs
+        outs = out.logprobs or []
+        meta = {"output_token_logprobs": [self._item(e["logprob"], e["token_id"]) for e in outs]}
+        if top_n:
+            meta["output_top_logprobs"] = [self._top(e) for e in outs]
+        if start >= 0 and out.prompt_logprobs is not None:
+            ids = out.prompt_token_ids[start:]
+            entries = out.prompt_logprobs[start:]
+            meta["input_token_logprobs"] = [
+                self._item(None if e is None else e["logprob"], t) for t, e in zip(ids, entries)
+            ]
+            if top_n:
+                meta["input_top_logprobs"] = [self._top(e) for e in entries]
+        elif start >= 0:  # (not in yet: the prompt's logprobs come with its last chunk)
+            meta["input_token_logprobs"] = []
+        return meta
+
     def response(self, out: RequestOutput) -> dict:
-        return {
+        body = {
             "text": out.text,
             "output_ids": list(out.token_ids),
             "meta_info": {
@@ -341,5 +378,10 @@ class NativeFormatter:
                 "finish_reason": self._finish(out),
             },
         }
+        if self.logprobs is not None:
+            body["meta_info"] |= self._logprobs(out)
+        if self.index is not None:
+            body["index"] = self.index
+        return body
 
     chunk = response  # a stream chunk is the whole body so far

@@ -159,15 +159,18 @@ class Server:
         n: int,
         stream: bool,
         include_usage: bool,
+        listed: bool = False,
     ) -> Response:
         """Run a request's choices (`jobs`: prompt ids and params, n per prompt; `fmts`: one
         formatter each): JSON when all finish, or SSE from the first token on, the choices'
-        chunks interleaved as their steps come."""
+        chunks interleaved as their steps come. listed (SGLang's /generate, whose formatters
+        have an id each): the JSON is the list of the choices' bodies."""
         engine = self.require_engine()
         cap = self.config.max_queue
         if cap is not None and engine.stats().num_waiting >= cap:
             raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
-        one = len(jobs) == 1  # the engine's request id is the response id, else one per choice
+        # the engine's request id is the response id, else one per choice
+        one = len(jobs) == 1 or isinstance(fmts[0], NativeFormatter)
         gens = [
             engine.generate(ids, params, fmt.id if one else f"{fmt.id}-{i}")
             for i, ((ids, params), fmt) in enumerate(zip(jobs, fmts))
@@ -178,7 +181,9 @@ class Server:
         try:
             if not stream:
                 finals = await until_disconnect(request, _run_to_end(outs, len(gens)))
-                if one:
+                if listed:
+                    return JSONResponse([f.response(o) for f, o in zip(fmts, finals)])
+                if len(jobs) == 1:
                     return JSONResponse(fmts[0].response(finals[0]))
                 body = fmts[0].envelope(
                     [f.final_choice(o) for f, o in zip(fmts, finals)], None, False
@@ -511,16 +516,34 @@ def build_app(server: Server) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request) -> Response:
         body.check()
         server.require_engine()
+        field = "text" if body.text is not None else "input_ids"
         if body.text is not None:
             server.tokenizer("text")
-            ids = server.llm.encode(body.text)
-        else:
-            ids = list(body.input_ids)
         params = body.params()
-        server.check_room(ids, params.max_tokens, "text" if body.text is not None else "input_ids")
-        rid = body.rid or f"gen-{uuid.uuid4().hex}"
-        fmt = NativeFormatter(rid, server.llm.args.eos_token_id)
-        return await server.respond(request, [(ids, params)], [fmt], 1, body.stream, False)
+        prompts = []
+        for p in body.prompts():
+            ids = server.llm.encode(p) if body.text is not None else list(p)
+            server.check_room(ids, params.max_tokens, field)
+            body.check_prompt(ids)
+            prompts.append(ids)
+        n = body.sampling_params.n
+        jobs = _choices(prompts, params, n)
+        several = len(jobs) > 1
+        logprobs = (
+            (body.logprob_start_len, body.top_logprobs_num, body.return_text_in_logprobs)
+            if body.return_logprob
+            else None
+        )
+        fmts = [
+            NativeFormatter(
+                rid, server.llm.args.eos_token_id, server.llm.tokenizer, logprobs,
+                index=i if several and body.stream else None,
+            )
+            for i, rid in enumerate(body.rids(len(jobs)))
+        ]  # fmt: skip
+        return await server.respond(
+            request, jobs, fmts, n, body.stream, False, listed=several or body.batch
+        )
 
     @app.get("/get_model_info")
     async def model_info() -> dict:

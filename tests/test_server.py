@@ -187,7 +187,12 @@ def test_native_generate_as_sglang(server, client):  # noqa: ANN001
     for bad, param in [
         ({"sampling_params": sp}, "text"),
         ({"text": "a", "input_ids": [1], "sampling_params": sp}, "text"),
-        ({"text": "a", "return_logprob": True}, "return_logprob"),
+        ({"text": "a", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+        ({"text": ["a", "b"], "rid": ["x"]}, "rid"),
+        ({"text": "a", "token_ids_logprob": [1, 2]}, "token_ids_logprob"),
+        ({"text": "a", "lora_path": "x"}, "lora_path"),
+        ({"text": [], "sampling_params": sp}, "text"),
+        ({"text": ["a"] * 65, "sampling_params": {**sp, "n": 2}}, "sampling_params"),
         ({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "sampling_params"),
         ({"text": "a", "sampling_params": {"temperature": "hot"}}, "sampling_params"),
     ]:
@@ -305,6 +310,73 @@ def test_seed_reproducibility(client):  # noqa: ANN001
         for _ in range(2)
     )
     assert c1 == c2
+
+
+def test_native_generate_logprobs_batches_and_n(server, client):  # noqa: ANN001
+    # SGLang's /generate extensions that RL rollouts use: return_logprob (output_token_logprobs
+    # as [logprob, token id, text], the top ones, the prompt's from logprob_start_len with None
+    # for the first token), a batch of prompts and n > 1 (a list of bodies, prompt by prompt),
+    # and a stream of several (each chunk with its index)
+    sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "The weather today"}).json()
+    ids = ids["tokens"]
+    want = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=4, logprobs=2, **GREEDY
+    ).choices[0]
+    lp = {"return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    body = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": ids, "sampling_params": sp, "logprob_start_len": 1, **lp},
+    ).json()
+    meta = body["meta_info"]
+    out = meta["output_token_logprobs"]
+    assert [x[1] for x in out] == body["output_ids"] and len(out) == 4
+    assert [x[0] for x in out] == pytest.approx(want.logprobs.token_logprobs, abs=1e-5)
+    assert [x[2] for x in out] == want.logprobs.tokens
+    tops = meta["output_top_logprobs"]
+    assert all(len(t) == 2 and t[0] == x for t, x in zip(tops, out))  # greedy: the top one
+    assert [x[1] for x in meta["input_token_logprobs"]] == ids[1:]  # from logprob_start_len 1
+    assert all(x[0] <= 0 for x in meta["input_token_logprobs"])
+    assert len(meta["input_top_logprobs"]) == len(ids) - 1
+    first = httpx.post(
+        server.url + "/generate",
+        json={"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+              "logprob_start_len": 0},
+    ).json()["meta_info"]  # fmt: skip
+    assert first["input_token_logprobs"][0] == [None, ids[0], None]
+    assert first["input_token_logprobs"][1:] == [
+        [x[0], x[1], None] for x in meta["input_token_logprobs"]
+    ]
+    assert "output_top_logprobs" not in first and "input_top_logprobs" not in first
+    plain = httpx.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": sp})
+    assert "output_token_logprobs" not in plain.json()["meta_info"]
+    # a batch and n: a list, prompt by prompt, each as alone (greedy)
+    texts = ["Hello", "Hi there"]
+    alone = [
+        httpx.post(server.url + "/generate", json={"text": t, "sampling_params": sp}).json()
+        for t in texts
+    ]
+    many = httpx.post(
+        server.url + "/generate",
+        json={"text": texts, "sampling_params": {**sp, "n": 2}, "rid": ["a", "b"]},
+    ).json()
+    assert isinstance(many, list) and len(many) == 4
+    assert [b["meta_info"]["id"] for b in many] == ["a-0", "a-1", "b-0", "b-1"]
+    assert [b["text"] for b in many] == [alone[0]["text"]] * 2 + [alone[1]["text"]] * 2
+    one = httpx.post(server.url + "/generate", json={"text": ["Hello"], "sampling_params": sp})
+    assert isinstance(one.json(), list) and one.json()[0]["text"] == alone[0]["text"]
+    batch_ids = httpx.post(
+        server.url + "/generate", json={"input_ids": [ids, ids[:2]], "sampling_params": sp}
+    ).json()
+    assert batch_ids[0]["output_ids"] == body["output_ids"]
+    assert batch_ids[1]["meta_info"]["prompt_tokens"] == 2
+    stream = httpx.post(
+        server.url + "/generate", json={"text": texts, "sampling_params": sp, "stream": True}
+    )
+    chunks = [json.loads(x[6:]) for x in stream.text.splitlines() if x.startswith("data: {")]
+    last = {c["index"]: c for c in chunks}
+    assert sorted(last) == [0, 1] and len(chunks) == 8
+    assert [last[i]["text"] for i in (0, 1)] == [a["text"] for a in alone]
 
 
 def test_logprobs(client):  # noqa: ANN001
