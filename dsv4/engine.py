@@ -676,14 +676,14 @@ class AsyncEngine:
         """Start ("start", output_dir, num_steps, cuda) or stop ("stop") the torch profiler
         between engine steps; the future gives the trace's path or the ProfilerError."""
         p = self.profiler
-        return self._call(lambda: p.start(*args) if action == "start" else p.stop())
+        return self.call(lambda: p.start(*args) if action == "start" else p.stop())
 
     def flush_cache(self) -> concurrent.futures.Future:
         """Drop the unheld cached prefixes between engine steps; the future gives how many."""
-        return self._call(self.engine.flush_cache)
+        return self.call(self.engine.flush_cache)
 
-    def _call(self, fn) -> concurrent.futures.Future:  # noqa: ANN001
-        # fn() on the engine thread between steps; the future gives its result or exception
+    def call(self, fn) -> concurrent.futures.Future:  # noqa: ANN001
+        """fn() on the engine thread between steps; the future gives its result or exception."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.append(("call", fn, done))
         self._wake.set()
@@ -723,6 +723,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request the engine holds (each stream ends with finish_reason abort)."""
+        self.call(lambda: [self.abort(rid) for rid in list(self.engine.requests)])
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

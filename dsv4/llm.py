@@ -223,6 +223,43 @@ class LLM:
             enable_prefix_caching=snapshots > 0,
         )
 
+    # ---- weights -------------------------------------------------------------------------------
+    def reload_weights(self, model_dir: str | Path) -> None:
+        """Load another checkpoint of the same model into the loaded one, in place (CUDA graphs
+        and state pools stay valid), and drop the cached prefixes computed with the old weights.
+        Call it between engine steps with no request running. ValueError, with the old weights
+        in place, for a different config or a malformed checkpoint; if the new one fails half way
+        the old one is loaded again (and if that fails too, RuntimeError: the model is neither)."""
+        if self.config.parallel.world_size > 1:
+            raise ValueError("reloading weights under tensor/expert parallelism is not supported")
+        if self.engine.requests:
+            raise ValueError(f"{len(self.engine.requests)} requests are running")
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path}: no config.json")
+        args = ModelArgs.from_json(path)
+        if args.n_mtp_layers and not has_mtp(path):
+            args = args.replace(n_mtp_layers=0)
+        differ = [
+            f"{k} ({getattr(self.args, k)!r} -> {v!r})"
+            for k, v in vars(args).items()
+            if getattr(self.args, k) != v
+        ]
+        if differ:
+            raise ValueError(f"{path}: another model's config: {', '.join(differ[:6])}")
+        try:
+            load_checkpoint(self.model, path, progress=False)
+        except Exception as e:
+            try:
+                load_checkpoint(self.model, self.model_dir, progress=False)
+            except Exception as again:
+                raise RuntimeError(
+                    f"{path} failed ({e}) and reloading {self.model_dir} failed too ({again})"
+                ) from again
+            raise ValueError(f"{path}: {e} (the weights of {self.model_dir} are back)") from e
+        self.model_dir = path
+        self.engine.flush_cache()
+
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
         """Ranks > 0: repeat rank 0's adds and aborts, and each engine step and score call, in

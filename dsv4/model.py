@@ -125,6 +125,8 @@ def join_linears(a: Linear, b: Linear) -> None:
         return
     if a.fmt == "fp8" and a.weight.shape[0] % 128:  # a's last block-scale row would be shared
         return
+    if all(map(_follows, _stored(a), _stored(b))):  # joined already (weights reloaded in place:
+        return  # a new allocation would leave captured CUDA graphs reading the old one)
     with torch.no_grad():
         for ta, tb in zip(_stored(a), _stored(b)):
             j = torch.cat([ta.data, tb.data])

@@ -382,6 +382,19 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
+class UpdateWeightsRequest(BaseModel):
+    """SGLang's POST /update_weights_from_disk: another checkpoint of the served model, loaded
+    in place once the requests in flight have finished (new ones wait; abort_all_requests ends
+    the running ones first)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    model_path: str
+    load_format: Literal["auto", "safetensors"] | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: Literal[True] = True  # (the cached prefixes hold the old weights' state)
+
+
 class DetokenizeRequest(BaseModel):
     """POST /detokenize."""
 

@@ -325,9 +325,10 @@ class NativeFormatter:
         tokenizer=None,  # noqa: ANN001 - tokenizers.Tokenizer or None
         logprobs: tuple[int, int, bool] | None = None,
         index: int | None = None,
+        version: str = "default",
     ) -> None:
         self.id, self.eos_token_id, self.tokenizer = request_id, eos_token_id, tokenizer
-        self.logprobs, self.index = logprobs, index
+        self.logprobs, self.index, self.version = logprobs, index, version
 
     def _finish(self, out: RequestOutput) -> dict | None:
         if out.finish_reason == "length":
@@ -376,6 +377,7 @@ class NativeFormatter:
                 "completion_tokens": len(out.token_ids),
                 "cached_tokens": out.num_cached_tokens,
                 "finish_reason": self._finish(out),
+                "weight_version": self.version,
             },
         }
         if self.logprobs is not None:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -40,6 +40,7 @@ from dsv4.protocol import (
     DetokenizeRequest,
     GenerateRequest,
     TokenizeRequest,
+    UpdateWeightsRequest,
     error_body,
 )
 from dsv4.responses import (
@@ -65,6 +66,11 @@ class Server:
         self.http = None  # uvicorn.Server when run by main(): ready only once it listens
         self.stopping = False
         self.failed = False
+        self.weight_version = "default"  # SGLang's: set by /update_weights_from_disk
+        # requests in flight, and a pending weight update (new requests wait until it is done)
+        self.active = 0
+        self.updating = False
+        self._changed: asyncio.Condition | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
@@ -119,6 +125,49 @@ class Server:
             self.engine.shutdown()
             self.llm.close()  # tensor parallel: the other ranks stop
 
+    # ---- requests in flight and weight updates ---------------------------------------------
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:  # (made in the serving loop)
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def enter(self) -> None:
+        """A request starts: after any pending weight update."""
+        async with self._cond():
+            await self._cond().wait_for(lambda: not self.updating)
+            self.active += 1
+
+    async def leave(self) -> None:
+        """A request has finished (its response sent, or its client gone)."""
+        async with self._cond():
+            self.active -= 1
+            self._cond().notify_all()
+
+    async def update_weights(self, path: str, abort_all: bool, version: str | None) -> int:
+        """Load the checkpoint at `path` in place once no request is in flight (new ones wait;
+        abort_all ends the running ones first): how many were aborted. ValueError if refused."""
+        cond = self._cond()
+        async with cond:
+            await cond.wait_for(lambda: not self.updating)
+            self.updating = True
+        try:
+            aborted = len(self.llm.engine.requests) if abort_all else 0
+            if abort_all:
+                self.engine.abort_all()
+            async with cond:
+                await cond.wait_for(lambda: self.active == 0)
+            t0 = time.perf_counter()
+            await asyncio.wrap_future(self.engine.call(lambda: self.llm.reload_weights(path)))
+            if version is not None:
+                self.weight_version = version
+            log.info("weights reloaded from %s in %.1f s (version %s)", path,
+                     time.perf_counter() - t0, self.weight_version)  # fmt: skip
+            return aborted
+        finally:
+            async with cond:
+                self.updating = False
+                cond.notify_all()
+
     # ---- checks ----------------------------------------------------------------------------
     def require_engine(self) -> AsyncEngine:
         if not self.ready:
@@ -171,6 +220,7 @@ class Server:
             raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
         # the engine's request id is the response id, else one per choice
         one = len(jobs) == 1 or isinstance(fmts[0], NativeFormatter)
+        await self.enter()
         gens = [
             engine.generate(ids, params, fmt.id if one else f"{fmt.id}-{i}")
             for i, ((ids, params), fmt) in enumerate(zip(jobs, fmts))
@@ -200,8 +250,9 @@ class Server:
         finally:
             if not streaming:
                 await outs.aclose()
+                await self.leave()
         return SSEResponse(
-            _events(outs, first, fmts, n, include_usage),
+            _events(outs, first, fmts, n, include_usage, self.leave),
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
@@ -258,9 +309,10 @@ async def _events(
     fmts: list[Formatter],
     n: int,
     include_usage: bool,
+    done: Callable[[], Awaitable[None]],
 ) -> AsyncIterator[str]:
     """SSE body: one chunk per engine step of a choice (one token, more with speculative
-    decoding), [usage chunk], [DONE]."""
+    decoding), [usage chunk], [DONE]; `done` once the choices have ended."""
     last: list = [None] * len(fmts)
     try:
         i, out = first
@@ -276,6 +328,7 @@ async def _events(
         yield sse(error_body(500, "the engine failed while running this request"))
     finally:
         await outs.aclose()
+        await done()
     yield sse("[DONE]")
 
 
@@ -537,7 +590,7 @@ def build_app(server: Server) -> FastAPI:
         fmts = [
             NativeFormatter(
                 rid, server.llm.args.eos_token_id, server.llm.tokenizer, logprobs,
-                index=i if several and body.stream else None,
+                index=i if several and body.stream else None, version=server.weight_version,
             )
             for i, rid in enumerate(body.rids(len(jobs)))
         ]  # fmt: skip
@@ -545,10 +598,30 @@ def build_app(server: Server) -> FastAPI:
             request, jobs, fmts, n, body.stream, False, listed=several or body.batch
         )
 
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsRequest) -> JSONResponse:
+        """SGLang's: another checkpoint of this model, loaded in place (RL weight sync)."""
+        server.require_engine()
+        try:
+            aborted = await server.update_weights(
+                body.model_path, body.abort_all_requests, body.weight_version
+            )
+        except ValueError as e:
+            return JSONResponse(
+                {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400
+            )
+        msg = f"weights loaded from {body.model_path} (version {server.weight_version})"
+        return JSONResponse({"success": True, "message": msg, "num_paused_requests": aborted})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": server.weight_version}
+
     @app.get("/get_model_info")
     async def model_info() -> dict:
         path = str(server.llm.model_dir) if server.llm is not None else server.config.model
-        return {"model_path": path, "tokenizer_path": path, "is_generation": True}
+        return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+                "weight_version": server.weight_version}  # fmt: skip
 
     @app.post("/abort_request")
     async def abort_request(body: dict) -> dict:

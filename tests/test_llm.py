@@ -267,3 +267,45 @@ def test_capacity_lines_as_vllm(llm, caplog):  # noqa: ANN001
     text = caplog.text
     assert "KV cache size: 64 tokens" in text
     assert "Maximum concurrency for 32 tokens per request: 2.00x" in text  # 4 pages / 2 (4 slots)
+
+
+def test_reload_weights_in_place(tmp_path, monkeypatch):  # noqa: ANN001
+    # another checkpoint of the same model loaded into the running one (RL weight sync): the same
+    # outputs as a fresh load of it, the first ones back after loading the first again, the
+    # parameters' storage unchanged (captured graphs keep reading them); another model's config
+    # and a load that fails half way are refused with the loaded weights still answering
+    args = tiny_args(vocab_size=300)
+    a, b = make_tiny(tmp_path / "a", args, seed=0), make_tiny(tmp_path / "b", args, seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["hello", [0, 5, 6, 7]]
+    llm = LLM(a, device="cpu", progress=False)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    ptrs = {k: v.data_ptr() for k, v in llm.model.state_dict().items()}
+    fresh_b = [o.token_ids for o in LLM(b, device="cpu", progress=False).generate(prompts, sp)]
+    assert fresh_b != first
+    llm.reload_weights(b)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh_b
+    assert {k: v.data_ptr() for k, v in llm.model.state_dict().items()} == ptrs
+    assert llm.model_dir == b
+    llm.reload_weights(a)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    other = make_tiny(tmp_path / "c", tiny_args(vocab_size=300, n_routed_experts=4), seed=0)
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        llm.reload_weights(other)
+    with pytest.raises(ValueError, match="no config.json"):
+        llm.reload_weights(tmp_path / "nothing")
+    import dsv4.llm as llm_mod
+
+    real = llm_mod.load_checkpoint
+
+    def half_way(model, path, progress=True):  # noqa: ANN001, ANN202
+        if path == b:  # writes some of b, then fails
+            model.embed.weight.data.zero_()
+            raise ValueError("a NaN code in tensor layers.3.ffn")
+        return real(model, path, progress)
+
+    monkeypatch.setattr(llm_mod, "load_checkpoint", half_way)
+    with pytest.raises(ValueError, match="are back"):
+        llm.reload_weights(b)
+    assert llm.model_dir == a
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
