@@ -665,7 +665,11 @@ class AsyncEngine:
                 continue
             kind, rid, *args = item
             if kind == "abort":
+                req = self.engine.requests.get(rid)
                 self.engine.abort(rid)  # no-op when finished or unknown
+                if req is not None:  # a stream still read (`abort_all`) ends: finish_reason abort
+                    out = req.extra["out"]
+                    self._deliver(rid, dataclasses.replace(out, delta_token_ids=[], delta_text=""))
                 continue
             try:
                 self.engine.add_request(*args, rid)

@@ -645,12 +645,17 @@ def build_app(server: Server) -> FastAPI:
     async def health_generate() -> JSONResponse:
         """Liveness that generates one token (SGLang's deep health check)."""
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        gen = server.require_engine().generate([server.llm.args.bos_token_id], one)
+        engine = server.require_engine()
+        await server.enter()  # (a weight update waits for it, and it for a weight update)
+        gen = engine.generate([server.llm.args.bos_token_id], one)
         try:
             async for _ in gen:
                 pass
         except EngineError:
             return error_response(503, "the engine failed to generate")
+        finally:
+            await gen.aclose()
+            await server.leave()
         return JSONResponse({"status": "ok"})
 
     # ---- the torch profiler over engine steps (vLLM's and SGLang's benchmarks' --profile) ----

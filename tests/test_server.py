@@ -1114,6 +1114,67 @@ def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
     assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"]
 
 
+def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
+    # SGLang's RL weight sync: another checkpoint of the model loaded in place once the request
+    # in flight has finished (all of it from the old weights), its version in meta_info and
+    # /get_weight_version; abort_all_requests ends a running stream first; a bad path is a 400
+    # with the weights unchanged
+    other = make_tiny(tmp_path / "b", tiny_args(), seed=1, tokenizer="deepseek")
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    native = {"input_ids": [0, 5, 6, 7], "sampling_params": sp}
+    long = {"input_ids": [0, 5, 6], "sampling_params": {**sp, "max_new_tokens": 40}}
+    endless = {**long, "sampling_params": {**sp, "max_new_tokens": 200}, "stream": True}
+    U = "/update_weights_from_disk"
+
+    async def running(task: asyncio.Task) -> None:
+        while server.active == 0 and not task.done():
+            await asyncio.sleep(0.005)
+
+    async def go() -> dict:
+        r = {}
+        async with ac:
+            r["before"] = (await ac.post("/generate", json=native)).json()
+            inflight = asyncio.create_task(ac.post("/generate", json=long))
+            await running(inflight)
+            r["up"] = await ac.post(U, json={"model_path": str(other), "weight_version": "v2"})
+            r["inflight"] = (await inflight).json()
+            r["after"] = (await ac.post("/generate", json=native)).json()
+            r["version"] = (await ac.get("/get_weight_version")).json()
+            stream = asyncio.create_task(ac.post("/generate", json=endless))
+            await running(stream)
+            r["up2"] = await ac.post(
+                U, json={"model_path": str(model_dir), "abort_all_requests": True}
+            )
+            r["stream"] = await stream
+            r["back"] = (await ac.post("/generate", json=native)).json()
+            r["long"] = (await ac.post("/generate", json=long)).json()
+            r["bad"] = await ac.post(U, json={"model_path": str(tmp_path / "none")})
+            r["typo"] = await ac.post(U, json={"path": str(other)})
+            r["still"] = (await ac.post("/generate", json=native)).json()
+        return r
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert r["up"].status_code == 200 and r["up"].json()["success"], r["up"].text
+    assert r["after"]["output_ids"] != r["before"]["output_ids"]
+    assert r["after"]["meta_info"]["weight_version"] == "v2" == r["version"]["weight_version"]
+    assert r["inflight"]["output_ids"] == r["long"]["output_ids"]  # all from the first weights
+    assert r["inflight"]["meta_info"]["weight_version"] == "default"
+    assert r["up2"].json()["success"] and r["up2"].json()["num_paused_requests"] == 1
+    chunks = [json.loads(x[6:]) for x in r["stream"].text.splitlines() if x.startswith("data: {")]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert len(chunks[-1]["output_ids"]) < 200
+    assert r["back"]["output_ids"] == r["before"]["output_ids"]
+    assert r["bad"].status_code == 400 and not r["bad"].json()["success"]
+    assert "config.json" in r["bad"].json()["message"]
+    assert r["typo"].status_code == 400
+    assert r["still"]["output_ids"] == r["before"]["output_ids"]
+    assert r["still"]["meta_info"]["weight_version"] == "v2"  # (a failed update keeps it)
+
+
 def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine
