@@ -163,3 +163,22 @@ def test_gpu_json_schema(tiny):  # noqa: ANN001
     assert all(o.text in ("yes", "no") for o in llm.generate(prompts, pick))
     cpu = LLM(tiny, device="cpu", progress=False).generate(prompts, sp)
     assert sum(a.token_ids == b.token_ids for a, b in zip(outs, cpu)) >= 1
+
+
+def test_gpu_reload_weights_under_graphs(tiny, tmp_path):  # noqa: ANN001
+    # weights reloaded in place on the GPU defaults (packed weights, joined projections, captured
+    # decode and prefill graphs): the replayed steps read the new weights (a fresh load's greedy
+    # tokens), and the first ones again after reloading the first checkpoint
+    other = make_tiny(tmp_path / "b", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
+    prompts = [list(range(2, 30)), list(range(5, 12))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    fresh = LLM(other, max_seqs=2, max_seq_len=256, progress=False)
+    want = [o.token_ids for o in fresh.generate(prompts, sp)]
+    assert want != first
+    llm.reload_weights(other)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    llm.reload_weights(tiny)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
