@@ -220,14 +220,14 @@ class Server:
             raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
         # the engine's request id is the response id, else one per choice
         one = len(jobs) == 1 or isinstance(fmts[0], NativeFormatter)
-        await self.enter()
         gens = [
             engine.generate(ids, params, fmt.id if one else f"{fmt.id}-{i}")
             for i, ((ids, params), fmt) in enumerate(zip(jobs, fmts))
         ]
         traces = [self.metrics.track() for _ in gens]
         outs = _merge(gens, traces)
-        streaming = False  # the SSE body owns `outs` from its first token on
+        streaming = False  # the SSE body owns `outs` (and the `leave`) from its first token on
+        await self.enter()  # (the requests reach the engine once `outs` is read)
         try:
             if not stream:
                 finals = await until_disconnect(request, _run_to_end(outs, len(gens)))
