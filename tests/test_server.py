@@ -1175,6 +1175,31 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     assert r["still"]["meta_info"]["weight_version"] == "v2"  # (a failed update keeps it)
 
 
+def test_abort_request_ends_the_response(model_dir):  # noqa: ANN001
+    # SGLang's /abort_request on a request in flight: its response ends at once with
+    # finish_reason abort (it used to wait for an output that never came)
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
+    sp = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+
+    async def go() -> tuple:
+        async with ac:
+            task = asyncio.create_task(
+                ac.post("/generate", json={"input_ids": [0, 5], "sampling_params": sp, "rid": "x"})
+            )
+            while server.active == 0 and not task.done():
+                await asyncio.sleep(0.005)
+            aborted = await ac.post("/abort_request", json={"rid": "x"})
+            return aborted, await asyncio.wait_for(task, 60)
+
+    try:
+        aborted, r = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert aborted.json() == {"rid": "x"}
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort"} and meta["completion_tokens"] < 200
+
+
 def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine
