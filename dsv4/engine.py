@@ -620,6 +620,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stop = False
+        self.paused = False  # no steps (the inbox is still drained): running requests hold
         self._thread = threading.Thread(target=self._loop, daemon=True, name="dsv4-engine")
         self._thread.start()
 
@@ -629,7 +630,8 @@ class AsyncEngine:
             if self._stop:
                 return
             try:
-                outs = self.engine.step() if self.engine.has_work() else None
+                work = self.engine.has_work() and not self.paused
+                outs = self.engine.step() if work else None
             except Exception as e:  # a failed step must not strand its callers or stop the loop
                 log.exception("engine step failed; aborting the running requests")
                 self._fail_running(e)
@@ -727,6 +729,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    def pause(self, paused: bool) -> concurrent.futures.Future:
+        """Stop stepping (the running requests hold where they are) or go on; done between
+        steps (once the future is done, no step runs until the engine goes on)."""
+        return self.call(lambda: setattr(self, "paused", paused))
 
     def abort_all(self) -> None:
         """Abort every request the engine holds (each stream ends with finish_reason abort)."""

@@ -224,15 +224,17 @@ class LLM:
         )
 
     # ---- weights -------------------------------------------------------------------------------
-    def reload_weights(self, model_dir: str | Path) -> None:
+    def reload_weights(self, model_dir: str | Path, held: bool = False) -> None:
         """Load another checkpoint of the same model into the loaded one, in place (CUDA graphs
         and state pools stay valid), and drop the cached prefixes computed with the old weights.
-        Call it between engine steps with no request running. ValueError, with the old weights
-        in place, for a different config or a malformed checkpoint; if the new one fails half way
-        the old one is loaded again (and if that fails too, RuntimeError: the model is neither)."""
+        Call it between engine steps with no request running, or with `held` ones (paused in
+        place: they go on with the new weights over the state the old ones wrote, as SGLang's
+        in-place pause). ValueError, with the old weights in place, for a different config or a
+        malformed checkpoint; if the new one fails half way the old one is loaded again (and if
+        that fails too, RuntimeError: the model is neither)."""
         if self.config.parallel.world_size > 1:
             raise ValueError("reloading weights under tensor/expert parallelism is not supported")
-        if self.engine.requests:
+        if self.engine.requests and not held:
             raise ValueError(f"{len(self.engine.requests)} requests are running")
         path = Path(model_dir)
         if not (path / "config.json").is_file():

@@ -395,6 +395,15 @@ class UpdateWeightsRequest(BaseModel):
     flush_cache: Literal[True] = True  # (the cached prefixes hold the old weights' state)
 
 
+class PauseGenerationRequest(BaseModel):
+    """SGLang's POST /pause_generation: new requests wait until /continue_generation; "abort"
+    ends the running ones, "in_place" holds them where they are (a weight update may come in
+    between: they go on with the new weights)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    mode: Literal["abort", "in_place"] = "abort"
+
+
 class DetokenizeRequest(BaseModel):
     """POST /detokenize."""
 

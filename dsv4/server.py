@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -39,6 +40,7 @@ from dsv4.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    PauseGenerationRequest,
     TokenizeRequest,
     UpdateWeightsRequest,
     error_body,
@@ -70,6 +72,7 @@ class Server:
         # requests in flight, and a pending weight update (new requests wait until it is done)
         self.active = 0
         self.updating = False
+        self.paused: str | None = None  # /pause_generation's mode until /continue_generation
         self._changed: asyncio.Condition | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -132,10 +135,24 @@ class Server:
         return self._changed
 
     async def enter(self) -> None:
-        """A request starts: after any pending weight update."""
+        """A request starts: after any pending weight update, and while generation is not
+        paused."""
         async with self._cond():
-            await self._cond().wait_for(lambda: not self.updating)
+            await self._cond().wait_for(lambda: not self.updating and self.paused is None)
             self.active += 1
+
+    async def pause(self, mode: str | None) -> int:
+        """Pause generation in `mode` ("abort": end the running requests; "in_place": hold
+        them), or go on (None): how many it aborted."""
+        async with self._cond():
+            self.paused = mode
+            self._cond().notify_all()
+        await asyncio.wrap_future(self.engine.pause(mode == "in_place"))
+        if mode != "abort":
+            return 0
+        n = len(self.llm.engine.requests)
+        self.engine.abort_all()
+        return n
 
     async def leave(self) -> None:
         """A request has finished (its response sent, or its client gone)."""
@@ -154,10 +171,13 @@ class Server:
             aborted = len(self.llm.engine.requests) if abort_all else 0
             if abort_all:
                 self.engine.abort_all()
-            async with cond:
-                await cond.wait_for(lambda: self.active == 0)
+            held = self.paused == "in_place"  # (the held requests go on with the new weights)
+            if not held:
+                async with cond:
+                    await cond.wait_for(lambda: self.active == 0)
             t0 = time.perf_counter()
-            await asyncio.wrap_future(self.engine.call(lambda: self.llm.reload_weights(path)))
+            reload = functools.partial(self.llm.reload_weights, path, held=held)
+            await asyncio.wrap_future(self.engine.call(reload))
             if version is not None:
                 self.weight_version = version
             log.info("weights reloaded from %s in %.1f s (version %s)", path,
@@ -612,6 +632,21 @@ def build_app(server: Server) -> FastAPI:
             )
         msg = f"weights loaded from {body.model_path} (version {server.weight_version})"
         return JSONResponse({"success": True, "message": msg, "num_paused_requests": aborted})
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationRequest) -> dict:
+        """SGLang's: new requests wait until /continue_generation; mode "abort" ends the
+        running ones, "in_place" holds them (for a weight update in between)."""
+        server.require_engine()
+        aborted = await server.pause(body.mode)
+        return {"success": True, "message": f"generation paused ({body.mode})",
+                "num_aborted_requests": aborted}  # fmt: skip
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> dict:
+        server.require_engine()
+        await server.pause(None)
+        return {"success": True, "message": "generation continues"}
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:

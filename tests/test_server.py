@@ -1175,6 +1175,70 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     assert r["still"]["meta_info"]["weight_version"] == "v2"  # (a failed update keeps it)
 
 
+def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
+    # SGLang's RL loop: pause in place (the running request holds, new ones wait), update the
+    # weights, continue (the held request goes on with the new weights from where it was); a
+    # pause with mode abort ends the running request and new ones wait for continue
+    other = make_tiny(tmp_path / "b", tiny_args(), seed=1, tokenizer="deepseek")
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
+    engine = server.llm.engine
+    sp = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+    long = {"input_ids": [0, 5, 6], "sampling_params": sp}
+
+    async def started(task: asyncio.Task, tokens: int = 3) -> None:
+        while not task.done() and not any(
+            len(r.output_ids) >= tokens for r in engine.requests.values()
+        ):
+            await asyncio.sleep(0.005)
+
+    async def go() -> dict:
+        r = {}
+        async with ac:
+            r["alone"] = (await ac.post("/generate", json=long)).json()
+            held = asyncio.create_task(ac.post("/generate", json=long))
+            await started(held)
+            r["pause"] = (await ac.post("/pause_generation", json={"mode": "in_place"})).json()
+            at = [len(q.output_ids) for q in engine.requests.values()]
+            await asyncio.sleep(0.2)
+            r["still"] = at == [len(q.output_ids) for q in engine.requests.values()]
+            waiting = asyncio.create_task(ac.post("/generate", json=long))
+            r["up"] = await ac.post("/update_weights_from_disk", json={"model_path": str(other)})
+            await asyncio.sleep(0.1)
+            r["waited"] = not waiting.done() and not held.done()
+            r["cont"] = (await ac.post("/continue_generation")).json()
+            r["held"], r["waiting"], r["at"] = (await held).json(), (await waiting).json(), at[0]
+            r["back"] = await ac.post(
+                "/update_weights_from_disk", json={"model_path": str(model_dir)}
+            )
+            running = asyncio.create_task(ac.post("/generate", json=long))
+            await started(running)
+            r["abort"] = (await ac.post("/pause_generation", json={})).json()
+            r["running"] = (await running).json()
+            later = asyncio.create_task(ac.post("/generate", json=long))
+            await asyncio.sleep(0.1)
+            r["later_waited"] = not later.done()
+            await ac.post("/continue_generation")
+            r["later"] = (await later).json()
+            r["bad"] = await ac.post("/pause_generation", json={"mode": "retract"})
+        return r
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert r["pause"]["success"] and r["still"] and r["waited"], r
+    assert r["up"].status_code == 200 and r["up"].json()["success"], r["up"].text
+    assert r["cont"]["success"]
+    alone, held, at = r["alone"]["output_ids"], r["held"]["output_ids"], r["at"]
+    assert len(held) == 60 and held[:at] == alone[:at] and held != alone  # old, then new weights
+    assert r["waiting"]["output_ids"] != alone  # sent during the pause: the new weights
+    assert r["back"].json()["success"]
+    assert r["abort"]["num_aborted_requests"] == 1
+    assert r["running"]["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert r["later_waited"] and r["later"]["output_ids"] == alone
+    assert r["bad"].status_code == 400
+
+
 def test_abort_request_ends_the_response(model_dir):  # noqa: ANN001
     # SGLang's /abort_request on a request in flight: its response ends at once with
     # finish_reason abort (it used to wait for an output that never came)
