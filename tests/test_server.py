@@ -1114,6 +1114,12 @@ def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
     assert r.status_code == 400 and "--profile-dir" in r.json()["error"]["message"]
 
 
+async def until(task: asyncio.Task, ready) -> None:  # noqa: ANN001
+    """Poll (event loop free) until ready() or the task has ended."""
+    while not task.done() and not ready():
+        await asyncio.sleep(0.005)
+
+
 def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     # SGLang's RL weight sync: another checkpoint of the model loaded in place once the request
     # in flight has finished (all of it from the old weights), its version in meta_info and
@@ -1127,22 +1133,21 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     endless = {**long, "sampling_params": {**sp, "max_new_tokens": 200}, "stream": True}
     U = "/update_weights_from_disk"
 
-    async def running(task: asyncio.Task) -> None:
-        while server.active == 0 and not task.done():
-            await asyncio.sleep(0.005)
+    def running() -> bool:
+        return server.active > 0
 
     async def go() -> dict:
         r = {}
         async with ac:
             r["before"] = (await ac.post("/generate", json=native)).json()
             inflight = asyncio.create_task(ac.post("/generate", json=long))
-            await running(inflight)
+            await until(inflight, running)
             r["up"] = await ac.post(U, json={"model_path": str(other), "weight_version": "v2"})
             r["inflight"] = (await inflight).json()
             r["after"] = (await ac.post("/generate", json=native)).json()
             r["version"] = (await ac.get("/get_weight_version")).json()
             stream = asyncio.create_task(ac.post("/generate", json=endless))
-            await running(stream)
+            await until(stream, running)
             r["up2"] = await ac.post(
                 U, json={"model_path": str(model_dir), "abort_all_requests": True}
             )
@@ -1185,18 +1190,15 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
     sp = {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
     long = {"input_ids": [0, 5, 6], "sampling_params": sp}
 
-    async def started(task: asyncio.Task, tokens: int = 3) -> None:
-        while not task.done() and not any(
-            len(r.output_ids) >= tokens for r in engine.requests.values()
-        ):
-            await asyncio.sleep(0.005)
+    def started() -> bool:  # a request has 3 tokens
+        return any(len(q.output_ids) >= 3 for q in engine.requests.values())
 
     async def go() -> dict:
         r = {}
         async with ac:
             r["alone"] = (await ac.post("/generate", json=long)).json()
             held = asyncio.create_task(ac.post("/generate", json=long))
-            await started(held)
+            await until(held, started)
             r["pause"] = (await ac.post("/pause_generation", json={"mode": "in_place"})).json()
             at = [len(q.output_ids) for q in engine.requests.values()]
             await asyncio.sleep(0.2)
@@ -1211,7 +1213,7 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
                 "/update_weights_from_disk", json={"model_path": str(model_dir)}
             )
             running = asyncio.create_task(ac.post("/generate", json=long))
-            await started(running)
+            await until(running, started)
             r["abort"] = (await ac.post("/pause_generation", json={})).json()
             r["running"] = (await running).json()
             later = asyncio.create_task(ac.post("/generate", json=long))
@@ -1250,8 +1252,7 @@ def test_abort_request_ends_the_response(model_dir):  # noqa: ANN001
             task = asyncio.create_task(
                 ac.post("/generate", json={"input_ids": [0, 5], "sampling_params": sp, "rid": "x"})
             )
-            while server.active == 0 and not task.done():
-                await asyncio.sleep(0.005)
+            await until(task, lambda: server.active > 0)
             aborted = await ac.post("/abort_request", json={"rid": "x"})
             return aborted, await asyncio.wait_for(task, 60)
 
