@@ -1,5 +1,5 @@
 """tool_choice "required" / a named function with constrained arguments: the DSML tool-call
-block the model writes, as a `dsv4.json_schema.Automaton`.
+block the model writes, as a `dsv4.automaton.Automaton`.
 
   compile_tool_calls(tools, name, parallel) -> Automaton
 
@@ -21,8 +21,9 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from dsv4.automaton import Automaton, SchemaError, _bits
 from dsv4.chat import CALLS_END, DSML
-from dsv4.json_schema import ANNOTATIONS, Automaton, SchemaError, _bits, _Compiler
+from dsv4.json_schema import ANNOTATIONS, _Compiler
 from dsv4.regex import regex_piece
 
 PARAM_END = f"</{DSML}parameter>".encode()

@@ -1,4 +1,4 @@
-"""Grammars (GBNF / xgrammar's EBNF) compiled into a `dsv4.json_schema.Automaton`: vLLM's
+"""Grammars (GBNF / xgrammar's EBNF) compiled into a `dsv4.automaton.Automaton`: vLLM's
 guided_grammar and structured_outputs grammar, SGLang's ebnf.
 
   compile_grammar(text) -> Automaton      the output is one sentence of the rule `root`
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from dsv4.json_schema import Automaton, SchemaError
+from dsv4.automaton import Automaton, SchemaError
 from dsv4.regex import _negate, _Parser, _piece
 
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")

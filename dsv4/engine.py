@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4 import parallel
+from dsv4.automaton import Automaton
 from dsv4.cuda_graphs import DecodeGraphs
 from dsv4.detokenize import IncrementalDetokenizer
 from dsv4.grammar import (
@@ -27,7 +28,6 @@ from dsv4.grammar import (
     forced_after,
     token_bytes,
 )
-from dsv4.json_schema import Automaton
 from dsv4.model import Transformer
 from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
@@ -735,9 +735,17 @@ class AsyncEngine:
         steps (once the future is done, no step runs until the engine goes on)."""
         return self.call(lambda: setattr(self, "paused", paused))
 
-    def abort_all(self) -> None:
-        """Abort every request the engine holds (each stream ends with finish_reason abort)."""
-        self.call(lambda: [self.abort(rid) for rid in list(self.engine.requests)])
+    def abort_all(self) -> concurrent.futures.Future:
+        """Abort every request the engine holds (each stream ends with finish_reason abort);
+        the future gives how many."""
+
+        def abort() -> int:
+            rids = list(self.engine.requests)
+            for rid in rids:
+                self.abort(rid)
+            return len(rids)
+
+        return self.call(abort)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -379,7 +379,7 @@ class JsonState(_Prefixes):
 
 
 class SchemaGrammar:
-    """Structured outputs over one tokenizer's vocabulary: a `dsv4.json_schema.Automaton` (a
+    """Structured outputs over one tokenizer's vocabulary: a `dsv4.automaton.Automaton` (a
     JSON schema, or a list of choices) and its token masks, cached per state."""
 
     def __init__(self, automaton, json_grammar: JsonGrammar) -> None:  # noqa: ANN001

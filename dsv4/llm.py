@@ -44,6 +44,15 @@ def demo_model_dir() -> Path:
     return root
 
 
+def _checkpoint_args(model_dir: Path) -> ModelArgs:
+    """The config of the checkpoint in model_dir (without the MTP layers if it has none: their
+    tensors are optional in a checkpoint)."""
+    args = ModelArgs.from_json(model_dir)
+    if args.n_mtp_layers and not has_mtp(model_dir):
+        args = args.replace(n_mtp_layers=0)
+    return args
+
+
 class LLM:
     """A loaded DeepSeek-V4 model with its decode state and continuous-batching engine."""
 
@@ -136,10 +145,7 @@ class LLM:
         max_seqs, max_seq_len, kv_cache_dtype, par = (
             c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
         )  # fmt: skip
-        args = ModelArgs.from_json(self.model_dir)
-        if args.n_mtp_layers and not has_mtp(self.model_dir):
-            args = args.replace(n_mtp_layers=0)  # MTP tensors are optional in a checkpoint
-        self.args = args
+        self.args = args = _checkpoint_args(self.model_dir)
         with torch.device(c.device):
             self.model = Transformer(args, c.torch_dtype, c.quantized, ops_pkg.select(c.ops), par)
         load_checkpoint(self.model, self.model_dir, progress=progress)
@@ -239,9 +245,7 @@ class LLM:
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json")
-        args = ModelArgs.from_json(path)
-        if args.n_mtp_layers and not has_mtp(path):
-            args = args.replace(n_mtp_layers=0)
+        args = _checkpoint_args(path)
         differ = [
             f"{k} ({getattr(self.args, k)!r} -> {v!r})"
             for k, v in vars(args).items()

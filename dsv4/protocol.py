@@ -470,18 +470,18 @@ class GenerateRequest(BaseModel):
         one = self.text if self.text is not None else self.input_ids
         return list(one) if self.batch else [one]
 
-    def rids(self, count: int) -> list[str]:
-        """An id per job (prompt by prompt, n each): the request's rid (a list for a batch of
-        n = 1), with -j for completion j of n > 1, or generated."""
-        n = self.sampling_params.n
+    def rids(self) -> list[str]:
+        """An id per job (prompt by prompt, n each): the request's rid (a list for a batch),
+        with -j for completion j of n > 1, or generated."""
+        n, prompts = self.sampling_params.n, len(self.prompts())
         if self.rid is None:
-            base = [f"gen-{uuid.uuid4().hex}" for _ in range(count // n)]
+            base = [f"gen-{uuid.uuid4().hex}" for _ in range(prompts)]
         elif isinstance(self.rid, list):
             base = list(self.rid)
         else:
             base = [self.rid]
-        if len(base) * n != count:
-            raise ApiError(400, f"rid: {len(base)} ids for {count // n} prompts", "rid")
+        if len(base) != prompts:
+            raise ApiError(400, f"rid: {len(base)} ids for {prompts} prompts", "rid")
         return base if n == 1 else [f"{b}-{j}" for b in base for j in range(n)]
 
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""Regular expressions (a common subset) compiled into a `dsv4.json_schema.Automaton` graph: a JSON
+"""Regular expressions (a common subset) compiled into a `dsv4.automaton.Automaton` graph: a JSON
 schema's `pattern`, vLLM's guided_regex, SGLang's regex.
 
   regex_piece(a, pattern, json_string) -> (entry, exit)   the piece of graph that matches it
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from dsv4.json_schema import MAX_COUNT, Automaton, SchemaError, _bits
+from dsv4.automaton import MAX_COUNT, Automaton, SchemaError, _bits
 
 MAX_CP = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)

@@ -329,6 +329,10 @@ class NativeFormatter:
     ) -> None:
         self.id, self.eos_token_id, self.tokenizer = request_id, eos_token_id, tokenizer
         self.logprobs, self.index, self.version = logprobs, index, version
+        # the lists so far (a stream repeats them whole: each token's entry made once)
+        self._out: list = []
+        self._out_top: list = []
+        self._in: dict | None = None
 
     def _finish(self, out: RequestOutput) -> dict | None:
         if out.finish_reason == "length":
@@ -351,20 +355,24 @@ class NativeFormatter:
 
     def _logprobs(self, out: RequestOutput) -> dict:
         start, top_n, _ = self.logprobs
-        outs = out.logprobs or []
-        meta = {"output_token_logprobs": [self._item(e["logprob"], e["token_id"]) for e in outs]}
+        new = (out.logprobs or [])[len(self._out) :]
+        self._out += [self._item(e["logprob"], e["token_id"]) for e in new]
+        meta = {"output_token_logprobs": self._out}
         if top_n:
-            meta["output_top_logprobs"] = [self._top(e) for e in outs]
-        if start >= 0 and out.prompt_logprobs is not None:
+            self._out_top += [self._top(e) for e in new]
+            meta["output_top_logprobs"] = self._out_top
+        if start >= 0 and self._in is None and out.prompt_logprobs is not None:
             ids = out.prompt_token_ids[start:]
             entries = out.prompt_logprobs[start:]
-            meta["input_token_logprobs"] = [
-                self._item(None if e is None else e["logprob"], t) for t, e in zip(ids, entries)
-            ]
+            self._in = {
+                "input_token_logprobs": [
+                    self._item(None if e is None else e["logprob"], t) for t, e in zip(ids, entries)
+                ]
+            }
             if top_n:
-                meta["input_top_logprobs"] = [self._top(e) for e in entries]
-        elif start >= 0:  # (not in yet: the prompt's logprobs come with its last chunk)
-            meta["input_token_logprobs"] = []
+                self._in["input_top_logprobs"] = [self._top(e) for e in entries]
+        if start >= 0:  # (until the prompt is in, its logprobs come with its last chunk: empty)
+            meta |= self._in or {"input_token_logprobs": []}
         return meta
 
     def response(self, out: RequestOutput) -> dict:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv4.automaton import Automaton, SchemaError
 from dsv4.dsml_grammar import compile_tool_calls
 from dsv4.ebnf import compile_grammar
-from dsv4.json_schema import Automaton, SchemaError, compile_choice, compile_schema
+from dsv4.json_schema import compile_choice, compile_schema
 from dsv4.regex import compile_regex
 
 # the fields that constrain the output (one at a time; `SamplingParams.automaton`)

@@ -150,9 +150,7 @@ class Server:
         await asyncio.wrap_future(self.engine.pause(mode == "in_place"))
         if mode != "abort":
             return 0
-        n = len(self.llm.engine.requests)
-        self.engine.abort_all()
-        return n
+        return await asyncio.wrap_future(self.engine.abort_all())
 
     async def leave(self) -> None:
         """A request has finished (its response sent, or its client gone)."""
@@ -168,9 +166,7 @@ class Server:
             await cond.wait_for(lambda: not self.updating)
             self.updating = True
         try:
-            aborted = len(self.llm.engine.requests) if abort_all else 0
-            if abort_all:
-                self.engine.abort_all()
+            aborted = await asyncio.wrap_future(self.engine.abort_all()) if abort_all else 0
             held = self.paused == "in_place"  # (the held requests go on with the new weights)
             if not held:
                 async with cond:
@@ -238,12 +234,12 @@ class Server:
         cap = self.config.max_queue
         if cap is not None and engine.stats().num_waiting >= cap:
             raise ApiError(503, f"the queue is full ({cap} requests waiting); retry later")
-        # the engine's request id is the response id, else one per choice
-        one = len(jobs) == 1 or isinstance(fmts[0], NativeFormatter)
-        gens = [
-            engine.generate(ids, params, fmt.id if one else f"{fmt.id}-{i}")
-            for i, ((ids, params), fmt) in enumerate(zip(jobs, fmts))
-        ]
+        # the engine's request ids: the formatters' (a response's choices share its id: then
+        # one per choice, <id>-<index>)
+        rids = [f.id for f in fmts]
+        if len(set(rids)) < len(rids):
+            rids = [f"{rid}-{i}" for i, rid in enumerate(rids)]
+        gens = [engine.generate(ids, params, rid) for (ids, params), rid in zip(jobs, rids)]
         traces = [self.metrics.track() for _ in gens]
         outs = _merge(gens, traces)
         streaming = False  # the SSE body owns `outs` (and the `leave`) from its first token on
@@ -612,7 +608,7 @@ def build_app(server: Server) -> FastAPI:
                 rid, server.llm.args.eos_token_id, server.llm.tokenizer, logprobs,
                 index=i if several and body.stream else None, version=server.weight_version,
             )
-            for i, rid in enumerate(body.rids(len(jobs)))
+            for i, rid in enumerate(body.rids())
         ]  # fmt: skip
         return await server.respond(
             request, jobs, fmts, n, body.stream, False, listed=several or body.batch

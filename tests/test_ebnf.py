@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
+from dsv4.automaton import MAX_DEPTH, SchemaError
 from dsv4.ebnf import compile_grammar
-from dsv4.json_schema import MAX_DEPTH, SchemaError
 
 JSON_GRAMMAR = r"""
 root   ::= value            # one JSON value, no whitespace around it

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dsv4 import grammar as g
-from dsv4.json_schema import MAX_DEPTH, SchemaError, compile_choice, compile_schema
+from dsv4.automaton import MAX_DEPTH, SchemaError
+from dsv4.json_schema import compile_choice, compile_schema
 from dsv4.llm import LLM
 from dsv4.sampling import SamplingParams
 from dsv4.tiny import make_tiny, tiny_args
