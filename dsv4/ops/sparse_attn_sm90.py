@@ -31,7 +31,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
 )
 
@@ -380,162 +379,6 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
-# ---------------------------------------------------------------------------------------------
-# DUP: both warpgroups compute all of S, each accumulates half of O (no cross-warpgroup softmax)
-# ---------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _dup_half(q_ptr, kv_ptr, idx_ptr, q_smem, kv_smem, landed, consumed, t, split, K,
-              keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn, stride_it,
-              HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # one warpgroup: gathers channels HALF * 256 .. of q and of every key row into its half of
-    # the buffers, computes the whole S = Q K^T from both halves (the other warpgroup's half
-    # waited for through `landed`), softmax in its own registers (the same bits in both), P as
-    # the register operand of P V over its own half of the channels. Per tile the warpgroups meet
-    # only at two mbarriers: `landed` (both halves of a tile are in shared memory) and `consumed`
-    # (both have read a buffer's halves for S, so either may gather over its own half)
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16]
-    )
-    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    col0 = HALF * DH
-    half_kv = kv_ptr + col0
-    offs_gd = gl.arange(0, DH, layout=gl.SliceLayout(0, g_layout))
-    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    # own half of q (group 0, with the first tile)
-    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, g_layout))
-    q_rows = q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + col0
-    cp.async_copy_global_to_shared(q_smem.index(HALF), q_rows + offs_gd[None, :])
-
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, K)
-    n_tiles = gl.cdiv(k_end - k_begin, BLOCK_N)
-    idx_row = idx_ptr + t * stride_it
-    for pb in gl.static_range(NUM_BUF - 1):
-        idx = _tile_idx(idx_row, k_begin + pb * BLOCK_N, k_end, offs_gn)
-        _gather(kv_smem.index(HALF * NUM_BUF + pb), half_kv, stride_kn, idx, offs_gd)
-    idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
-    valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
-
-    m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
-    for i in range(n_tiles):
-        b = i % NUM_BUF
-        use = (i // NUM_BUF) & 1
-        # own half of tile i landed and visible to the async proxy; then the other half
-        cp.wait_group(NUM_BUF - 2)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(landed.index(b))
-        mbarrier.wait(landed.index(b), use)
-        s = warpgroup_mma(q_smem.index(0), kv_smem.index(b).permute((1, 0)), s_zero,
-                          use_acc=False)  # fmt: skip
-        s = warpgroup_mma(q_smem.index(1), kv_smem.index(NUM_BUF + b).permute((1, 0)), s)
-        gl.thread_barrier()  # every warp's S MMAs done before the arrival
-        mbarrier.arrive(consumed.index(b))
-        # tile i + NUM_BUF - 1 into the buffer of tile i - 1, once both have read it for S (its
-        # P V over this half was waited for last iteration)
-        nxt = i + NUM_BUF - 1
-        nb = nxt % NUM_BUF
-        if i > 0:
-            mbarrier.wait(consumed.index(nb), ((i - 1) // NUM_BUF) & 1)
-        _gather(kv_smem.index(HALF * NUM_BUF + nb), half_kv, stride_kn, idx_next, offs_gd)
-        idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
-        valid = valid_next
-        valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
-        p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
-        acc = warpgroup_mma(pa, kv_smem.index(HALF * NUM_BUF + b), acc)
-    cp.wait_group(0)
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _dup_part(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem, kv_smem, landed,
-              consumed, t, split, K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
-              stride_it, stride_ot, stride_oh, stride_pt, stride_ps, stride_ph, stride_mt,
-              stride_ms, HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              SPLIT: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # `_dup_half`, then its half of the partial (SPLIT) or of the sink-normalised output
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    acc, m_i, l_i = _dup_half(q_ptr, kv_ptr, idx_ptr, q_smem, kv_smem, landed, consumed, t, split,
-                              K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn,
-                              stride_it, HALF, BLOCK_N, NUM_BUF)  # fmt: skip
-    o_layout: gl.constexpr = acc.type.layout
-    col0 = HALF * DH
-    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
-    offs_v = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if SPLIT:
-        hv = offs_h[:, None] * stride_ph + (col0 + offs_v)[None, :]
-        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
-        if HALF == 0:  # (the same m and l in both warpgroups)
-            ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
-            gl.store(ml, m_o)
-            gl.store(ml + H, l_o)
-    else:
-        out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
-        o_hv = offs_h[:, None] * stride_oh + (col0 + offs_v)[None, :]
-        gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-
-
-@gluon.jit
-def _dup_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, K, keys_per_split, qk_scale,
-    stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh, stride_pt, stride_ps,
-    stride_ph, stride_mt, stride_ms,
-    BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr,
-    SPLIT: gl.constexpr,
-    REGS: gl.constexpr,  # the second warpgroup's registers
-    PDL: gl.constexpr = False,
-):  # fmt: skip  # noqa: ANN001
-    # `_decode_kernel`'s arguments and result (bf16 rows, no fixup): two partitions of one
-    # warpgroup each, `_dup_part`
-    chain_start(PDL)
-    t = gl.program_id(0).to(gl.int64)
-    split = gl.program_id(1)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 256], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], q_layout)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_BUF, BLOCK_N, 256], kv_layout)
-    landed = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(landed.index(i), count=2)
-        mbarrier.init(consumed.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (_dup_part, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem,
-                         kv_smem, landed, consumed, t, split, K, keys_per_split, qk_scale,
-                         stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh,
-                         stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, 0, BLOCK_N,
-                         NUM_BUF, SPLIT)),
-            (_dup_part, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem,
-                         kv_smem, landed, consumed, t, split, K, keys_per_split, qk_scale,
-                         stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh,
-                         stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, 1, BLOCK_N,
-                         NUM_BUF, SPLIT)),
-        ],
-        [4],
-        [REGS],
-    )  # fmt: skip
-
-
 def supported(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
 ) -> bool:
@@ -583,16 +426,12 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    dup: bool = False,
-    regs: int = 232,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone); dup:
-    both warpgroups compute all of S and each half of O (`_dup_kernel`, bf16 rows; regs: the
-    second one's)."""
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
     )
@@ -622,17 +461,6 @@ def sparse_attn_sm90(
         and T <= FIXUP_MAX_TOKENS and mode == 0
         and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
-    if dup:
-        assert not entries and not mode, "sparse_attn_sm90: dup reads bf16 rows"
-        launch = chain(q.device)
-        _dup_kernel[(T, num_splits)](
-            q, src, topk_idxs, attn_sink, o, part, ml, K, keys_per_split, scale * _triton.LOG2E,
-            q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0),
-            o.stride(1), part.stride(0), part.stride(1), part.stride(2) if split else 0,
-            ml.stride(0), ml.stride(1),
-            BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, REGS=regs, num_warps=4, **launch,
-        )  # fmt: skip
-        return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
     rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
