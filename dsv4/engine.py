@@ -289,7 +289,8 @@ class Engine:
 
     def tell(self, what: str, *args: object) -> None:
         """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
-        ("step", "score" with its arguments, "compile_graphs" or "stop")."""
+        ("step", "score" with its arguments, "compile_graphs", "reload" with a checkpoint's path
+        or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)

@@ -235,11 +235,10 @@ class LLM:
         and state pools stay valid), and drop the cached prefixes computed with the old weights.
         Call it between engine steps with no request running, or with `held` ones (paused in
         place: they go on with the new weights over the state the old ones wrote, as SGLang's
-        in-place pause). ValueError, with the old weights in place, for a different config or a
-        malformed checkpoint; if the new one fails half way the old one is loaded again (and if
-        that fails too, RuntimeError: the model is neither)."""
-        if self.config.parallel.world_size > 1:
-            raise ValueError("reloading weights under tensor/expert parallelism is not supported")
+        in-place pause). Under tensor/expert parallelism every rank loads its part, and succeeds
+        or fails with the others. ValueError, with the old weights in place, for a different
+        config or a malformed checkpoint; if the new one fails half way (on any rank) the old
+        one is loaded again (and if that fails too, RuntimeError: the model is neither)."""
         if self.engine.requests and not held:
             raise ValueError(f"{len(self.engine.requests)} requests are running")
         path = Path(model_dir)
@@ -253,23 +252,46 @@ class LLM:
         ]
         if differ:
             raise ValueError(f"{path}: another model's config: {', '.join(differ[:6])}")
-        try:
-            load_checkpoint(self.model, path, progress=False)
-        except Exception as e:
+        if self.engine.leads:  # the other ranks load their parts beside this one
+            self.engine.tell("reload", str(path))
+        self._reload_parts(path)
+
+    def _reload_parts(self, path: Path) -> None:
+        """Every rank: load this rank's part of `path`, then agree with the others (one failure
+        anywhere puts the old checkpoint back everywhere); rank 0 raises what reload_weights
+        says."""
+        par = self.config.parallel
+
+        def load(ckpt: Path) -> list[str | None]:
             try:
-                load_checkpoint(self.model, self.model_dir, progress=False)
-            except Exception as again:
+                load_checkpoint(self.model, ckpt, progress=False)
+                error = None
+            except Exception as e:  # noqa: BLE001  (reported by rank, then raised on rank 0)
+                error = str(e) or type(e).__name__
+            return par.gather_errors(error)
+
+        def named(errors: list[str | None]) -> str:
+            if par.world_size == 1:
+                return next(e for e in errors if e)
+            return "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+
+        failed = load(path)
+        if any(failed):
+            again = load(self.model_dir)
+            if any(again):
                 raise RuntimeError(
-                    f"{path} failed ({e}) and reloading {self.model_dir} failed too ({again})"
-                ) from again
-            raise ValueError(f"{path}: {e} (the weights of {self.model_dir} are back)") from e
+                    f"{path} failed ({named(failed)}) and reloading {self.model_dir} failed too "
+                    f"({named(again)})"
+                )
+            raise ValueError(f"{path}: {named(failed)} (the weights of {self.model_dir} are back)")
         self.model_dir = path
-        self.engine.flush_cache()
+        if par.rank == 0:  # (it tells the other ranks to flush before their next step)
+            self.engine.flush_cache()
 
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
-        """Ranks > 0: repeat rank 0's adds and aborts, and each engine step and score call, in
-        its order (`Engine.tell`), until it stops. Outputs stay here: rank 0 returns them."""
+        """Ranks > 0: repeat rank 0's adds and aborts, and each engine step, score call and
+        weight reload, in its order (`Engine.tell`), until it stops. Outputs stay here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
         while True:
             what, payload = parallel.receive()
@@ -290,6 +312,8 @@ class LLM:
                     self.engine.step()
                 elif what == "compile_graphs":
                     self.engine.compile_graphs()
+                elif what == "reload":
+                    self._reload_parts(Path(*args))
                 else:  # "score" (parallel.COMMANDS)
                     self.score(*args)
             except Exception:  # rank 0 fails the same call and aborts what it ran

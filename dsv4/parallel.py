@@ -84,6 +84,17 @@ class Parallel:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=_CONTROL)
         return int(t.item())
 
+    def gather_errors(self, error: str | None) -> list[str | None]:
+        """Every rank's error (None: it succeeded), in rank order, on every rank (over the
+        control channel, on the host)."""
+        if self.world_size == 1:
+            return [error]
+        import torch.distributed
+
+        out: list[str | None] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, error, group=_CONTROL)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank src's x on every rank, in place; returns x."""
         if self.world_size > 1:
@@ -141,7 +152,8 @@ CONTROL_TIMEOUT = timedelta(days=365)
 _CONTROL = None
 
 
-COMMANDS = ("step", "score", "compile_graphs", "stop")  # what rank 0 tells the other ranks to do
+# what rank 0 tells the other ranks to do
+COMMANDS = ("step", "score", "compile_graphs", "reload", "stop")
 
 
 def send(what: str, payload: object = None) -> None:

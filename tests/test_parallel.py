@@ -154,6 +154,43 @@ def test_rank_loads_only_its_part(model_dir: Path) -> None:
         he.experts[len(he.experts)]
 
 
+def test_two_ranks_reload_weights(tmp_path: Path) -> None:
+    # another checkpoint loaded in place on both ranks (each its part): the outputs of a fresh
+    # one-process load of it. A checkpoint whose only fault is in one of rank 1's experts loads
+    # on rank 0 and fails on rank 1: the error names rank 1 and the tensor, and both ranks put the
+    # old weights back (rank 0 had loaded another model's part: mixed, the outputs would differ)
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    args = tiny_args(vocab_size=300)
+    a, b = make_tiny(tmp_path / "a", args, seed=0), make_tiny(tmp_path / "b", args, seed=1)
+    bad = tmp_path / "bad"
+    shutil.copytree(a, bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = "layers.1.ffn.experts.7.w2.scale"  # expert 7 of 8: rank 1's (rank 0 checks its header)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(torch.uint8).fill_(0xFF)  # the UE8M0 NaN code
+    save_file(tensors, shard, metadata={"format": "pt"})
+    want_b = [o.token_ids for o in LLM(b, device="cpu", progress=False).generate(PROMPTS, GREEDY)]
+    two = LLM(a, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4)
+    try:
+        first = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
+        assert first != want_b
+        two.reload_weights(b)
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
+        with pytest.raises(ValueError, match=r"rank 1: .*experts\.7\.w2\.scale") as e:
+            two.reload_weights(bad)
+        assert "rank 0" not in str(e.value) and "are back" in str(e.value)
+        assert two.model_dir == b
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
+        two.reload_weights(a)
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == first
+    finally:
+        two.close()
+
+
 def test_generate_cli_two_ranks(model_dir: Path, capfd) -> None:  # noqa: ANN001
     # `dsv4 generate -tp 2` starts both ranks itself; rank 0 prints what one process prints
     flags = ["generate", "1 2 3", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "5"]
