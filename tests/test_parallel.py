@@ -213,9 +213,12 @@ def test_chat_cli_two_ranks(model_dir: Path, monkeypatch, capsys) -> None:  # no
 def test_serve_two_ranks(model_dir: Path, tmp_path: Path) -> None:
     # rank 0 serves; rank 1 repeats its adds, aborts and steps. Concurrent greedy requests get
     # the tokens one process generates; a stream cut mid-way is aborted on both ranks, and the
-    # server goes on serving
+    # server goes on serving; /update_weights_from_disk loads another checkpoint on both ranks
     one = LLM(model_dir, device="cpu", progress=False, max_seqs=4)
     want = [o.text for o in one.generate(PROMPTS, GREEDY)]
+    other = make_tiny(tmp_path / "b", tiny_args(vocab_size=300), seed=1)
+    want_other = LLM(other, device="cpu", progress=False).generate(PROMPTS[1], GREEDY)[0].text
+    assert want_other != want[1]
     flags = ("--tensor-parallel-size", "2", "--max-seqs", "4", "--max-seq-len", "256")
     srv = ServerProcess(model_dir, tmp_path / "server.log", *flags)
     try:
@@ -237,6 +240,10 @@ def test_serve_two_ranks(model_dir: Path, tmp_path: Path) -> None:
         ) as r:
             next(r.iter_lines())  # cut after the first chunk: the request is aborted
         assert ask(PROMPTS[1])["choices"][0]["text"] == texts[1]
+        r = httpx.post(srv.url + "/update_weights_from_disk", json={"model_path": str(other)},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert ask(PROMPTS[1])["choices"][0]["text"] == want_other
     finally:
         srv.stop()
     log = srv.log.read_text()
