@@ -1189,6 +1189,31 @@ def probe_select_sweep() -> None:
     copy_floor("select sweep: copy_ of 128 MiB", 128 << 20)
 
 
+def probe_select_big() -> None:
+    # index_topk T=16 at 128K (32768 candidates), unsorted and sorted: the hist select with fewer,
+    # wider programs (up to one 32-warp program a row, whose grid of 16 launches early) against
+    # the default 4096 keys x 16 warps; each checked against the levels select, each twice
+    T = 16
+    q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
+    want = indexer.index_topk(q, w, keys, cand, 512, select="levels")
+    for _ in range(2):
+        for sort in (False, True):
+            for segment, warps in ((4096, 16), (8192, 32), (16384, 32), (32768, 32)):
+                kw = dict(segment=segment, select_warps=warps, sort=sort, select="hist")
+                got = indexer.index_topk(q, w, keys, cand, 512, **kw)
+                torch.cuda.synchronize()
+                same = (
+                    torch.equal(got, want)
+                    if sort
+                    else all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
+                )
+                us(
+                    f"index_topk T=16 128K {'sorted' if sort else 'unsorted'} segment {segment} x {warps} warps{'' if same else ' WRONG'}",
+                    lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),
+                )
+    copy_floor("select big: copy_ of 128 MiB", 128 << 20)
+
+
 def probe_hist_tail() -> None:
     # the hist select's kernel alone: the workspace counts restored before each call (restore
     # alone timed beside it), and the final sort alone (topk of 1024 int64 in one program)
@@ -2275,7 +2300,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

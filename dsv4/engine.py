@@ -146,19 +146,13 @@ class Engine:
                 "none (num_nextn_predict_layers = 0, or no mtp.* tensors)"
             )
         self.num_speculative_tokens = num_speculative_tokens
-        self.graphs = (
-            DecodeGraphs(model, state, max_running, 1 + num_speculative_tokens)
-            if cuda_graphs
-            else None
-        )
-        # the steps with a prefill chunk: piecewise graphs around the eager attention. One rank
-        # for now: the pieces run on two ranks on the CPU (tests/test_piecewise.py), but their
-        # captured all-reduces have not run on two GPUs yet
-        self.pieces = (
-            PiecewiseGraphs(model, state, min(max_step_tokens, PIECEWISE_MAX_TOKENS))
-            if cuda_graphs and model.par.world_size == 1
-            else None
-        )
+        self.cuda_graphs = cuda_graphs
+        self._graph_sizes = (max_running, max_step_tokens)
+        self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
+        self.make_graphs()
+        # why requests are refused (LLM.sleep: the memory is given back), None when they are not
+        self.asleep: str | None = None
         self.num_draft_tokens = self.num_accepted_tokens = self.num_drafts = 0  # for metrics
         self.num_accepted_per_pos = [0] * num_speculative_tokens
         # called with each step's token count (the server's vllm:iteration_tokens_total)
@@ -186,6 +180,8 @@ class Engine:
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.asleep:
+            raise ValueError(self.asleep)
         if params.n != 1:
             raise ValueError(f"one request is one completion (n={params.n}): LLM.generate and "
                              "the server run n requests, `SamplingParams.choice`")  # fmt: skip
@@ -289,8 +285,8 @@ class Engine:
 
     def tell(self, what: str, *args: object) -> None:
         """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
-        ("step", "score" with its arguments, "compile_graphs", "reload" with a checkpoint's path
-        or "stop")."""
+        ("step", "score" with its arguments, "compile_graphs", "reload" with a checkpoint's path,
+        "sleep" / "wake_up" with theirs, or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)
@@ -307,6 +303,23 @@ class Engine:
                 self.tell("stop")
         finally:
             self.graphs = self.pieces = None
+
+    def make_graphs(self) -> None:
+        """New, empty CUDA graphs (captured as steps meet them), when the engine has them: at
+        start, and after `LLM.wake_up` (the memory the old ones read was given back)."""
+        if not self.cuda_graphs:
+            return
+        max_running, max_step_tokens = self._graph_sizes
+        self.graphs = DecodeGraphs(
+            self.model, self.state, max_running, 1 + self.num_speculative_tokens
+        )
+        # the steps with a prefill chunk: piecewise graphs around the eager attention. One rank
+        # for now: the pieces run on two ranks on the CPU (tests/test_piecewise.py), but their
+        # captured all-reduces have not run on two GPUs yet
+        if self.model.par.world_size == 1:
+            self.pieces = PiecewiseGraphs(
+                self.model, self.state, min(max_step_tokens, PIECEWISE_MAX_TOKENS)
+            )
 
     def compile_graphs(self) -> int:
         """Every rank (rank 0 tells the others): run each decode graph's step once eagerly on a

@@ -18,6 +18,7 @@ from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tok
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
+from dsv4.sleep import Released, check_tags, storages
 from dsv4.state import (
     Batch,
     DecodeState,
@@ -121,6 +122,8 @@ class LLM:
                 parallel.stop(self._followers, timeout=10)
             raise
         self._score_state: DecodeState | None = None
+        self._released: dict[str, Released] = {}  # sleep mode: what is given back, by tag
+        self._weights_dropped = False  # sleep(level=2): reload_weights before serving again
         if self._followers:  # a follower that dies unasked stops this process (`parallel.watch`)
             parallel.watch(self._followers)
         if par.rank:  # a follower: serve rank 0 until it closes, then end this process
@@ -241,6 +244,8 @@ class LLM:
         one is loaded again (and if that fails too, RuntimeError: the model is neither)."""
         if self.engine.requests and not held:
             raise ValueError(f"{len(self.engine.requests)} requests are running")
+        if "weights" in self._released:
+            raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json")
@@ -278,6 +283,8 @@ class LLM:
         failed = load(path)
         if any(failed):
             again = load(self.model_dir)
+            self._weights_dropped = self._weights_dropped and any(again)
+            self._refuse()
             if any(again):
                 raise RuntimeError(
                     f"{path} failed ({named(failed)}) and reloading {self.model_dir} failed too "
@@ -285,13 +292,93 @@ class LLM:
                 )
             raise ValueError(f"{path}: {named(failed)} (the weights of {self.model_dir} are back)")
         self.model_dir = path
+        self._weights_dropped = False
+        self._refuse()
         if par.rank == 0:  # (it tells the other ranks to flush before their next step)
             self.engine.flush_cache()
 
+    # ---- sleep mode ----------------------------------------------------------------------------
+    def sleep(self, level: int = 1, tags: list[str] | None = None) -> None:
+        """Give back the memory of the weights and of the decode state (vLLM's LLM.sleep), for
+        another process on the GPU in between (an RL trainer beside the engine). Level 1 keeps
+        the weights in host memory; level 2 drops them (`reload_weights` after `wake_up`, as a
+        weight update does). The state's contents go, and with them the cached prefixes and the
+        CUDA graphs (captured again after `wake_up`). tags: of "weights" and "kv_cache" (default
+        both; SGLang's release_memory_occupation). No request may be in the engine; new ones are
+        refused until wake_up. Every rank under tensor parallelism."""
+        tags = list(check_tags(tags))
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.engine.requests:
+            raise ValueError(f"{len(self.engine.requests)} requests are in the engine")
+        if self.engine.leads:  # every rank gives back its part
+            self.engine.tell("sleep", level, tags)
+        self._sleep(level, tags)
+
+    def _sleep(self, level: int, tags: list[str]) -> None:
+        if self.config.parallel.rank == 0:  # (it tells the other ranks to flush too)
+            self.engine.flush_cache()  # the cached prefixes' state is going
+        self.engine.graphs = self.engine.pieces = None  # they read the memory given back
+        if "weights" in tags and "weights" not in self._released:
+            # level 2 drops the checkpoint's parameters; the buffers the model computed itself
+            # (RoPE tables) are not reloaded, so they are always kept
+            params = storages(self.model.parameters())
+            buffers = storages(self.model.buffers())
+            keep, drop = (params + buffers, []) if level == 1 else (buffers, params)
+            self._released["weights"] = Released(keep, drop)
+            self._weights_dropped = level == 2
+        if "kv_cache" in tags and "kv_cache" not in self._released:
+            states = [self.state] + ([self._score_state] if self._score_state else [])
+            self._released["kv_cache"] = Released(
+                [], storages(t for st in states for t in st.tensors())
+            )
+        self._refuse()
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("asleep (level %d): %s released, %.1f GiB", level, ", ".join(self._released),
+                 sum(r.nbytes for r in self._released.values()) / 2**30)  # fmt: skip
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory given back by `sleep` again (vLLM's LLM.wake_up; SGLang's
+        resume_memory_occupation): the weights as they were (level 1) or to be reloaded (level
+        2), the state zeroed. tags: of "weights" and "kv_cache" (default both): the weights first
+        leave room for a weight update before the state comes back. Requests are served again
+        once everything is back (and, after level 2, the weights reloaded)."""
+        tags = list(check_tags(tags))
+        if self.engine.leads:
+            self.engine.tell("wake_up", tags)
+        self._wake_up(tags)
+
+    def _wake_up(self, tags: list[str]) -> None:
+        for tag in tags:
+            released = self._released.pop(tag, None)
+            if released is not None:
+                released.restore()
+        if not self._released:
+            self.engine.make_graphs()
+        self._refuse()
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Some memory is given back (vLLM's is_sleeping)."""
+        return bool(self._released)
+
+    def _refuse(self) -> None:
+        # why the engine refuses requests now, if it does
+        if self._released:
+            self.engine.asleep = (
+                f"the engine is asleep ({', '.join(self._released)} released): wake_up first"
+            )
+        elif self._weights_dropped:
+            self.engine.asleep = "the weights were dropped by sleep(level=2): reload them first"
+        else:
+            self.engine.asleep = None
+
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
-        """Ranks > 0: repeat rank 0's adds and aborts, and each engine step, score call and
-        weight reload, in its order (`Engine.tell`), until it stops. Outputs stay here: rank 0 returns them."""
+        """Ranks > 0: repeat rank 0's adds and aborts, and each engine step, score call, weight
+        reload, sleep and wake-up, in its order (`Engine.tell`), until it stops. Outputs stay
+        here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
         while True:
             what, payload = parallel.receive()
@@ -314,6 +401,10 @@ class LLM:
                     self.engine.compile_graphs()
                 elif what == "reload":
                     self._reload_parts(Path(*args))
+                elif what == "sleep":
+                    self._sleep(*args)
+                elif what == "wake_up":
+                    self._wake_up(*args)
                 else:  # "score" (parallel.COMMANDS)
                     self.score(*args)
             except Exception:  # rank 0 fails the same call and aborts what it ran
@@ -332,6 +423,8 @@ class LLM:
     @torch.inference_mode()
     def score(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Teacher-forced fp32 logits for every position: [T, vocab]. Chunked prefill if asked."""
+        if self.engine.asleep:
+            raise ValueError(self.engine.asleep)
         check_prompt(token_ids, self.args.vocab_size, self.config.max_seq_len, generate=False)
         if self.engine.leads:  # the other ranks run the same forward passes
             self.engine.tell("score", list(token_ids), chunk_size)

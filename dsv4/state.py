@@ -337,6 +337,18 @@ class DecodeState:
         for t, rows, values in saved:
             t[rows[pick]] = values[pick]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the layers' state and of the snapshots (views among them; not the
+        block table): what sleep mode gives back."""
+        out = []
+        for layer in self.layers:
+            out += [layer.window] + ([layer.window_snap] if layer.window_snap is not None else [])
+            for c in (layer.compressor, layer.indexer):
+                if c is not None:
+                    out += [t for t in (c.kv_cache, c.kv_all, c.score_all, c.kv_scale,
+                                        c.kv_snap, c.score_snap) if t is not None]  # fmt: skip
+        return out + list(self.snapshots)
+
     def nbytes(self) -> int:
         total = 0
         for layer in self.layers:

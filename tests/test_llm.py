@@ -309,3 +309,63 @@ def test_reload_weights_in_place(tmp_path, monkeypatch):  # noqa: ANN001
         llm.reload_weights(b)
     assert llm.model_dir == a
     assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+
+
+def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
+    # vLLM's sleep mode: level 1 gives back every weight and state storage and brings the weights
+    # back as they were (the same greedy tokens after wake_up, over a zeroed state and no stale
+    # cached prefix); requests and scores are refused while asleep, and sleep with a request in
+    # the engine; level 2 drops the weights: refused until reload_weights; wake_up by tags
+    args = tiny_args(vocab_size=300)
+    a = make_tiny(tmp_path / "a", args, seed=0)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [list(range(3, 60)), [0, 5, 6, 7]]
+    llm = LLM(a, device="cpu", progress=False)
+    assert llm.engine.scheduler.cache is not None  # (cached prefixes must not outlive the state)
+
+    def gen() -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+
+    first = gen()
+    assert gen() == first  # (the second time from the cached prefix)
+    weights = {k: v.clone() for k, v in llm.model.state_dict().items()}
+    llm.add_request(prompts[1], sp, "busy")
+    with pytest.raises(ValueError, match="1 requests are in the engine"):
+        llm.sleep()
+    llm.engine.abort("busy")
+    llm._forget()
+    llm.sleep(level=1)
+    assert llm.is_sleeping
+    assert all(p.untyped_storage().nbytes() == 0 for p in llm.model.parameters())
+    assert all(t.untyped_storage().nbytes() == 0 for t in llm.state.tensors())
+    with pytest.raises(ValueError, match="asleep"):
+        gen()
+    with pytest.raises(ValueError, match="asleep"):
+        llm.score(prompts[1])
+    with pytest.raises(ValueError, match="asleep"):
+        llm.reload_weights(a)
+    llm.wake_up()
+    assert not llm.is_sleeping
+    assert all(torch.equal(v, weights[k]) for k, v in llm.model.state_dict().items())
+    assert all(not t.any() for t in llm.state.tensors())
+    assert gen() == first
+    # level 2, woken in two steps with the weight update in between (as RL loops do)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping
+    llm.reload_weights(a)
+    with pytest.raises(ValueError, match=r"asleep \(kv_cache released\)"):
+        gen()
+    llm.wake_up(tags=["kv_cache"])
+    assert gen() == first
+    llm.sleep(level=2, tags=["weights"])
+    llm.wake_up()
+    assert not any(p.any() for p in llm.model.parameters())  # dropped: zeros, not old bytes
+    with pytest.raises(ValueError, match="reload them first"):
+        gen()
+    llm.reload_weights(a)
+    assert gen() == first
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        llm.sleep(tags=["kv"])
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        llm.sleep(level=3)
