@@ -319,21 +319,20 @@ def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
     args = tiny_args(vocab_size=300)
     a = make_tiny(tmp_path / "a", args, seed=0)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = [list(range(3, 60)), [0, 5, 6, 7]]
-    llm = LLM(a, device="cpu", progress=False)
-    assert llm.engine.scheduler.cache is not None  # (cached prefixes must not outlive the state)
+    prompts = [[3 + i % 290 for i in range(300)], [0, 5, 6, 7]]  # (the first: a cached block)
+    llm = LLM(a, device="cpu", progress=False, block_size=16)
+    cache = llm.engine.scheduler.cache  # (cached prefixes must not outlive the state)
 
     def gen() -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, sp)]
 
     first = gen()
-    assert gen() == first  # (the second time from the cached prefix)
+    assert gen() == first and cache.hits  # (the second time from the cached prefix)
     weights = {k: v.clone() for k, v in llm.model.state_dict().items()}
     llm.add_request(prompts[1], sp, "busy")
     with pytest.raises(ValueError, match="1 requests are in the engine"):
         llm.sleep()
     llm.engine.abort("busy")
-    llm._forget()
     llm.sleep(level=1)
     assert llm.is_sleeping
     assert all(p.untyped_storage().nbytes() == 0 for p in llm.model.parameters())
