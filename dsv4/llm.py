@@ -363,6 +363,11 @@ class LLM:
         """Some memory is given back (vLLM's is_sleeping)."""
         return bool(self._released)
 
+    @property
+    def sleeping_tags(self) -> list[str]:
+        """What is given back now, of "weights" and "kv_cache"."""
+        return list(self._released)
+
     def _refuse(self) -> None:
         # why the engine refuses requests now, if it does
         if self._released:

@@ -395,6 +395,14 @@ class UpdateWeightsRequest(BaseModel):
     flush_cache: Literal[True] = True  # (the cached prefixes hold the old weights' state)
 
 
+class MemoryTagsRequest(BaseModel):
+    """SGLang's POST /release_memory_occupation and /resume_memory_occupation: what to give
+    back or take again, of "weights" and "kv_cache" (None: both)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tags: list[str] | None = None
+
+
 class PauseGenerationRequest(BaseModel):
     """SGLang's POST /pause_generation: new requests wait until /continue_generation; "abort"
     ends the running ones, "in_place" holds them where they are (a weight update may come in

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -40,6 +40,7 @@ from dsv4.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    MemoryTagsRequest,
     PauseGenerationRequest,
     TokenizeRequest,
     UpdateWeightsRequest,
@@ -139,6 +140,8 @@ class Server:
         paused."""
         async with self._cond():
             await self._cond().wait_for(lambda: not self.updating and self.paused is None)
+            if self.llm.engine.asleep:  # (sleep mode: until /wake_up)
+                raise ApiError(503, self.llm.engine.asleep)
             self.active += 1
 
     async def pause(self, mode: str | None) -> int:
@@ -161,23 +164,30 @@ class Server:
     async def update_weights(self, path: str, abort_all: bool, version: str | None) -> int:
         """Load the checkpoint at `path` in place once no request is in flight (new ones wait;
         abort_all ends the running ones first): how many were aborted. ValueError if refused."""
+        held = self.paused == "in_place"  # (the held requests go on with the new weights)
+        t0 = time.perf_counter()
+        reload = functools.partial(self.llm.reload_weights, path, held=held)
+        aborted = await self.alone(reload, abort_all, held)
+        if version is not None:
+            self.weight_version = version
+        log.info("weights reloaded from %s in %.1f s (version %s)", path,
+                 time.perf_counter() - t0, self.weight_version)  # fmt: skip
+        return aborted
+
+    async def alone(self, fn, abort_all: bool = False, held: bool = False) -> int:  # noqa: ANN001
+        """fn() on the engine thread once no request is in flight (new ones wait; abort_all
+        ends the running ones first; held: requests paused in place stay): how many were
+        aborted. fn's exception is raised here."""
         cond = self._cond()
         async with cond:
             await cond.wait_for(lambda: not self.updating)
             self.updating = True
         try:
             aborted = await asyncio.wrap_future(self.engine.abort_all()) if abort_all else 0
-            held = self.paused == "in_place"  # (the held requests go on with the new weights)
             if not held:
                 async with cond:
                     await cond.wait_for(lambda: self.active == 0)
-            t0 = time.perf_counter()
-            reload = functools.partial(self.llm.reload_weights, path, held=held)
-            await asyncio.wrap_future(self.engine.call(reload))
-            if version is not None:
-                self.weight_version = version
-            log.info("weights reloaded from %s in %.1f s (version %s)", path,
-                     time.perf_counter() - t0, self.weight_version)  # fmt: skip
+            await asyncio.wrap_future(self.engine.call(fn))
             return aborted
         finally:
             async with cond:
@@ -643,6 +653,53 @@ def build_app(server: Server) -> FastAPI:
         server.require_engine()
         await server.pause(None)
         return {"success": True, "message": "generation continues"}
+
+    # ---- sleep mode: vLLM's /sleep, /wake_up, /is_sleeping; SGLang's memory occupation ----
+    async def sleep(level: int, tags: list[str] | None) -> None:
+        server.require_engine()
+        try:
+            await server.alone(functools.partial(server.llm.sleep, level, tags))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def wake_up(tags: list[str] | None) -> None:
+        server.require_engine()
+        try:
+            await server.alone(functools.partial(server.llm.wake_up, tags))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    @app.post("/sleep")
+    async def sleep_route(level: int = 1) -> dict:
+        """vLLM's: give back the memory of the weights (level 1: kept in host memory; 2:
+        dropped, reload them after /wake_up) and of the state, once the requests in flight have
+        finished; requests are 503s until /wake_up."""
+        await sleep(level, None)
+        return {"success": True, "message": f"asleep (level {level})"}
+
+    @app.post("/wake_up")
+    async def wake_up_route(tags: list[str] | None = Query(None)) -> dict:  # noqa: B008
+        """vLLM's: take the memory back (`tags`: weights and / or kv_cache; default both)."""
+        await wake_up(tags)
+        asleep = server.llm.sleeping_tags
+        return {"success": True, "message": f"asleep: {', '.join(asleep)}" if asleep else "awake"}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict:
+        return {"is_sleeping": server.llm is not None and server.llm.is_sleeping}
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: MemoryTagsRequest) -> dict:
+        """SGLang's: /sleep at level 1 for `tags` (default all), the weights kept in host
+        memory."""
+        await sleep(1, body.tags)
+        return {"success": True, "message": "memory released"}
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: MemoryTagsRequest) -> dict:
+        """SGLang's: /wake_up for `tags` (default all)."""
+        await wake_up(body.tags)
+        return {"success": True, "message": "memory resumed"}
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:

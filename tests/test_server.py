@@ -1180,6 +1180,66 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     assert r["still"]["meta_info"]["weight_version"] == "v2"  # (a failed update keeps it)
 
 
+def test_sleep_and_wake_up(model_dir):  # noqa: ANN001
+    # vLLM's /sleep, /wake_up, /is_sleeping and SGLang's memory occupation routes: the request in
+    # flight finishes before the sleep; requests are 503s while anything is asleep (the weights
+    # woken first, then the state); awake again, the same answer; an unknown tag or level is a
+    # 400 and leaves the server awake
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    native = {"input_ids": [0, 5, 6, 7], "sampling_params": sp}
+    long = {"input_ids": [0, 5, 6], "sampling_params": {**sp, "max_new_tokens": 40}}
+
+    async def go() -> dict:
+        r = {}
+        async with ac:
+            r["before"] = (await ac.post("/generate", json=native)).json()
+            inflight = asyncio.create_task(ac.post("/generate", json=long))
+            await until(inflight, lambda: server.active > 0)
+            r["sleep"] = await ac.post("/sleep", params={"level": 1})
+            r["inflight"] = (await inflight).json()
+            r["is"] = (await ac.get("/is_sleeping")).json()
+            r["refused"] = await ac.post("/generate", json=native)
+            r["weights"] = await ac.post("/wake_up", params={"tags": "weights"})
+            r["refused2"] = await ac.post(
+                "/v1/completions", json={"prompt": [0, 5], "max_tokens": 2}
+            )
+            r["wake"] = await ac.post("/wake_up", params={"tags": ["kv_cache"]})
+            r["is2"] = (await ac.get("/is_sleeping")).json()
+            r["after"] = (await ac.post("/generate", json=native)).json()
+            r["release"] = await ac.post("/release_memory_occupation", json={})
+            r["refused3"] = await ac.post("/generate", json=native)
+            r["resume"] = await ac.post("/resume_memory_occupation", json={"tags": None})
+            r["after2"] = (await ac.post("/generate", json=native)).json()
+            r["bad_tag"] = await ac.post(
+                "/release_memory_occupation", json={"tags": ["cuda_graph"]}
+            )
+            r["bad_level"] = await ac.post("/sleep", params={"level": 3})
+            r["is3"] = (await ac.get("/is_sleeping")).json()
+            r["last"] = (await ac.post("/generate", json=native)).json()
+        return r
+
+    try:
+        r = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert r["sleep"].status_code == 200 and r["sleep"].json()["success"], r["sleep"].text
+    assert len(r["inflight"]["output_ids"]) == 40
+    assert r["is"] == {"is_sleeping": True} and r["is2"] == {"is_sleeping": False}
+    assert r["refused"].status_code == 503 and "asleep" in r["refused"].text
+    assert r["weights"].json()["message"] == "asleep: kv_cache"
+    assert r["refused2"].status_code == 503 and "kv_cache released" in r["refused2"].text
+    assert r["wake"].json()["message"] == "awake"
+    assert r["after"]["output_ids"] == r["before"]["output_ids"]
+    assert r["release"].json()["success"] and r["refused3"].status_code == 503
+    assert r["resume"].json()["success"]
+    assert r["after2"]["output_ids"] == r["before"]["output_ids"]
+    assert r["bad_tag"].status_code == 400 and "cuda_graph" in r["bad_tag"].text
+    assert r["bad_level"].status_code == 400 and "level must be 1 or 2" in r["bad_level"].text
+    assert r["is3"] == {"is_sleeping": False}
+    assert r["last"]["output_ids"] == r["before"]["output_ids"]
+
+
 def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
     # SGLang's RL loop: pause in place (the running request holds, new ones wait), update the
     # weights, continue (the held request goes on with the new weights from where it was); a
