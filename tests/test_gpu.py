@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsv4.llm import LLM
 from dsv4.sampling import SamplingParams
@@ -180,5 +181,32 @@ def test_gpu_reload_weights_under_graphs(tiny, tmp_path):  # noqa: ANN001
     assert want != first
     llm.reload_weights(other)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    llm.reload_weights(tiny)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+
+
+def test_gpu_sleep_and_wake_up(tiny):  # noqa: ANN001
+    # sleep mode on the GPU defaults: the memory of the weights and the state is freed (and the
+    # caching allocator's free segments go back to the driver), the graphs go and are captured again
+    # after wake_up (the same greedy tokens, every decode step from a graph); level 2 drops the
+    # weights, which a reload brings back
+    prompts = [list(range(2, 30)), list(range(5, 12))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    weights = sum(p.nbytes for p in llm.model.parameters())
+    state = llm.state.nbytes()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    llm.sleep(level=1)
+    assert llm.engine.graphs is None
+    assert allocated - torch.cuda.memory_allocated() >= weights + state
+    assert torch.cuda.memory_reserved() < reserved
+    llm.wake_up()
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    llm.sleep(level=2)
+    llm.wake_up()
     llm.reload_weights(tiny)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == first

@@ -154,7 +154,7 @@ def test_rank_loads_only_its_part(model_dir: Path) -> None:
         he.experts[len(he.experts)]
 
 
-def test_two_ranks_reload_weights(tmp_path: Path) -> None:
+def test_two_ranks_reload_weights_and_sleep(tmp_path: Path) -> None:
     # another checkpoint loaded in place on both ranks (each its part): the outputs of a fresh
     # one-process load of it. A checkpoint whose only fault is in one of rank 1's experts loads
     # on rank 0 and fails on rank 1: the error names rank 1 and the tensor, and both ranks put the
@@ -187,6 +187,15 @@ def test_two_ranks_reload_weights(tmp_path: Path) -> None:
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
         two.reload_weights(a)
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == first
+        # sleep mode on both ranks: the weights kept (level 1), or dropped and reloaded (level 2)
+        two.sleep(level=1)
+        two.wake_up()
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == first
+        two.sleep(level=2)
+        two.wake_up(["weights"])
+        two.reload_weights(b)
+        two.wake_up(["kv_cache"])
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
     finally:
         two.close()
 
