@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -334,6 +335,7 @@ class LLM:
             )
         self._refuse()
         if torch.device(self.config.device).type == "cuda":
+            gc.collect()  # (the graphs' memory pools go with the last reference to them)
             torch.cuda.empty_cache()
         log.info("asleep (level %d): %s released, %.1f GiB", level, ", ".join(self._released),
                  sum(r.nbytes for r in self._released.values()) / 2**30)  # fmt: skip
@@ -354,6 +356,7 @@ class LLM:
             released = self._released.pop(tag, None)
             if released is not None:
                 released.restore()
+                self.model.ops.forget_addresses()  # (the storages lie elsewhere now)
         if not self._released:
             self.engine.make_graphs()
         self._refuse()

@@ -602,6 +602,12 @@ _down_tuned = autotune(_configs(), ["N", "K", "tune_key"], _prune)(_moe_down_ker
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def forget_addresses() -> None:
+    """Drop the expert tables (`ops.forget_addresses`): after sleep mode every expert's storage
+    lies elsewhere, and the probe sees only the first and the last."""
+    _TABLES.clear()
+
+
 def _probe(experts: torch.nn.ModuleList) -> tuple:
     first, last = experts[0], experts[-1]
     return (

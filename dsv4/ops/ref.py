@@ -370,3 +370,8 @@ def moe_experts(
             y.index_add_(0, t, experts[e](x[t], weights[t, k]).float())
             start += n
     return (y if shared is None else y + shared.float()).to(out_dtype)
+
+
+def forget_addresses() -> None:
+    """Drop what a backend built from parameters' addresses (their storages moved: sleep mode).
+    The references build nothing of the kind."""

@@ -430,6 +430,30 @@ def test_table_cached_and_rebuilt() -> None:
     _check(x, weights, idx, experts, torch.float32)
 
 
+def test_table_forgotten_after_storages_move() -> None:
+    # sleep mode moves every expert's storage in place (resized to 0 and back): the probe sees
+    # only the first and the last expert, so a middle one elsewhere keeps a stale table until
+    # forget_addresses drops it
+    experts = _experts(64, 32, 4, seed=7)
+    t1 = moe.expert_table(experts)
+    w = experts[1].w3.weight
+    st, held, old, n = w.untyped_storage(), w.clone(), w.data_ptr(), w.untyped_storage().nbytes()
+    fillers = []
+    while w.data_ptr() == old and len(fillers) < 8:  # (fillers take the freed blocks)
+        st.resize_(0)
+        fillers.append(torch.empty(n, dtype=torch.uint8))
+        st.resize_(n)
+    assert w.data_ptr() != old
+    w.copy_(held)
+    assert moe.expert_table(experts) is t1  # stale: the probe cannot see expert 1
+    moe.forget_addresses()
+    t2 = moe.expert_table(experts)
+    assert t2 is not t1
+    assert t2.wbase.data_ptr() + t2.unit * t2.offs[1, 1] == experts[1].w3.weight.data_ptr()
+    weights, idx = _routing(5, 2, 4, False)
+    _check(torch.randn(5, 64), weights, idx, experts, torch.float32)
+
+
 def test_unaligned_storage() -> None:
     # weights and scales at odd byte addresses (views into one buffer): byte offsets (unit 1)
     experts = _experts(64, 32, 4, seed=8)
