@@ -293,17 +293,7 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
         consumed.update(stem + s for s in extra)
         for key, t in ((name, tensor), *((stem + s, t) for s, t in extra.items())):
             _check_nan_codes(key, t)
-        if name not in params:
-            raise CheckpointError(f"checkpoint tensor {name} has no model parameter")
-        target = params[name]
-        packed = target.dtype == spec.dtype and spec.fmt != "dense"
-        if spec.fmt != "dense" and not packed:  # reference path: dequantize exactly
-            s1 = extra.get("scale", extra.get("weight_scale"))
-            tensor = _dequant(name, tensor, spec.fmt, s1, extra.get("weight_scale_2"), target.dtype)
-        else:
-            for s, t in extra.items():
-                _copy(params, stem + s, t, written)
-        _copy(params, name, tensor, written)
+        _write(params, name, spec, tensor, extra, written)
     missing = sorted(set(params) - written)
     if missing or consumed != set(expected):
         raise CheckpointError(
@@ -313,6 +303,95 @@ def load_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, progress: bool
     join = getattr(model, "join_projections", None)  # dsv4.model.Transformer: weights are final
     if join is not None:
         join()
+
+
+def _write(
+    params: dict[str, torch.Tensor],
+    name: str,
+    spec: TensorSpec,
+    tensor: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+    written: set[str],
+) -> None:
+    # one checkpoint tensor (a quantized weight with its scales `extra`, by suffix) into its
+    # parameter: copied packed when the model keeps it packed, else dequantized exactly
+    if name not in params:
+        raise CheckpointError(f"checkpoint tensor {name} has no model parameter")
+    target = params[name]
+    packed = target.dtype == spec.dtype and spec.fmt != "dense"
+    if spec.fmt != "dense" and not packed:  # reference path: dequantize exactly
+        s1 = extra.get("scale", extra.get("weight_scale"))
+        tensor = _dequant(name, tensor, spec.fmt, s1, extra.get("weight_scale_2"), target.dtype)
+    else:
+        stem = name[: -len("weight")]
+        for s, t in extra.items():
+            _copy(params, stem + s, t, written)
+    _copy(params, name, tensor, written)
+
+
+QUANTIZERS = {"fp8": quant.quant_fp8, "fp4": quant.quant_mxfp4, "nvfp4": quant.quant_nvfp4}
+
+
+def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Write some of the checkpoint's tensors into `model` from memory (an RL trainer's weight
+    update: SGLang's update_weights_from_tensor), with the loader's checks, all of them before
+    anything is written: names from the table, each at most once; dtypes and shapes; a quantized
+    weight with all its scales, or instead as one float tensor of the weight's [out, in],
+    quantized here (`dsv4.quant`, as the release's formats); no NaN codes. Every rank checks
+    every tensor (the same verdict everywhere) and writes its own part; another rank's experts
+    are skipped. Returns the names written."""
+    expected = checkpoint_tensors(model.args)
+    given: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        if name in given:
+            raise CheckpointError(f"tensor {name} given twice")
+        given[name] = t
+    unknown = sorted(set(given) - set(expected))
+    if unknown:
+        raise CheckpointError(
+            f"tensors not in the checkpoint's table ({len(unknown)}): {unknown[:8]}"
+        )
+    companions = companion_names(expected)
+    work = []
+    used: set[str] = set()
+    for name, t in given.items():
+        if name in companions:
+            continue
+        spec, stem = expected[name], name[: -len("weight")]
+        suffixes = SCALE_SUFFIXES.get(spec.fmt, ())
+        extra = {s: given[stem + s] for s in suffixes if stem + s in given}
+        used.update(stem + s for s in extra)
+        if suffixes and not extra and t.is_floating_point() and t.dtype != spec.dtype:
+            try:  # one float weight: quantized as the checkpoint stores it
+                t, *scales = QUANTIZERS[spec.fmt](t)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name}: {e}") from None
+            extra = dict(zip(suffixes, scales))
+        elif len(extra) != len(suffixes):
+            lack = [stem + s for s in suffixes if s not in extra]
+            raise CheckpointError(f"tensor {name}: given without {lack} (or give it unquantized)")
+        for key, x in ((name, t), *((stem + s, x) for s, x in extra.items())):
+            want = expected[key]
+            if x.dtype != want.dtype or tuple(x.shape) != want.shape:
+                raise CheckpointError(
+                    f"tensor {key}: expected {DTYPE_NAMES[want.dtype]} {list(want.shape)}, "
+                    f"given {x.dtype} {list(x.shape)}"
+                )
+            _check_nan_codes(key, x)
+        work.append((name, spec, t, extra))
+    orphans = sorted(set(given) & companions - used)
+    if orphans:
+        raise CheckpointError(f"scales given without their weight: {orphans[:8]}")
+    params = model.state_dict(keep_vars=True)
+    elsewhere = getattr(model, "elsewhere", lambda name: False)
+    work = [w for w in work if not elsewhere(w[0])]
+    missing = [w[0] for w in work if w[0] not in params]
+    if missing:
+        raise CheckpointError(f"checkpoint tensors with no model parameter: {missing[:8]}")
+    written: set[str] = set()
+    for name, spec, t, extra in work:
+        _write(params, name, spec, t, extra, written)
+    return [w[0] for w in work]
 
 
 def _dequant(

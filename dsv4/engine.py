@@ -286,7 +286,7 @@ class Engine:
     def tell(self, what: str, *args: object) -> None:
         """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
         ("step", "score" with its arguments, "compile_graphs", "reload" with a checkpoint's path,
-        "sleep" / "wake_up" with theirs, or "stop")."""
+        "update", "sleep" / "wake_up" with theirs, or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)

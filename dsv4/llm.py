@@ -8,13 +8,14 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from dsv4 import ops as ops_pkg
 from dsv4 import parallel
-from dsv4.checkpoint import has_mtp, load_checkpoint
+from dsv4.checkpoint import has_mtp, load_checkpoint, load_tensors
 from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tokens
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
@@ -298,6 +299,40 @@ class LLM:
         if par.rank == 0:  # (it tells the other ranks to flush before their next step)
             self.engine.flush_cache()
 
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], held: bool = False
+    ) -> int:
+        """Write some of the weights from memory (SGLang's Engine.update_weights_from_tensor; an
+        RL trainer beside the engine): (name, tensor) pairs in the checkpoint's names and
+        formats, a quantized weight with its scales or as one float [out, in] tensor quantized
+        here (`checkpoint.load_tensors`). Everything is checked first: on any error nothing is
+        written (ValueError naming it). Drops the cached prefixes; calls as reload_weights (no
+        request running, or `held` ones). Under tensor/expert parallelism the tensors go to the
+        other ranks through host memory and each rank writes its part. Returns the tensors
+        written here."""
+        if self.engine.requests and not held:
+            raise ValueError(f"{len(self.engine.requests)} requests are running")
+        if "weights" in self._released:
+            raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
+        named = [(n, t) for n, t in named_tensors]
+        if self.engine.leads:
+            self.engine.tell("update", [(n, t.detach().cpu()) for n, t in named])
+        return self._update_parts(named)
+
+    def _update_parts(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        par = self.config.parallel
+        try:
+            written, error = load_tensors(self.model, named), None
+        except ValueError as e:  # (CheckpointError: nothing was written on any rank)
+            written, error = [], str(e)
+        errors = par.gather_errors(error)
+        if any(errors):
+            raise ValueError(next(e for e in errors if e))  # (every rank checks every tensor)
+        self.model.ops.forget_params()
+        if par.rank == 0:  # (it tells the other ranks to flush before their next step)
+            self.engine.flush_cache()
+        return len(written)
+
     # ---- sleep mode ----------------------------------------------------------------------------
     def sleep(self, level: int = 1, tags: list[str] | None = None) -> None:
         """Give back the memory of the weights and of the decode state (vLLM's LLM.sleep), for
@@ -356,7 +391,7 @@ class LLM:
             released = self._released.pop(tag, None)
             if released is not None:
                 released.restore()
-                self.model.ops.forget_addresses()  # (the storages lie elsewhere now)
+                self.model.ops.forget_params()  # (the storages lie elsewhere now)
         if not self._released:
             self.engine.make_graphs()
         self._refuse()
@@ -385,7 +420,7 @@ class LLM:
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
         """Ranks > 0: repeat rank 0's adds and aborts, and each engine step, score call, weight
-        reload, sleep and wake-up, in its order (`Engine.tell`), until it stops. Outputs stay
+        reload or update, sleep and wake-up, in its order (`Engine.tell`), until it stops. Outputs stay
         here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
         while True:
@@ -409,6 +444,8 @@ class LLM:
                     self.engine.compile_graphs()
                 elif what == "reload":
                     self._reload_parts(Path(*args))
+                elif what == "update":
+                    self._update_parts(*args)
                 elif what == "sleep":
                     self._sleep(*args)
                 elif what == "wake_up":

@@ -153,7 +153,7 @@ _CONTROL = None
 
 
 # what rank 0 tells the other ranks to do
-COMMANDS = ("step", "score", "compile_graphs", "reload", "sleep", "wake_up", "stop")
+COMMANDS = ("step", "score", "compile_graphs", "reload", "update", "sleep", "wake_up", "stop")
 
 
 def send(what: str, payload: object = None) -> None:

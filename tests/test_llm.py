@@ -368,3 +368,67 @@ def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
         llm.sleep(tags=["kv"])
     with pytest.raises(ValueError, match="level must be 1 or 2"):
         llm.sleep(level=3)
+
+
+def test_update_weights_from_tensor(tmp_path):  # noqa: ANN001
+    # SGLang's update_weights_from_tensor: another checkpoint's tensors from memory give a fresh
+    # load's outputs; a subset writes just those parameters; a quantized weight given as one
+    # float tensor is quantized as the checkpoint stores it; a bad batch (unknown name, wrong
+    # shape, a missing or orphan scale, NaN codes, a name twice) is refused with nothing written
+    from safetensors.torch import load_file
+
+    from dsv4 import quant
+    from dsv4.checkpoint import checkpoint_tensors, companion_names
+
+    args = tiny_args(vocab_size=300)
+    a, b = make_tiny(tmp_path / "a", args, seed=0), make_tiny(tmp_path / "b", args, seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["hello", [0, 5, 6, 7]]
+    llm = LLM(a, device="cpu", progress=False)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    fresh_b = [o.token_ids for o in LLM(b, device="cpu", progress=False).generate(prompts, sp)]
+    tb = load_file(next(b.glob("*.safetensors")))
+    ta = load_file(next(a.glob("*.safetensors")))
+    n = llm.update_weights_from_tensor(list(tb.items()))
+    assert n == len(set(tb) - companion_names(checkpoint_tensors(args)))
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh_b
+    llm.update_weights_from_tensor(ta.items())
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    params = llm.model.state_dict()
+    # a subset: the embedding alone
+    llm.update_weights_from_tensor([("embed.weight", tb["embed.weight"])])
+    after = llm.model.state_dict()
+    assert torch.equal(after["embed.weight"], tb["embed.weight"].float())
+    assert all(torch.equal(after[k], v) for k, v in params.items() if k != "embed.weight")
+    llm.update_weights_from_tensor([("embed.weight", ta["embed.weight"])])
+    # one float [out, in] tensor for an FP8 weight and for an MXFP4 expert: quantized here
+    w8, w4 = torch.randn(32, 64), torch.randn(32, 64)
+    llm.update_weights_from_tensor([
+        ("layers.0.attn.wq_a.weight", w8), ("layers.1.ffn.experts.3.w1.weight", w4)
+    ])  # fmt: skip
+    got = llm.model.state_dict()
+    assert torch.equal(got["layers.0.attn.wq_a.weight"], quant.dequant_fp8(*quant.quant_fp8(w8)))
+    assert torch.equal(
+        got["layers.1.ffn.experts.3.w1.weight"], quant.dequant_mxfp4(*quant.quant_mxfp4(w4))
+    )
+    llm.update_weights_from_tensor(ta.items())
+    before = {k: v.clone() for k, v in llm.model.state_dict().items()}
+    nan = tb["layers.0.attn.wq_a.scale"].clone()
+    nan.view(torch.uint8).fill_(0xFF)
+    ok = ("embed.weight", tb["embed.weight"])  # (first in every bad batch: not written either)
+    bad = {
+        "not in the checkpoint's table": [ok, ("layers.0.attn.wq.weight", w8)],
+        r"expected BF16 \[300, 64\], given": [ok, ("head.weight", tb["head.weight"][:, :8])],
+        "given without": [ok, ("layers.0.attn.wq_a.weight", tb["layers.0.attn.wq_a.weight"])],
+        "scales given without their weight": [ok, ("layers.0.attn.wq_a.scale", nan)],
+        "e8m0 NaN scales": [
+            ok, ("layers.0.attn.wq_a.weight", tb["layers.0.attn.wq_a.weight"]),
+            ("layers.0.attn.wq_a.scale", nan),
+        ],
+        "given twice": [ok, ok],
+    }  # fmt: skip
+    for why, batch in bad.items():
+        with pytest.raises(ValueError, match=why):
+            llm.update_weights_from_tensor(batch)
+    assert all(torch.equal(v, before[k]) for k, v in llm.model.state_dict().items())
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first

@@ -2,7 +2,7 @@
 
 Every backend exports the functions of `dsv4.ops.ref` (the torch references): linear, grouped_linear,
 rms_norm, rotary, norm_rope, norm_rope_qkv, sparse_attn, hc_pre, hc_post, hc_post_pre, hc_head, compress_store, compress_keep,
-index_topk, stable_topk, moe_gate, moe_experts, swiglu, forget_addresses. "triton" binds the Triton kernels (one module
+index_topk, stable_topk, moe_gate, moe_experts, swiglu (and forget_params). "triton" binds the Triton kernels (one module
 per op, each beside its reference) and keeps the reference for ops without a kernel. This is the
 only backend dispatch in the package.
 """
@@ -32,7 +32,7 @@ OPS = (
     "moe_gate",
     "moe_experts",
     "swiglu",
-    "forget_addresses",
+    "forget_params",
 )
 
 
@@ -58,7 +58,7 @@ def _triton() -> SimpleNamespace:
         moe_gate=gate.moe_gate,
         moe_experts=moe.moe_experts,
         swiglu=moe.swiglu,
-        forget_addresses=moe.forget_addresses,
+        forget_params=moe.forget_params,
     )
     return SimpleNamespace(name="triton", **fns)
 

@@ -41,6 +41,7 @@ Weight formats other than "fp4" fall back to the reference.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import NamedTuple
 
@@ -602,10 +603,15 @@ _down_tuned = autotune(_configs(), ["N", "K", "tune_key"], _prune)(_moe_down_ker
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def forget_addresses() -> None:
-    """Drop the expert tables (`ops.forget_addresses`): after sleep mode every expert's storage
-    lies elsewhere, and the probe sees only the first and the last."""
+def forget_params() -> None:
+    """Drop what was derived from the experts' parameters (`ops.forget_params`): the address
+    tables (after sleep mode every expert's storage lies elsewhere, and their probe sees only the
+    first and the last expert) and the sm_90 kernels' scale check (a weight update may write
+    any expert's scales; its probe sees the first and the last)."""
     _TABLES.clear()
+    sm90 = sys.modules.get("dsv4.ops.moe_sm90")  # (imported only on sm_90)
+    if sm90 is not None:
+        sm90._SCALES.clear()
 
 
 def _probe(experts: torch.nn.ModuleList) -> tuple:

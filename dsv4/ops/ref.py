@@ -372,6 +372,6 @@ def moe_experts(
     return (y if shared is None else y + shared.float()).to(out_dtype)
 
 
-def forget_addresses() -> None:
-    """Drop what a backend built from parameters' addresses (their storages moved: sleep mode).
-    The references build nothing of the kind."""
+def forget_params() -> None:
+    """Drop what a backend derived from the parameters (their storages moved: sleep mode; some
+    of them written: a weight update). The references derive nothing."""

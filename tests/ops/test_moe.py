@@ -433,7 +433,7 @@ def test_table_cached_and_rebuilt() -> None:
 def test_table_forgotten_after_storages_move() -> None:
     # sleep mode moves every expert's storage in place (resized to 0 and back): the probe sees
     # only the first and the last expert, so a middle one elsewhere keeps a stale table until
-    # forget_addresses drops it
+    # forget_params drops it
     experts = _experts(64, 32, 4, seed=7)
     t1 = moe.expert_table(experts)
     w = experts[1].w3.weight
@@ -446,7 +446,7 @@ def test_table_forgotten_after_storages_move() -> None:
     assert w.data_ptr() != old
     w.copy_(held)
     assert moe.expert_table(experts) is t1  # stale: the probe cannot see expert 1
-    moe.forget_addresses()
+    moe.forget_params()
     t2 = moe.expert_table(experts)
     assert t2 is not t1
     assert t2.wbase.data_ptr() + t2.unit * t2.offs[1, 1] == experts[1].w3.weight.data_ptr()
