@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import io
 import logging
 import os
 import time
@@ -315,8 +316,10 @@ class LLM:
         if "weights" in self._released:
             raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
         named = [(n, t) for n, t in named_tensors]
-        if self.engine.leads:
-            self.engine.tell("update", [(n, t.detach().cpu()) for n, t in named])
+        if self.engine.leads:  # (torch.save: pickle cannot carry FP8 tensors in torch 2.13)
+            buf = io.BytesIO()
+            torch.save([(n, t.detach().cpu()) for n, t in named], buf)
+            self.engine.tell("update", buf.getvalue())
         return self._update_parts(named)
 
     def _update_parts(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -445,7 +448,8 @@ class LLM:
                 elif what == "reload":
                     self._reload_parts(Path(*args))
                 elif what == "update":
-                    self._update_parts(*args)
+                    (data,) = args
+                    self._update_parts(torch.load(io.BytesIO(data), weights_only=True))
                 elif what == "sleep":
                     self._sleep(*args)
                 elif what == "wake_up":

@@ -196,6 +196,14 @@ def test_two_ranks_reload_weights_and_sleep(tmp_path: Path) -> None:
         two.reload_weights(b)
         two.wake_up(["kv_cache"])
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
+        # a's tensors from memory: each rank writes its part (rank 1's experts through the
+        # control channel); a bad batch is refused on every rank, nothing written
+        ta = load_file(next(a.glob("*.safetensors")))
+        with pytest.raises(ValueError, match="given twice"):
+            two.update_weights_from_tensor([*ta.items(), ("embed.weight", ta["embed.weight"])])
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
+        two.update_weights_from_tensor(ta.items())
+        assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == first
     finally:
         two.close()
 
