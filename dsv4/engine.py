@@ -259,6 +259,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def retract(self) -> int:
+        """Every running request back to the waiting queue, its state freed (every rank: the
+        schedulers must stay alike); they recompute when admitted again. How many."""
+        if self.leads:
+            self._outbox.append(("retract", ""))
+        return self.scheduler.retract_all()
+
     def flush_cache(self) -> int:
         """Drop the cached prefixes no running request holds (every rank: the schedulers must
         stay alike): how many blocks."""
@@ -337,6 +344,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        if self.asleep and self.scheduler.has_work():  # (the weights or the state are gone)
+            raise EngineError(self.asleep)
         if self.leads:
             self.tell("step")
         work = self.scheduler.schedule()
@@ -748,6 +757,10 @@ class AsyncEngine:
         """Stop stepping (the running requests hold where they are) or go on; done between
         steps (once the future is done, no step runs until the engine goes on)."""
         return self.call(lambda: setattr(self, "paused", paused))
+
+    def retract(self) -> concurrent.futures.Future:
+        """`Engine.retract` between steps; the future gives how many."""
+        return self.call(self.engine.retract)
 
     def abort_all(self) -> concurrent.futures.Future:
         """Abort every request the engine holds (each stream ends with finish_reason abort);

@@ -348,8 +348,9 @@ class LLM:
         tags = list(check_tags(tags))
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.engine.requests:
-            raise ValueError(f"{len(self.engine.requests)} requests are in the engine")
+        running = len(self.engine.scheduler.running)
+        if running:  # (waiting ones, retracted by a pause, hold no state)
+            raise ValueError(f"{running} requests are running (abort or retract them first)")
         if self.engine.leads:  # every rank gives back its part
             self.engine.tell("sleep", level, tags)
         self._sleep(level, tags)
@@ -434,6 +435,8 @@ class LLM:
                     self.engine.abort(rid)
                 elif kind == "flush":
                     self.engine.flush_cache()
+                elif kind == "retract":
+                    self.engine.retract()
                 else:
                     self.engine.add_request(*rest, rid)
             if what == "stop":

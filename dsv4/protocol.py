@@ -406,10 +406,11 @@ class MemoryTagsRequest(BaseModel):
 class PauseGenerationRequest(BaseModel):
     """SGLang's POST /pause_generation: new requests wait until /continue_generation; "abort"
     ends the running ones, "in_place" holds them where they are (a weight update may come in
-    between: they go on with the new weights)."""
+    between: they go on with the new weights), "retract" holds them with their state freed (a
+    sleep may come in between too; they recompute prompt + output on continue)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    mode: Literal["abort", "in_place"] = "abort"
+    mode: Literal["abort", "in_place", "retract"] = "abort"
 
 
 class DetokenizeRequest(BaseModel):

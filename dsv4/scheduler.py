@@ -146,6 +146,15 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def retract_all(self) -> int:
+        """Preempt every running request (SGLang's pause mode "retract"): their state is freed
+        and they wait, in arrival order ahead of the others, to recompute prompt + output.
+        Returns how many."""
+        running = sorted(self.running, key=lambda r: r.arrival, reverse=True)
+        for req in running:  # (newest first: each goes to the front, the oldest ends first)
+            self._preempt(req)
+        return len(running)
+
     def _grow(self, req: Request, n_tokens: int) -> bool:
         need = self._pages_for(n_tokens) - len(req.pages)
         while (

@@ -146,11 +146,14 @@ class Server:
 
     async def pause(self, mode: str | None) -> int:
         """Pause generation in `mode` ("abort": end the running requests; "in_place": hold
-        them), or go on (None): how many it aborted."""
+        them; "retract": hold them with their state freed, to recompute on continue), or go on
+        (None): how many it aborted."""
         async with self._cond():
             self.paused = mode
             self._cond().notify_all()
-        await asyncio.wrap_future(self.engine.pause(mode == "in_place"))
+        await asyncio.wrap_future(self.engine.pause(mode in ("in_place", "retract")))
+        if mode == "retract":  # (their state freed: they recompute on continue)
+            await asyncio.wrap_future(self.engine.retract())
         if mode != "abort":
             return 0
         return await asyncio.wrap_future(self.engine.abort_all())
@@ -164,7 +167,7 @@ class Server:
     async def update_weights(self, path: str, abort_all: bool, version: str | None) -> int:
         """Load the checkpoint at `path` in place once no request is in flight (new ones wait;
         abort_all ends the running ones first): how many were aborted. ValueError if refused."""
-        held = self.paused == "in_place"  # (the held requests go on with the new weights)
+        held = self.paused in ("in_place", "retract")  # (held requests go on with the new weights)
         t0 = time.perf_counter()
         reload = functools.partial(self.llm.reload_weights, path, held=held)
         aborted = await self.alone(reload, abort_all, held)
@@ -642,7 +645,8 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationRequest) -> dict:
         """SGLang's: new requests wait until /continue_generation; mode "abort" ends the
-        running ones, "in_place" holds them (for a weight update in between)."""
+        running ones, "in_place" holds them (for a weight update in between), "retract" holds
+        them with their state freed (a sleep may come in between too)."""
         server.require_engine()
         aborted = await server.pause(body.mode)
         return {"success": True, "message": f"generation paused ({body.mode})",
@@ -657,15 +661,17 @@ def build_app(server: Server) -> FastAPI:
     # ---- sleep mode: vLLM's /sleep, /wake_up, /is_sleeping; SGLang's memory occupation ----
     async def sleep(level: int, tags: list[str] | None) -> None:
         server.require_engine()
+        held = server.paused in ("in_place", "retract")  # (LLM.sleep refuses running ones)
         try:
-            await server.alone(functools.partial(server.llm.sleep, level, tags))
+            await server.alone(functools.partial(server.llm.sleep, level, tags), held=held)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
     async def wake_up(tags: list[str] | None) -> None:
         server.require_engine()
+        held = server.paused in ("in_place", "retract")
         try:
-            await server.alone(functools.partial(server.llm.wake_up, tags))
+            await server.alone(functools.partial(server.llm.wake_up, tags), held=held)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

@@ -204,6 +204,18 @@ def test_two_ranks_reload_weights_and_sleep(tmp_path: Path) -> None:
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == want_b
         two.update_weights_from_tensor(ta.items())
         assert [o.token_ids for o in two.generate(PROMPTS, GREEDY)] == first
+        # retracted mid-way on both ranks (state freed; a sleep in between), they recompute and
+        # end as they would have
+        rids = [two.add_request(p, GREEDY) for p in PROMPTS]
+        for _ in range(3):
+            two.engine.step()
+        assert two.engine.retract() == len(PROMPTS)
+        two.sleep()
+        two.wake_up()
+        done = {}
+        while two.engine.has_work():
+            done.update({o.request_id: o.token_ids for o in two.engine.step() if o.finished})
+        assert [done[r] for r in rids] == first
     finally:
         two.close()
 

@@ -1243,7 +1243,9 @@ def test_sleep_and_wake_up(model_dir):  # noqa: ANN001
 def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
     # SGLang's RL loop: pause in place (the running request holds, new ones wait), update the
     # weights, continue (the held request goes on with the new weights from where it was); a
-    # pause with mode abort ends the running request and new ones wait for continue
+    # pause with mode abort ends the running request and new ones wait for continue; mode
+    # retract frees the running request's state (memory released and resumed in between) and
+    # it recomputes on continue
     other = make_tiny(tmp_path / "b", tiny_args(), seed=1, tokenizer="deepseek")
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine
@@ -1281,7 +1283,18 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
             r["later_waited"] = not later.done()
             await ac.post("/continue_generation")
             r["later"] = (await later).json()
-            r["bad"] = await ac.post("/pause_generation", json={"mode": "retract"})
+            # retract: the running request's state freed and a sleep in between; on continue it
+            # recomputes prompt + output and ends as it would have
+            again = asyncio.create_task(ac.post("/generate", json=long))
+            await until(again, started)
+            r["retract"] = (await ac.post("/pause_generation", json={"mode": "retract"})).json()
+            s = engine.scheduler
+            r["retracted"] = (len(s.running), len(s.waiting), s.num_preemptions)
+            r["release"] = await ac.post("/release_memory_occupation", json={})
+            r["resume"] = await ac.post("/resume_memory_occupation", json={})
+            await ac.post("/continue_generation")
+            r["again"] = (await again).json()
+            r["bad"] = await ac.post("/pause_generation", json={"mode": "later"})
         return r
 
     try:
@@ -1298,6 +1311,9 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
     assert r["abort"]["num_aborted_requests"] == 1
     assert r["running"]["meta_info"]["finish_reason"] == {"type": "abort"}
     assert r["later_waited"] and r["later"]["output_ids"] == alone
+    assert r["retract"]["success"] and r["retracted"][:2] == (0, 1) and r["retracted"][2] >= 1
+    assert r["release"].status_code == 200 and r["resume"].status_code == 200, r["release"].text
+    assert r["again"]["output_ids"] == alone
     assert r["bad"].status_code == 400
 
 
