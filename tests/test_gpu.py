@@ -210,3 +210,33 @@ def test_gpu_sleep_and_wake_up(tiny):  # noqa: ANN001
     llm.wake_up()
     llm.reload_weights(tiny)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+
+
+def test_gpu_update_weights_from_tensor_under_graphs(tiny, tmp_path):  # noqa: ANN001
+    # another checkpoint's tensors from memory (on the GPU, as a trainer holds them) written into
+    # the GPU defaults' packed and joined weights under captured graphs: a fresh load's greedy
+    # tokens; one FP8 weight given as a float tensor is quantized on the GPU
+    from safetensors.torch import load_file
+
+    other = make_tiny(tmp_path / "b", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
+    prompts = [list(range(2, 30)), list(range(5, 12))]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    want = [o.token_ids for o in LLM(other, max_seqs=2, max_seq_len=256, progress=False)
+            .generate(prompts, sp)]  # fmt: skip
+    tb = {k: v.cuda() for k, v in load_file(next(other.glob("*.safetensors"))).items()}
+    llm.update_weights_from_tensor(tb.items())
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+    ta = load_file(next(tiny.glob("*.safetensors")))
+    llm.update_weights_from_tensor(ta.items())
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    w = torch.randn(32, 64, device="cuda")
+    llm.update_weights_from_tensor([("layers.0.attn.wq_a.weight", w)])
+    from dsv4 import quant
+
+    codes, scale = quant.quant_fp8(w)
+    got = llm.model.layers[0].attn.wq_a
+    assert torch.equal(got.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got.scale.view(torch.uint8), scale.view(torch.uint8))
