@@ -1163,6 +1163,23 @@ def _topk_probe(x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, TOPK: tl.const
         tl.store(out_ptr + tl.arange(0, N), x)
 
 
+def _select_variant(q, w, keys, cand, want, sort: bool, segment: int, warps: int) -> None:  # noqa: ANN001
+    # index_topk T=16 at 128K with the hist select of `segment` keys x `warps` a program, timed
+    # and checked against `want` (the levels select's; unsorted: as sets)
+    kw = dict(segment=segment, select_warps=warps, sort=sort, select="hist")
+    got = indexer.index_topk(q, w, keys, cand, 512, **kw)
+    torch.cuda.synchronize()
+    same = (
+        torch.equal(got, want)
+        if sort
+        else all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
+    )
+    us(
+        f"index_topk T=16 128K {'sorted' if sort else 'unsorted'} segment {segment} x {warps} warps{'' if same else ' WRONG'}",
+        lambda: indexer.index_topk(q, w, keys, cand, 512, **kw),
+    )
+
+
 def probe_select_sweep() -> None:
     # index_topk T=16 at 128K (32768 candidates) by the hist select's segment (keys per program)
     # and warps: sorted and unsorted, each checked against the levels select first
@@ -1174,18 +1191,7 @@ def probe_select_sweep() -> None:
             for warps in (4, 8, 16):
                 if segment // (32 * warps) < 1:
                     continue
-                kw = dict(segment=segment, select_warps=warps, sort=sort, select="hist")
-                got = indexer.index_topk(q, w, keys, cand, 512, **kw)
-                torch.cuda.synchronize()
-                same = (
-                    torch.equal(got, want)
-                    if sort
-                    else all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
-                )
-                us(
-                    f"index_topk T=16 128K {'sorted' if sort else 'unsorted'} segment {segment} x {warps} warps{'' if same else ' WRONG'}",
-                    lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),
-                )
+                _select_variant(q, w, keys, cand, want, sort, segment, warps)
     copy_floor("select sweep: copy_ of 128 MiB", 128 << 20)
 
 
@@ -1199,18 +1205,7 @@ def probe_select_big() -> None:
     for _ in range(2):
         for sort in (False, True):
             for segment, warps in ((4096, 16), (8192, 32), (16384, 32), (32768, 32)):
-                kw = dict(segment=segment, select_warps=warps, sort=sort, select="hist")
-                got = indexer.index_topk(q, w, keys, cand, 512, **kw)
-                torch.cuda.synchronize()
-                same = (
-                    torch.equal(got, want)
-                    if sort
-                    else all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, want))
-                )
-                us(
-                    f"index_topk T=16 128K {'sorted' if sort else 'unsorted'} segment {segment} x {warps} warps{'' if same else ' WRONG'}",
-                    lambda kw=kw: indexer.index_topk(q, w, keys, cand, 512, **kw),
-                )
+                _select_variant(q, w, keys, cand, want, sort, segment, warps)
     copy_floor("select big: copy_ of 128 MiB", 128 << 20)
 
 

@@ -166,23 +166,34 @@ def test_gpu_json_schema(tiny):  # noqa: ANN001
     assert sum(a.token_ids == b.token_ids for a, b in zip(outs, cpu)) >= 1
 
 
-def test_gpu_reload_weights_under_graphs(tiny, tmp_path):  # noqa: ANN001
-    # weights reloaded in place on the GPU defaults (packed weights, joined projections, captured
-    # decode and prefill graphs): the replayed steps read the new weights (a fresh load's greedy
-    # tokens), and the first ones again after reloading the first checkpoint
+def _served_and_other(tiny, tmp_path):  # noqa: ANN001, ANN202
+    # the GPU defaults on `tiny` with graphs captured, another checkpoint of the same model, and
+    # the greedy tokens of each: (llm, gen, other, first, want)
     other = make_tiny(tmp_path / "b", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
     prompts = [list(range(2, 30)), list(range(5, 12))]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
-    first = [o.token_ids for o in llm.generate(prompts, sp)]
+
+    def gen() -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+
+    first = gen()
     assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
     fresh = LLM(other, max_seqs=2, max_seq_len=256, progress=False)
     want = [o.token_ids for o in fresh.generate(prompts, sp)]
     assert want != first
+    return llm, gen, other, first, want
+
+
+def test_gpu_reload_weights_under_graphs(tiny, tmp_path):  # noqa: ANN001
+    # weights reloaded in place on the GPU defaults (packed weights, joined projections, captured
+    # decode and prefill graphs): the replayed steps read the new weights (a fresh load's greedy
+    # tokens), and the first ones again after reloading the first checkpoint
+    llm, gen, other, first, want = _served_and_other(tiny, tmp_path)
     llm.reload_weights(other)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert gen() == want
     llm.reload_weights(tiny)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
 
 
 def test_gpu_sleep_and_wake_up(tiny):  # noqa: ANN001
@@ -218,20 +229,14 @@ def test_gpu_update_weights_from_tensor_under_graphs(tiny, tmp_path):  # noqa: A
     # tokens; one FP8 weight given as a float tensor is quantized on the GPU
     from safetensors.torch import load_file
 
-    other = make_tiny(tmp_path / "b", tiny_args(vocab_size=300), seed=1, tokenizer="bytes")
-    prompts = [list(range(2, 30)), list(range(5, 12))]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    llm = LLM(tiny, max_seqs=2, max_seq_len=256, progress=False)
-    first = [o.token_ids for o in llm.generate(prompts, sp)]
-    want = [o.token_ids for o in LLM(other, max_seqs=2, max_seq_len=256, progress=False)
-            .generate(prompts, sp)]  # fmt: skip
+    llm, gen, other, first, want = _served_and_other(tiny, tmp_path)
     tb = {k: v.cuda() for k, v in load_file(next(other.glob("*.safetensors"))).items()}
     llm.update_weights_from_tensor(tb.items())
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert gen() == want
     assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
     ta = load_file(next(tiny.glob("*.safetensors")))
     llm.update_weights_from_tensor(ta.items())
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
     w = torch.randn(32, 64, device="cuda")
     llm.update_weights_from_tensor([("layers.0.attn.wq_a.weight", w)])
     from dsv4 import quant

@@ -7,6 +7,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.cli import main
+from dsv4.engine import EngineError
 from dsv4.ops import ref
 from dsv4.state import Batch
 from dsv4.tiny import make_tiny, tiny_args
@@ -269,26 +270,37 @@ def test_capacity_lines_as_vllm(llm, caplog):  # noqa: ANN001
     assert "Maximum concurrency for 32 tokens per request: 2.00x" in text  # 4 pages / 2 (4 slots)
 
 
-def test_reload_weights_in_place(tmp_path, monkeypatch):  # noqa: ANN001
-    # another checkpoint of the same model loaded into the running one (RL weight sync): the same
-    # outputs as a fresh load of it, the first ones back after loading the first again, the
-    # parameters' storage unchanged (captured graphs keep reading them); another model's config
-    # and a load that fails half way are refused with the loaded weights still answering
+def _a_and_b(tmp_path):  # noqa: ANN001, ANN202
+    # two checkpoints of one tiny model, an LLM on the first, and each one's greedy tokens:
+    # (llm, gen, a, b, first, fresh_b)
     args = tiny_args(vocab_size=300)
     a, b = make_tiny(tmp_path / "a", args, seed=0), make_tiny(tmp_path / "b", args, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["hello", [0, 5, 6, 7]]
     llm = LLM(a, device="cpu", progress=False)
-    first = [o.token_ids for o in llm.generate(prompts, sp)]
-    ptrs = {k: v.data_ptr() for k, v in llm.model.state_dict().items()}
+
+    def gen() -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts, sp)]
+
+    first = gen()
     fresh_b = [o.token_ids for o in LLM(b, device="cpu", progress=False).generate(prompts, sp)]
     assert fresh_b != first
+    return llm, gen, a, b, first, fresh_b
+
+
+def test_reload_weights_in_place(tmp_path, monkeypatch):  # noqa: ANN001
+    # another checkpoint of the same model loaded into the running one (RL weight sync): the same
+    # outputs as a fresh load of it, the first ones back after loading the first again, the
+    # parameters' storage unchanged (captured graphs keep reading them); another model's config
+    # and a load that fails half way are refused with the loaded weights still answering
+    llm, gen, a, b, first, fresh_b = _a_and_b(tmp_path)
+    ptrs = {k: v.data_ptr() for k, v in llm.model.state_dict().items()}
     llm.reload_weights(b)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh_b
+    assert gen() == fresh_b
     assert {k: v.data_ptr() for k, v in llm.model.state_dict().items()} == ptrs
     assert llm.model_dir == b
     llm.reload_weights(a)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
     other = make_tiny(tmp_path / "c", tiny_args(vocab_size=300, n_routed_experts=4), seed=0)
     with pytest.raises(ValueError, match="n_routed_experts"):
         llm.reload_weights(other)
@@ -308,14 +320,14 @@ def test_reload_weights_in_place(tmp_path, monkeypatch):  # noqa: ANN001
     with pytest.raises(ValueError, match="are back"):
         llm.reload_weights(b)
     assert llm.model_dir == a
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
 
 
 def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
     # vLLM's sleep mode: level 1 gives back every weight and state storage and brings the weights
     # back as they were (the same greedy tokens after wake_up, over a zeroed state and no stale
-    # cached prefix); requests and scores are refused while asleep, and sleep with a request in
-    # the engine; level 2 drops the weights: refused until reload_weights; wake_up by tags
+    # cached prefix); requests, scores and steps are refused while asleep, and sleep with a
+    # running request (a waiting one has no state to lose); level 2 drops the weights: refused until reload_weights; wake_up by tags
     args = tiny_args(vocab_size=300)
     a = make_tiny(tmp_path / "a", args, seed=0)
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -330,9 +342,16 @@ def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
     assert gen() == first and cache.hits  # (the second time from the cached prefix)
     weights = {k: v.clone() for k, v in llm.model.state_dict().items()}
     llm.add_request(prompts[1], sp, "busy")
-    with pytest.raises(ValueError, match="1 requests are in the engine"):
+    llm.engine.step()  # (running: its state is in the pools)
+    with pytest.raises(ValueError, match="1 requests are running"):
         llm.sleep()
     llm.engine.abort("busy")
+    llm.add_request(prompts[1], sp, "waiting")  # (no state yet: it may wait through a sleep)
+    llm.sleep(tags=["kv_cache"])
+    with pytest.raises(EngineError, match="asleep"):
+        llm.engine.step()
+    llm.wake_up()
+    llm.engine.abort("waiting")
     llm.sleep(level=1)
     assert llm.is_sleeping
     assert all(p.untyped_storage().nbytes() == 0 for p in llm.model.parameters())
@@ -380,20 +399,15 @@ def test_update_weights_from_tensor(tmp_path):  # noqa: ANN001
     from dsv4 import quant
     from dsv4.checkpoint import checkpoint_tensors, companion_names
 
-    args = tiny_args(vocab_size=300)
-    a, b = make_tiny(tmp_path / "a", args, seed=0), make_tiny(tmp_path / "b", args, seed=1)
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = ["hello", [0, 5, 6, 7]]
-    llm = LLM(a, device="cpu", progress=False)
-    first = [o.token_ids for o in llm.generate(prompts, sp)]
-    fresh_b = [o.token_ids for o in LLM(b, device="cpu", progress=False).generate(prompts, sp)]
+    llm, gen, a, b, first, fresh_b = _a_and_b(tmp_path)
+    args = llm.args
     tb = load_file(next(b.glob("*.safetensors")))
     ta = load_file(next(a.glob("*.safetensors")))
     n = llm.update_weights_from_tensor(list(tb.items()))
     assert n == len(set(tb) - companion_names(checkpoint_tensors(args)))
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == fresh_b
+    assert gen() == fresh_b
     llm.update_weights_from_tensor(ta.items())
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
     params = llm.model.state_dict()
     # a subset: the embedding alone
     llm.update_weights_from_tensor([("embed.weight", tb["embed.weight"])])
@@ -431,4 +445,4 @@ def test_update_weights_from_tensor(tmp_path):  # noqa: ANN001
         with pytest.raises(ValueError, match=why):
             llm.update_weights_from_tensor(batch)
     assert all(torch.equal(v, before[k]) for k, v in llm.model.state_dict().items())
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == first
+    assert gen() == first
