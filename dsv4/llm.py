@@ -245,10 +245,7 @@ class LLM:
         or fails with the others. ValueError, with the old weights in place, for a different
         config or a malformed checkpoint; if the new one fails half way (on any rank) the old
         one is loaded again (and if that fails too, RuntimeError: the model is neither)."""
-        if self.engine.requests and not held:
-            raise ValueError(f"{len(self.engine.requests)} requests are running")
-        if "weights" in self._released:
-            raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
+        self._check_writable(held)
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path}: no config.json")
@@ -263,6 +260,13 @@ class LLM:
         if self.engine.leads:  # the other ranks load their parts beside this one
             self.engine.tell("reload", str(path))
         self._reload_parts(path)
+
+    def _check_writable(self, held: bool) -> None:
+        # the weights may be written now: no request running (unless held by a pause), awake
+        if self.engine.requests and not held:
+            raise ValueError(f"{len(self.engine.requests)} requests are running")
+        if "weights" in self._released:
+            raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
 
     def _reload_parts(self, path: Path) -> None:
         """Every rank: load this rank's part of `path`, then agree with the others (one failure
@@ -311,10 +315,7 @@ class LLM:
         request running, or `held` ones). Under tensor/expert parallelism the tensors go to the
         other ranks through host memory and each rank writes its part. Returns the tensors
         written here."""
-        if self.engine.requests and not held:
-            raise ValueError(f"{len(self.engine.requests)} requests are running")
-        if "weights" in self._released:
-            raise ValueError("the weights are asleep (LLM.sleep): wake_up(['weights']) first")
+        self._check_writable(held)
         named = [(n, t) for n, t in named_tensors]
         if self.engine.leads:  # (torch.save: pickle cannot carry FP8 tensors in torch 2.13)
             buf = io.BytesIO()
@@ -343,8 +344,9 @@ class LLM:
         the weights in host memory; level 2 drops them (`reload_weights` after `wake_up`, as a
         weight update does). The state's contents go, and with them the cached prefixes and the
         CUDA graphs (captured again after `wake_up`). tags: of "weights" and "kv_cache" (default
-        both; SGLang's release_memory_occupation). No request may be in the engine; new ones are
-        refused until wake_up. Every rank under tensor parallelism."""
+        both; SGLang's release_memory_occupation). No request may be running (waiting ones,
+        e.g. retracted by a pause, hold no state); new ones are refused, and steps, until
+        wake_up. Every rank under tensor parallelism."""
         tags = list(check_tags(tags))
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
@@ -424,8 +426,8 @@ class LLM:
     # ---- tensor parallel -----------------------------------------------------------------------
     def _follow(self) -> None:
         """Ranks > 0: repeat rank 0's adds and aborts, and each engine step, score call, weight
-        reload or update, sleep and wake-up, in its order (`Engine.tell`), until it stops. Outputs stay
-        here: rank 0 returns them."""
+        reload or update, sleep and wake-up, in its order (`Engine.tell`), until it stops.
+        Outputs stay here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
         while True:
             what, payload = parallel.receive()
