@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, help_ in (
         ("serve", "OpenAI-compatible HTTP server (default: the built-in demo model)"),
+        ("run-batch", "an OpenAI batch file (JSON lines) through the server's routes, offline"),
         ("bench", "benchmarks: `dsv4 bench step` (one decode/prefill step at real width)"),
     ):
         sub.add_parser(name, help=help_, add_help=False).set_defaults(fn=None)
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4.server import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "run-batch":
+        from dsv4.batch import main as batch_main
+
+        return batch_main(argv[1:])
     if argv and argv[0] == "bench":
         from dsv4.bench import main as bench_main
 
