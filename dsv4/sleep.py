@@ -44,34 +44,47 @@ def _bytes(st: torch.UntypedStorage, n: int) -> torch.Tensor:
 
 
 class Released:
-    """Storages whose memory is given back: those of `keep` with their bytes waiting in host
-    memory (pinned for a GPU) to come back with them, those of `drop` to come back zeroed."""
+    """Storages whose memory is given back: those of `keep` with their bytes waiting in one host
+    buffer (pinned for a GPU: one allocation and asynchronous copies, not one per tensor; Flash
+    has ~66K expert tensors) to come back with them, those of `drop` to come back zeroed."""
 
     def __init__(
         self, keep: list[torch.UntypedStorage], drop: list[torch.UntypedStorage] = ()
     ) -> None:
-        self.items: list[tuple[torch.UntypedStorage, int, torch.Tensor | None]] = []
-        for st in keep:
-            n = st.nbytes()
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=st.device.type == "cuda")
-            self.items.append((st, n, host.copy_(_bytes(st, n))))
         kept = {(str(st.device), st.data_ptr()) for st in keep}
-        self.items += [
-            (st, st.nbytes(), None) for st in drop if (str(st.device), st.data_ptr()) not in kept
-        ]
-        for st, _, _ in self.items:
+        drop = [st for st in drop if (str(st.device), st.data_ptr()) not in kept]
+        self.items = [(st, st.nbytes()) for st in [*keep, *drop]]
+        self.num_kept = len(keep)
+        total = sum(n for _, n in self.items[: self.num_kept])
+        pin = any(st.device.type == "cuda" for st in keep)
+        self.host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        for (st, n), at in zip(self.items, self._offsets()):
+            self.host[at : at + n].copy_(_bytes(st, n), non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        for st, _ in self.items:
             st.resize_(0)
+
+    def _offsets(self) -> list[int]:
+        # where each kept storage's bytes lie in the host buffer
+        out, at = [], 0
+        for _, n in self.items[: self.num_kept]:
+            out.append(at)
+            at += n
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n, _ in self.items)
+        return sum(n for _, n in self.items)
 
     def restore(self) -> None:
-        for st, n, host in self.items:
+        pin = self.host.is_pinned()
+        for st, n in self.items:
             st.resize_(n)
-            b = _bytes(st, n)
-            if host is None:
-                b.zero_()
-            else:
-                b.copy_(host)
-        self.items = []
+        for (st, n), at in zip(self.items, self._offsets()):
+            _bytes(st, n).copy_(self.host[at : at + n], non_blocking=pin)
+        for st, n in self.items[self.num_kept :]:
+            _bytes(st, n).zero_()
+        if pin:
+            torch.cuda.synchronize()  # (the host buffer goes with this object)
+        self.items, self.host = [], self.host[:0]
