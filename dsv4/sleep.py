@@ -49,14 +49,18 @@ class Released:
     has ~66K expert tensors) to come back with them, those of `drop` to come back zeroed."""
 
     def __init__(
-        self, keep: list[torch.UntypedStorage], drop: list[torch.UntypedStorage] = ()
+        self,
+        keep: list[torch.UntypedStorage],
+        drop: list[torch.UntypedStorage] = (),
+        pin: bool | None = None,
     ) -> None:
         kept = {(str(st.device), st.data_ptr()) for st in keep}
         drop = [st for st in drop if (str(st.device), st.data_ptr()) not in kept]
         self.items = [(st, st.nbytes()) for st in [*keep, *drop]]
         self.num_kept = len(keep)
         total = sum(n for _, n in self.items[: self.num_kept])
-        pin = any(st.device.type == "cuda" for st in keep)
+        if pin is None:  # (pinned: the copies run at PCIe speed, but pinning itself takes time)
+            pin = any(st.device.type == "cuda" for st in keep)
         self.host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         for (st, n), at in zip(self.items, self._offsets()):
             self.host[at : at + n].copy_(_bytes(st, n), non_blocking=pin)
