@@ -28,20 +28,31 @@ def main() -> None:
                 ts.append(torch.ones(rows, cols // 32, device="cuda").to(torch.float8_e8m0fnu))
     ref = [t.clone() for t in ts[:12]]
     nbytes = sum(t.nbytes for t in ts)
-    for level, pin in ((1, True), (1, False), (2, None)):
+    host = None
+    for level, pin, again in (
+        (1, True, False),
+        (1, True, True),
+        (1, False, False),
+        (2, None, False),
+    ):
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
         t0 = time.perf_counter()
-        r = Released(storages(ts), [], pin) if level == 1 else Released([], storages(ts))
+        if level == 1:
+            r = Released(storages(ts), [], pin, host=host if again else None)
+        else:
+            r = Released([], storages(ts))
         torch.cuda.empty_cache()
         t1 = time.perf_counter()
         freed = torch.cuda.mem_get_info()[0] - free0
         r.restore()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
+        host = r.host if pin else host
         same = all(torch.equal(a, b) for a, b in zip(ts[:12], ref)) if level == 1 else None
+        how = f"level {level}{' pinned' if pin else ''}{' (host buffer reused)' if again else ''}"
         print(
-            f"level {level}{' pinned' if pin else ''}: {len(ts)} tensors, {nbytes / 1e9:.2f} GB; release {t1 - t0:.3f} s "
+            f"{how}: {len(ts)} tensors, {nbytes / 1e9:.2f} GB; release {t1 - t0:.3f} s "
             f"({nbytes / (t1 - t0) / 1e9:.1f} GB/s), {freed / 1e9:.2f} GB back to the driver; "
             f"restore {t2 - t1:.3f} s ({nbytes / (t2 - t1) / 1e9:.1f} GB/s); bytes back {same}"
         )

@@ -127,6 +127,7 @@ class LLM:
         self._score_state: DecodeState | None = None
         self._released: dict[str, Released] = {}  # sleep mode: what is given back, by tag
         self._weights_dropped = False  # sleep(level=2): reload_weights before serving again
+        self._host_copy: torch.Tensor | None = None  # the weights' host buffer, for the next sleep
         if self._followers:  # a follower that dies unasked stops this process (`parallel.watch`)
             parallel.watch(self._followers)
         if par.rank:  # a follower: serve rank 0 until it closes, then end this process
@@ -341,8 +342,9 @@ class LLM:
     def sleep(self, level: int = 1, tags: list[str] | None = None) -> None:
         """Give back the memory of the weights and of the decode state (vLLM's LLM.sleep), for
         another process on the GPU in between (an RL trainer beside the engine). Level 1 keeps
-        the weights in host memory; level 2 drops them (`reload_weights` after `wake_up`, as a
-        weight update does). The state's contents go, and with them the cached prefixes and the
+        the weights in host memory (one buffer, kept after wake_up for the next sleep: pinning
+        it is the slow part); level 2 drops them (`reload_weights` after `wake_up`, as a weight
+        update does). The state's contents go, and with them the cached prefixes and the
         CUDA graphs (captured again after `wake_up`). tags: of "weights" and "kv_cache" (default
         both; SGLang's release_memory_occupation). No request may be running (waiting ones,
         e.g. retracted by a pause, hold no state); new ones are refused, and steps, until
@@ -367,7 +369,7 @@ class LLM:
             params = storages(self.model.parameters())
             buffers = storages(self.model.buffers())
             keep, drop = (params + buffers, []) if level == 1 else (buffers, params)
-            self._released["weights"] = Released(keep, drop)
+            self._released["weights"] = Released(keep, drop, host=self._host_copy)
             self._weights_dropped = level == 2
         if "kv_cache" in tags and "kv_cache" not in self._released:
             states = [self.state] + ([self._score_state] if self._score_state else [])
@@ -397,6 +399,8 @@ class LLM:
             released = self._released.pop(tag, None)
             if released is not None:
                 released.restore()
+                if tag == "weights":  # (kept for the next sleep: pinning is the slow part)
+                    self._host_copy = released.host
                 self.model.ops.forget_params()  # (the storages lie elsewhere now)
         if not self._released:
             self.engine.make_graphs()

@@ -53,6 +53,7 @@ class Released:
         keep: list[torch.UntypedStorage],
         drop: list[torch.UntypedStorage] = (),
         pin: bool | None = None,
+        host: torch.Tensor | None = None,
     ) -> None:
         kept = {(str(st.device), st.data_ptr()) for st in keep}
         drop = [st for st in drop if (str(st.device), st.data_ptr()) not in kept]
@@ -61,7 +62,10 @@ class Released:
         total = sum(n for _, n in self.items[: self.num_kept])
         if pin is None:  # (pinned: the copies run at PCIe speed, but pinning itself takes time)
             pin = any(st.device.type == "cuda" for st in keep)
-        self.host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        # `host`: a buffer of an earlier release, reused when it fits (pinning 1 GB takes ~0.5 s
+        # on the H200 host; the copies ~25 ms: docs/PERF.md, thirty-ninth session)
+        fits = host is not None and host.numel() >= total and host.is_pinned() == pin
+        self.host = host if fits else torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         for (st, n), at in zip(self.items, self._offsets()):
             self.host[at : at + n].copy_(_bytes(st, n), non_blocking=pin)
         if pin:
@@ -90,5 +94,5 @@ class Released:
         for st, n in self.items[self.num_kept :]:
             _bytes(st, n).zero_()
         if pin:
-            torch.cuda.synchronize()  # (the host buffer goes with this object)
-        self.items, self.host = [], self.host[:0]
+            torch.cuda.synchronize()
+        self.items = []

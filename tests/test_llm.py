@@ -365,7 +365,12 @@ def test_sleep_and_wake_up(tmp_path):  # noqa: ANN001
     llm.wake_up()
     assert not llm.is_sleeping
     assert all(torch.equal(v, weights[k]) for k, v in llm.model.state_dict().items())
+    host = llm._host_copy.data_ptr()  # (kept for the next sleep, which reuses it)
     assert all(not t.any() for t in llm.state.tensors())
+    assert gen() == first
+    llm.sleep()
+    assert llm._released["weights"].host.data_ptr() == host
+    llm.wake_up()
     assert gen() == first
     # level 2, woken in two steps with the weight update in between (as RL loops do)
     llm.sleep(level=2)
