@@ -73,6 +73,13 @@ PROTECTED = (
     "/health_generate",
     "/start_profile",
     "/stop_profile",
+    "/update_weights_from_disk",
+    "/pause_generation",
+    "/continue_generation",
+    "/sleep",
+    "/wake_up",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 )
 
 

@@ -1064,6 +1064,35 @@ def test_health_503_while_loading():
     assert metrics.status_code == 200 and "vllm:prompt_tokens_total" in metrics.text
 
 
+def test_api_key_guards_the_routes_that_change_state():
+    # with --api-key, the routes that change weights, memory or generation need the key too
+    # (they were open before this session); the read-only ones stay open
+    _, ac = in_process(None, api_key="secret")
+    auth = {"Authorization": "Bearer secret"}
+    changing = [
+        "/update_weights_from_disk",
+        "/pause_generation",
+        "/continue_generation",
+        "/sleep",
+        "/wake_up",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    ]
+    reading = ["/is_sleeping", "/get_weight_version", "/get_model_info"]
+
+    async def go() -> tuple[list, list, list]:
+        async with ac:
+            bare = [await ac.post(r, json={}) for r in changing]
+            keyed = [await ac.post(r, json={}, headers=auth) for r in changing]
+            read = [await ac.get(r) for r in reading]
+        return bare, keyed, read
+
+    bare, keyed, read = asyncio.run(go())
+    assert [r.status_code for r in bare] == [401] * len(changing)
+    assert all(r.status_code != 401 for r in keyed), [r.status_code for r in keyed]
+    assert all(r.status_code == 200 for r in read), [r.text for r in read]
+
+
 def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
     # POST /start_profile and /stop_profile (vLLM's and SGLang's benchmarks' --profile): a
     # gzipped Chrome trace of the engine steps in between, or of num_steps steps
