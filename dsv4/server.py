@@ -655,6 +655,8 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/continue_generation")
     async def continue_generation() -> dict:
         server.require_engine()
+        if server.llm.engine.asleep and server.paused is not None:  # (held requests stay held)
+            raise ApiError(400, f"{server.llm.engine.asleep} before /continue_generation")
         await server.pause(None)
         return {"success": True, "message": "generation continues"}
 

@@ -1320,6 +1320,7 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
             s = engine.scheduler
             r["retracted"] = (len(s.running), len(s.waiting), s.num_preemptions)
             r["release"] = await ac.post("/release_memory_occupation", json={})
+            r["early"] = await ac.post("/continue_generation")  # (asleep: refused, still held)
             r["resume"] = await ac.post("/resume_memory_occupation", json={})
             await ac.post("/continue_generation")
             r["again"] = (await again).json()
@@ -1342,6 +1343,7 @@ def test_pause_and_continue_generation(model_dir, tmp_path):  # noqa: ANN001
     assert r["later_waited"] and r["later"]["output_ids"] == alone
     assert r["retract"]["success"] and r["retracted"][:2] == (0, 1) and r["retracted"][2] >= 1
     assert r["release"].status_code == 200 and r["resume"].status_code == 200, r["release"].text
+    assert r["early"].status_code == 400 and "wake_up first" in r["early"].text
     assert r["again"]["output_ids"] == alone
     assert r["bad"].status_code == 400
 
