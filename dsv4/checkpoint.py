@@ -335,9 +335,10 @@ QUANTIZERS = {"fp8": quant.quant_fp8, "fp4": quant.quant_mxfp4, "nvfp4": quant.q
 def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Write some of the checkpoint's tensors into `model` from memory (an RL trainer's weight
     update: SGLang's update_weights_from_tensor), with the loader's checks, all of them before
-    anything is written: names from the table, each at most once; dtypes and shapes; a quantized
-    weight with all its scales, or instead as one float tensor of the weight's [out, in],
-    quantized here (`dsv4.quant`, as the release's formats); no NaN codes. Every rank checks
+    anything is written: names from the table, each at most once; shapes, and dtypes (a float
+    tensor in another float dtype is rounded to the checkpoint's); a quantized weight with all
+    its scales, or instead as one float tensor of the weight's [out, in], quantized here
+    (`dsv4.quant`, as the release's formats); no NaN codes. Every rank checks
     every tensor (the same verdict everywhere) and writes its own part; another rank's experts
     are skipped. Returns the names written."""
     expected = checkpoint_tensors(model.args)
@@ -358,6 +359,8 @@ def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor
         if name in companions:
             continue
         spec, stem = expected[name], name[: -len("weight")]
+        if spec.fmt == "dense" and t.is_floating_point() and spec.dtype.is_floating_point:
+            t = t.to(spec.dtype)  # (a trainer's fp32 / bf16: rounded as the checkpoint stores it)
         suffixes = SCALE_SUFFIXES.get(spec.fmt, ())
         extra = {s: given[stem + s] for s in suffixes if stem + s in given}
         used.update(stem + s for s in extra)

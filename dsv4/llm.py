@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from dsv4 import hf_names, parallel
 from dsv4 import ops as ops_pkg
-from dsv4 import parallel
 from dsv4.checkpoint import has_mtp, load_checkpoint, load_tensors
 from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tokens
 from dsv4.engine import Engine, RequestOutput, check_prompt
@@ -311,13 +311,14 @@ class LLM:
         """Write some of the weights from memory (SGLang's Engine.update_weights_from_tensor; an
         RL trainer beside the engine): (name, tensor) pairs in the checkpoint's names and
         formats, a quantized weight with its scales or as one float [out, in] tensor quantized
-        here (`checkpoint.load_tensors`). Everything is checked first: on any error nothing is
+        here (`checkpoint.load_tensors`), or in transformers' DeepseekV4 names (its
+        `state_dict()`, stacked experts included: `dsv4.hf_names`). Everything is checked first: on any error nothing is
         written (ValueError naming it). Drops the cached prefixes; calls as reload_weights (no
         request running, or `held` ones). Under tensor/expert parallelism the tensors go to the
         other ranks through host memory and each rank writes its part. Returns the tensors
         written here."""
         self._check_writable(held)
-        named = [(n, t) for n, t in named_tensors]
+        named = list(hf_names.native(named_tensors))
         if self.engine.leads:  # (torch.save: pickle cannot carry FP8 tensors in torch 2.13)
             buf = io.BytesIO()
             torch.save([(n, t.detach().cpu()) for n, t in named], buf)

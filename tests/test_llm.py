@@ -451,3 +451,30 @@ def test_update_weights_from_tensor(tmp_path):  # noqa: ANN001
             llm.update_weights_from_tensor(batch)
     assert all(torch.equal(v, before[k]) for k, v in llm.model.state_dict().items())
     assert gen() == first
+
+
+def test_update_weights_from_transformers_names(tmp_path):  # noqa: ANN001
+    # a trainer holding transformers' DeepseekV4 (its names, the routed experts stacked, fp32):
+    # its state_dict written into a model running another checkpoint gives that checkpoint's
+    # tokens (the FP8 / FP4 weights quantized again as the checkpoint stores them); every name
+    # of the table (but MTP's, which transformers does not hold) comes back from the reference's
+    # renames (tests/reference.py, written apart from dsv4.hf_names)
+    import re
+
+    from dsv4 import hf_names
+    from dsv4.checkpoint import checkpoint_tensors, companion_names
+    from tests.reference import _RENAMES, hf_model
+
+    llm, gen, a, b, first, fresh_b = _a_and_b(tmp_path)
+    llm.update_weights_from_tensor(hf_model(b).state_dict().items())
+    assert gen() == fresh_b
+    table = checkpoint_tensors(llm.args)
+    for name in set(table) - companion_names(table):
+        if name.startswith("mtp.") or ".experts." in name and "shared" not in name:
+            continue
+        hf = name
+        for pat, rep in _RENAMES:
+            hf = re.sub(pat, rep, hf)
+        assert hf_names.is_hf(hf) and hf_names.native_name(hf) == name, (name, hf)
+    with pytest.raises(ValueError, match="experts.gate_up_proj"):
+        llm.update_weights_from_tensor([("model.layers.1.ffn.experts.gate_up_proj", torch.ones(3))])
