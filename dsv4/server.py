@@ -642,6 +642,21 @@ def build_app(server: Server) -> FastAPI:
         msg = f"weights loaded from {body.model_path} (version {server.weight_version})"
         return JSONResponse({"success": True, "message": msg, "num_paused_requests": aborted})
 
+    @app.post("/update_weights_from_tensor")
+    @app.post("/init_weights_update_group")
+    @app.post("/update_weights_from_distributed")
+    async def weight_sync_not_here(request: Request) -> JSONResponse:
+        """SGLang's other weight-sync routes, refused with the reason and what works instead."""
+        route = request.url.path
+        why = (
+            "its body carries pickled tensors (CUDA IPC handles), and unpickling a request body "
+            "runs code; in process, LLM.update_weights_from_tensor takes the tensors"
+            if route == "/update_weights_from_tensor"
+            else "this server joins no trainer's process group (NCCL weight broadcast)"
+        )
+        msg = f"{route} is not supported: {why}. Use /update_weights_from_disk."
+        return JSONResponse({"success": False, "message": msg}, status_code=400)
+
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationRequest) -> dict:
         """SGLang's: new requests wait until /continue_generation; mode "abort" ends the

@@ -1071,6 +1071,9 @@ def test_api_key_guards_the_routes_that_change_state():
     auth = {"Authorization": "Bearer secret"}
     changing = [
         "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
         "/pause_generation",
         "/continue_generation",
         "/sleep",
@@ -1185,6 +1188,11 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
             r["long"] = (await ac.post("/generate", json=long)).json()
             r["bad"] = await ac.post(U, json={"model_path": str(tmp_path / "none")})
             r["typo"] = await ac.post(U, json={"path": str(other)})
+            r["elsewhere"] = {  # (SGLang's other weight syncs: refused, naming what works)
+                x: await ac.post(x, json={"serialized_named_tensors": ["x"]})
+                for x in ("/update_weights_from_tensor", "/init_weights_update_group",
+                          "/update_weights_from_distributed")
+            }  # fmt: skip
             r["still"] = (await ac.post("/generate", json=native)).json()
         return r
 
@@ -1205,6 +1213,9 @@ def test_update_weights_from_disk(model_dir, tmp_path):  # noqa: ANN001
     assert r["bad"].status_code == 400 and not r["bad"].json()["success"]
     assert "config.json" in r["bad"].json()["message"]
     assert r["typo"].status_code == 400
+    for route, why in r["elsewhere"].items():
+        assert why.status_code == 400 and not why.json()["success"], route
+        assert "/update_weights_from_disk" in why.json()["message"], route
     assert r["still"]["output_ids"] == r["before"]["output_ids"]
     assert r["still"]["meta_info"]["weight_version"] == "v2"  # (a failed update keeps it)
 
