@@ -309,7 +309,12 @@ class Engine:
             if self.leads and not self.closed:
                 self.tell("stop")
         finally:
-            self.graphs = self.pieces = None
+            self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        """Let the CUDA graphs go (their memory pools with them): at close, and before
+        `LLM.sleep` gives back the memory they read."""
+        self.graphs = self.pieces = None
 
     def make_graphs(self) -> None:
         """New, empty CUDA graphs (captured as steps meet them), when the engine has them: at

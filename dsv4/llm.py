@@ -363,7 +363,7 @@ class LLM:
     def _sleep(self, level: int, tags: list[str]) -> None:
         if self.config.parallel.rank == 0:  # (it tells the other ranks to flush too)
             self.engine.flush_cache()  # the cached prefixes' state is going
-        self.engine.graphs = self.engine.pieces = None  # they read the memory given back
+        self.engine.drop_graphs()  # (they read the memory given back)
         if "weights" in tags and "weights" not in self._released:
             # level 2 drops the checkpoint's parameters; the buffers the model computed itself
             # (RoPE tables) are not reloaded, so they are always kept

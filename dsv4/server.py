@@ -135,6 +135,11 @@ class Server:
             self._changed = asyncio.Condition()
         return self._changed
 
+    @property
+    def held(self) -> bool:
+        """Generation is paused with the running requests held (in place or retracted)."""
+        return self.paused in ("in_place", "retract")
+
     async def enter(self) -> None:
         """A request starts: after any pending weight update, and while generation is not
         paused."""
@@ -151,7 +156,7 @@ class Server:
         async with self._cond():
             self.paused = mode
             self._cond().notify_all()
-        await asyncio.wrap_future(self.engine.pause(mode in ("in_place", "retract")))
+        await asyncio.wrap_future(self.engine.pause(self.held))
         if mode == "retract":  # (their state freed: they recompute on continue)
             await asyncio.wrap_future(self.engine.retract())
         if mode != "abort":
@@ -167,7 +172,7 @@ class Server:
     async def update_weights(self, path: str, abort_all: bool, version: str | None) -> int:
         """Load the checkpoint at `path` in place once no request is in flight (new ones wait;
         abort_all ends the running ones first): how many were aborted. ValueError if refused."""
-        held = self.paused in ("in_place", "retract")  # (held requests go on with the new weights)
+        held = self.held  # (held requests go on with the new weights)
         t0 = time.perf_counter()
         reload = functools.partial(self.llm.reload_weights, path, held=held)
         aborted = await self.alone(reload, abort_all, held)
@@ -676,21 +681,20 @@ def build_app(server: Server) -> FastAPI:
         return {"success": True, "message": "generation continues"}
 
     # ---- sleep mode: vLLM's /sleep, /wake_up, /is_sleeping; SGLang's memory occupation ----
-    async def sleep(level: int, tags: list[str] | None) -> None:
+    async def memory(fn, *args: object) -> None:  # noqa: ANN001
+        # LLM.sleep / wake_up(*args) once no request is in flight (held ones stay: LLM.sleep
+        # refuses running ones); its refusal a 400
         server.require_engine()
-        held = server.paused in ("in_place", "retract")  # (LLM.sleep refuses running ones)
         try:
-            await server.alone(functools.partial(server.llm.sleep, level, tags), held=held)
+            await server.alone(functools.partial(fn, *args), held=server.held)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
+    async def sleep(level: int, tags: list[str] | None) -> None:
+        await memory(server.llm.sleep, level, tags)
+
     async def wake_up(tags: list[str] | None) -> None:
-        server.require_engine()
-        held = server.paused in ("in_place", "retract")
-        try:
-            await server.alone(functools.partial(server.llm.wake_up, tags), held=held)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        await memory(server.llm.wake_up, tags)
 
     @app.post("/sleep")
     async def sleep_route(level: int = 1) -> dict:
