@@ -493,41 +493,6 @@ def probe_attn_sm90() -> None:
                     )
 
 
-def probe_attn_seesaw() -> None:
-    # the warpgroups taking alternate 32-key tiles and trading P (sm90 seesaw=True, partials +
-    # the combine launch) against the default kernel (in-kernel combine) and the default with the
-    # combine launch, at the decode batches the sm90 kernel serves; each case twice
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 48, 32, 16, 1):
-        q, kv, sink, idx = attn.tokens(T)
-        one = (torch.cat(kv),)
-        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
-        want = ref.sparse_attn(q.float(), tuple(k.float() for k in one), sink, idx, 0.04)
-        cases = [
-            ("default bn64 nb2 (fixup)", {}, True),
-            ("default bn64 nb2 combine launch", {}, False),
-        ]
-        splits = (None, 2, 3, 4) if T <= 48 else (None, 3)
-        cases += [(f"seesaw bn32 splits={sp} regs={r}", dict(block_n=32, seesaw=True,
-                                                             num_splits=sp, regs=r), True)
-                  for sp in splits for r in (240, 232)]  # fmt: skip
-        for _ in range(2):
-            for name, kw, fix in cases:
-                sm90.FIXUP = fix
-                o = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
-                err = float((o.float() - want).norm() / want.norm())
-                us(
-                    f"attn T={T} {name}",
-                    lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
-                    nbytes=nbytes,
-                    note=f"  rel err {err:.1e}",
-                )
-                sm90.FIXUP = True
-    copy_floor("attn seesaw: copy_ of 64 MiB", 64 << 20)
-
-
 def probe_attn_fixup() -> None:
     # the Gluon kernel's two splits combined in the kernel (sm90.FIXUP) against the combine
     # launch, bare and with the inverse RoPE (the model's form), with the difference between them
@@ -2330,7 +2295,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_seesaw": probe_attn_seesaw, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -31,7 +31,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
 )
 
@@ -380,246 +379,6 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
-# ---------------------------------------------------------------------------------------------
-# SEESAW: the warpgroups take alternate tiles for S, trade P, each accumulates half of O
-# ---------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _gather_tile(kv_smem, slot, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
-    # rows idx of kv into both channel halves of tile slot `slot` (-1: zeros), one commit group
-    rows = kv_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn
-    at = rows[:, None] + offs_gd[None, :]
-    ok = (idx >= 0)[:, None]
-    cp.async_copy_global_to_shared(kv_smem.index(2 * slot), at, mask=ok)
-    cp.async_copy_global_to_shared(kv_smem.index(2 * slot + 1), at + 256, mask=ok)
-    cp.commit_group()
-
-
-@gluon.jit
-def _seesaw_half(q_ptr, kv_ptr, idx_ptr, q_smem, kv_smem, p_smem, m_smem, l_smem, landed,
-                 m_ready, p0_ready, p1_ready, freed, both, t, split,
-                 K, keys_per_split, qk_scale, stride_qt, stride_qh, stride_kn, stride_it,
-                 HALF: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # warpgroup HALF of the seesaw (FlashMLA's decode schedule). Keys come in pairs of tiles:
-    # warpgroup 0 gathers and scores tile 2j, warpgroup 1 tile 2j + 1 (S over all 512 channels,
-    # N = BLOCK_N). The running max is a chain across the pair: m0 = max(m1 of pair j - 1, rows
-    # of S0), m1 = max(m0, rows of S1), handed over through shared memory. Each warpgroup owns
-    # half of O's channels (HALF * 256 ..) and adds both tiles' P V to it: its own P from
-    # registers, the other's from shared memory; so while one warpgroup runs its softmax the
-    # other's MMAs keep the tensor cores busy. Four tile slots: pair j + 1 is gathered during
-    # pair j. Returns (acc [64, 256] over the final m, m, l).
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16]
-    )
-    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # mbarriers: landed [4] a tile slot landed (its gatherer arrives); by pair parity [2]:
-    # m_ready (m0 published), p0_ready (P0), p1_ready (m1 and P1), freed (warpgroup 1 is done
-    # with tile 2j: its slot may be refilled); both [2] (count 2): q landed, l traded
-    offs_gd = gl.arange(0, DH, layout=gl.SliceLayout(0, g_layout))
-    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-
-    # own half of q, with the own tile of pair 0 (one commit group)
-    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, g_layout))
-    q_rows = q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + HALF * DH
-    cp.async_copy_global_to_shared(q_smem.index(HALF), q_rows + offs_gd[None, :])
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, K)
-    n_pairs = gl.cdiv(gl.cdiv(k_end - k_begin, BLOCK_N), 2)
-    idx_row = idx_ptr + t * stride_it
-    idx = _tile_idx(idx_row, k_begin + HALF * BLOCK_N, k_end, offs_gn)
-    _gather_tile(kv_smem, HALF, kv_ptr, stride_kn, idx, offs_gd)
-
-    m_run = gl.full([H], NEG, gl.float32, layout=row_s)  # the max acc and l are relative to
-    l_i = gl.zeros([H], gl.float32, layout=row_s)  # own tiles' row sums (over m_run)
-    acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
-    for j in range(n_pairs):
-        par = j % 2
-        ph = (j // 2) & 1
-        own = 2 * j + HALF  # tile this warpgroup gathers and scores
-        slot = own % 4
-        other = (own - 2 * HALF + 1) % 4  # the other warpgroup's tile of the pair
-        cp.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(landed.index(slot))
-        if j == 0:
-            mbarrier.arrive(both.index(0))
-            mbarrier.wait(both.index(0), 0)
-        valid = _tile_idx(idx_row, k_begin + own * BLOCK_N, k_end, offs_sn) >= 0
-        s = warpgroup_mma(q_smem.index(0), kv_smem.index(2 * slot).permute((1, 0)), s_zero,
-                          use_acc=False)  # fmt: skip
-        s = warpgroup_mma(q_smem.index(1), kv_smem.index(2 * slot + 1).permute((1, 0)), s)
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        if HALF == 0:
-            m_new = gl.maximum(m_run, gl.max(s, 1))  # m_run: m1 of pair j - 1
-            m_smem.index(2 * par).store(m_new)
-            gl.thread_barrier()
-            mbarrier.arrive(m_ready.index(par))
-            p = gl.exp2(s - m_new[:, None])
-            p_smem.index(2 * par).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p0_ready.index(par))
-            # pair j + 1's even tile into the slot of pair j - 1's, once warpgroup 1 is done
-            if j > 0:
-                mbarrier.wait(freed.index(1 - par), ((j - 1) // 2) & 1)
-            idx = _tile_idx(idx_row, k_begin + (own + 2) * BLOCK_N, k_end, offs_gn)
-            _gather_tile(kv_smem, (own + 2) % 4, kv_ptr, stride_kn, idx, offs_gd)
-            alpha = gl.exp2(m_run - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
-            acc = warpgroup_mma(pa, kv_smem.index(2 * slot), acc)
-            # then P1 V1 over this half, rescaled to m1
-            mbarrier.wait(p1_ready.index(par), ph)
-            m1 = m_smem.index(2 * par + 1).load(row_s)
-            beta = gl.exp2(m_new - m1)
-            l_i = l_i * beta
-            acc = acc * gl.convert_layout(beta, row_o)[:, None]
-            mbarrier.wait(landed.index(other), ph)
-            acc = warpgroup_mma(p_smem.index(2 * par + 1), kv_smem.index(2 * other), acc)
-            m_run = m1
-        else:
-            r = gl.max(s, 1)
-            mbarrier.wait(m_ready.index(par), ph)
-            m0 = m_smem.index(2 * par).load(row_s)
-            m_new = gl.maximum(m0, r)
-            p = gl.exp2(s - m_new[:, None])
-            m_smem.index(2 * par + 1).store(m_new)
-            p_smem.index(2 * par + 1).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(p1_ready.index(par))
-            # pair j + 1's odd tile into the slot of pair j - 1's: warpgroup 0 published m0 of
-            # pair j, so it is done with that tile
-            idx = _tile_idx(idx_row, k_begin + (own + 2) * BLOCK_N, k_end, offs_gn)
-            _gather_tile(kv_smem, (own + 2) % 4, kv_ptr, stride_kn, idx, offs_gd)
-            # P0 V0 over this half (acc to m0 first), then own P1 V1 (to m1)
-            alpha = gl.exp2(m_run - m0)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            mbarrier.wait(p0_ready.index(par), ph)
-            mbarrier.wait(landed.index(other), ph)
-            acc = warpgroup_mma(p_smem.index(2 * par), kv_smem.index(2 * other + 1), acc)
-            gl.thread_barrier()  # every warp's MMA on tile 2j is done
-            mbarrier.arrive(freed.index(par))
-            beta = gl.exp2(m0 - m_new)
-            l_i = l_i * (alpha * beta) + gl.sum(p, 1)
-            acc = acc * gl.convert_layout(beta, row_o)[:, None]
-            pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
-            acc = warpgroup_mma(pa, kv_smem.index(2 * slot + 1), acc)
-            m_run = m_new
-    cp.wait_group(0)
-    # l = both warpgroups' row sums (over the same final m), added in a fixed order
-    l_smem.index(HALF).store(l_i)
-    gl.thread_barrier()
-    mbarrier.arrive(both.index(1))
-    mbarrier.wait(both.index(1), 0)
-    l_all = l_smem.index(0).load(row_s) + l_smem.index(1).load(row_s)
-    return acc, m_run, l_all
-
-
-@gluon.jit
-def _seesaw_part(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem, kv_smem,
-                 p_smem, m_smem, l_smem, landed, m_ready, p0_ready, p1_ready, freed, both, t,
-                 split, K, keys_per_split, qk_scale, stride_qt,
-                 stride_qh, stride_kn, stride_it, stride_ot, stride_oh, stride_pt, stride_ps,
-                 stride_ph, stride_mt, stride_ms, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-                 SPLIT: gl.constexpr):  # fmt: skip  # noqa: ANN001, ANN202
-    # `_seesaw_half`, then its half of the partial (SPLIT) or of the sink-normalised output
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    acc, m_i, l_i = _seesaw_half(q_ptr, kv_ptr, idx_ptr, q_smem, kv_smem, p_smem, m_smem, l_smem,
-                                 landed, m_ready, p0_ready, p1_ready, freed, both, t, split, K, keys_per_split, qk_scale, stride_qt,
-                                 stride_qh, stride_kn, stride_it, HALF, BLOCK_N)  # fmt: skip
-    o_layout: gl.constexpr = acc.type.layout
-    col0 = HALF * DH
-    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
-    offs_v = gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if SPLIT:
-        hv = offs_h[:, None] * stride_ph + (col0 + offs_v)[None, :]
-        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
-        if HALF == 0:  # (the same m and l in both warpgroups)
-            ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
-            gl.store(ml, m_o)
-            gl.store(ml + H, l_o)
-    else:
-        out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
-        o_hv = offs_h[:, None] * stride_oh + (col0 + offs_v)[None, :]
-        gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-
-
-@gluon.jit
-def _seesaw_kernel(
-    q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, K, keys_per_split, qk_scale,
-    stride_qt, stride_qh, stride_kn, stride_it, stride_ot, stride_oh, stride_pt, stride_ps,
-    stride_ph, stride_mt, stride_ms,
-    BLOCK_N: gl.constexpr,
-    SPLIT: gl.constexpr,
-    REGS: gl.constexpr,  # the second warpgroup's registers
-    PDL: gl.constexpr = False,
-):  # fmt: skip  # noqa: ANN001
-    # `_decode_kernel`'s arguments and result (bf16 rows, no fixup): two partitions of one
-    # warpgroup each, `_seesaw_part`
-    chain_start(PDL)
-    t = gl.program_id(0).to(gl.int64)
-    split = gl.program_id(1)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 256], gl.bfloat16)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
-    v_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 256], q_layout)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 256], kv_layout)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_N], p_layout)
-    m_smem = gl.allocate_shared_memory(gl.float32, [4, 64], v_layout)
-    l_smem = gl.allocate_shared_memory(gl.float32, [2, 64], v_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    landed = gl.allocate_shared_memory(gl.int64, [4, 1], bar_layout)
-    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    p0_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    p1_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    freed = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    both = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    for i in gl.static_range(4):
-        mbarrier.init(landed.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(m_ready.index(i), count=1)
-        mbarrier.init(p0_ready.index(i), count=1)
-        mbarrier.init(p1_ready.index(i), count=1)
-        mbarrier.init(freed.index(i), count=1)
-        mbarrier.init(both.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (_seesaw_part, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem,
-                            kv_smem, p_smem, m_smem, l_smem, landed, m_ready, p0_ready,
-                            p1_ready, freed, both, t, split, K, keys_per_split,
-                            qk_scale, stride_qt, stride_qh, stride_kn, stride_it, stride_ot,
-                            stride_oh, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, 0,
-                            BLOCK_N, SPLIT)),
-            (_seesaw_part, (q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, part_ptr, ml_ptr, q_smem,
-                            kv_smem, p_smem, m_smem, l_smem, landed, m_ready, p0_ready,
-                            p1_ready, freed, both, t, split, K, keys_per_split,
-                            qk_scale, stride_qt, stride_qh, stride_kn, stride_it, stride_ot,
-                            stride_oh, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, 1,
-                            BLOCK_N, SPLIT)),
-        ],
-        [4],
-        [REGS],
-    )  # fmt: skip
-
-
 def supported(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
 ) -> bool:
@@ -667,16 +426,12 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    seesaw: bool = False,
-    regs: int = 240,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone);
-    seesaw: the warpgroups take alternate tiles (`_seesaw_kernel`, bf16 rows, 4 tile slots, the
-    combine launch; regs: the second warpgroup's)."""
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
     )
@@ -706,17 +461,6 @@ def sparse_attn_sm90(
         and T <= FIXUP_MAX_TOKENS and mode == 0
         and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
-    if seesaw:
-        assert not entries and not mode, "sparse_attn_sm90: seesaw reads bf16 rows"
-        launch = chain(q.device)
-        _seesaw_kernel[(T, num_splits)](
-            q, src, topk_idxs, attn_sink, o, part, ml, K, keys_per_split, scale * _triton.LOG2E,
-            q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0),
-            o.stride(1), part.stride(0), part.stride(1), part.stride(2) if split else 0,
-            ml.stride(0), ml.stride(1),
-            BLOCK_N=block_n, SPLIT=split, REGS=regs, num_warps=4, **launch,
-        )  # fmt: skip
-        return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
     rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
