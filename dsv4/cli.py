@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from dsv4.config import KV_CACHE_DTYPES
+from dsv4.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "device",
@@ -26,6 +26,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "speculative_config",
     "enable_prefix_caching",
     "prefix_snapshots",
+    "scheduling_policy",
 )
 
 
@@ -198,6 +199,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with prefix caching: ring snapshots kept (each one slot's fixed state; default 4 "
         "per --max-seqs)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="fcfs (default): arrival order; priority: requests' `priority`, lower first, then "
+        "arrival (admission, the step's budget, and who is preempted first), as vLLM's",
     )
 
 

@@ -552,6 +552,13 @@ def flash_args() -> ModelArgs:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (`dsv4.scheduler`)
+
+
+def check_policy(policy: str) -> None:
+    """A scheduling policy is one of SCHEDULING_POLICIES (ConfigError naming it if not)."""
+    if policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
 
 
 AUTO_FLAGS = ("device", "dtype", "ops", "quantized", "cuda_graphs")  # what resolve_engine fills
@@ -616,6 +623,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     parallel: Parallel = field(default_factory=Parallel)  # tensor/expert-parallel rank and size
     num_speculative_tokens: int = 0  # MTP speculative decoding: draft tokens per step (0 = off)
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" | "priority" (lower `priority` first)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -635,6 +643,7 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        check_policy(self.scheduling_policy)
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
@@ -728,6 +737,7 @@ class ServerConfig:
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
     speculative_config: str | None = None
     enable_prefix_caching: bool = True  # vLLM's flag, on by default as there (`dsv4.prefix_cache`)
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" | "priority" (lower `priority` first)
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)
@@ -755,6 +765,7 @@ class ServerConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         speculative_tokens(self.speculative_config)  # a bad one fails before the server starts
+        check_policy(self.scheduling_policy)
 
     @property
     def model_name(self) -> str:

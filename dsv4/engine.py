@@ -134,6 +134,7 @@ class Engine:
         cuda_graphs: bool = False,
         num_speculative_tokens: int = 0,
         enable_prefix_caching: bool = False,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
         # speculative decoding: the MTP layer drafts this many tokens after each sampled one,
@@ -162,7 +163,9 @@ class Engine:
         cache = (
             PrefixCache(state.block_size, state.num_snapshots) if enable_prefix_caching else None
         )
-        self.scheduler = Scheduler(state, max_running, max_step_tokens, chunk_size, cache)
+        self.scheduler = Scheduler(
+            state, max_running, max_step_tokens, chunk_size, cache, scheduling_policy
+        )
         self.sampler = Sampler(self.args.eos_token_id)
         self._json_grammar: JsonGrammar | None = None
         self._schema_grammars: dict[Automaton, SchemaGrammar] = {}
@@ -177,8 +180,14 @@ class Engine:
         self.closed = False
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
+        """Queue a request; priority: its place under the "priority" scheduling policy (lower
+        first; any other value than 0 is refused under "fcfs", as vLLM does)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.asleep:
             raise ValueError(self.asleep)
@@ -196,7 +205,7 @@ class Engine:
             )
         room = self.state.max_seq_len - len(prompt_ids)
         max_tokens = min(params.max_tokens or room, room)
-        req = Request(request_id, list(prompt_ids), params, max_tokens)
+        req = Request(request_id, list(prompt_ids), params, max_tokens, priority=priority)
         req.extra["stop"] = StopChecker(params, self.args.eos_token_id)
         req.extra["gen"] = (
             make_generator(params.seed, self.state.block_table.device)
@@ -226,7 +235,7 @@ class Engine:
         self.scheduler.add(req)
         self.requests[request_id] = req
         if self.leads:
-            self._outbox.append(("add", request_id, list(prompt_ids), params))
+            self._outbox.append(("add", request_id, list(prompt_ids), params, priority))
         return request_id
 
     def json_grammar(self) -> JsonGrammar:
@@ -702,7 +711,7 @@ class AsyncEngine:
                     self._deliver(rid, dataclasses.replace(out, delta_token_ids=[], delta_text=""))
                 continue
             try:
-                self.engine.add_request(*args, rid)
+                self.engine.add_request(*args[:2], rid, *args[2:])
             except Exception as e:  # refused (ValueError): the caller's generate raises it
                 self._deliver(rid, e)
 
@@ -731,7 +740,11 @@ class AsyncEngine:
             self._deliver(rid, failed)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, one per step; raises ValueError if the engine refuses it and
         EngineError if a step fails. Closing the generator aborts the request."""
@@ -740,7 +753,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {rid!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.append(("add", rid, list(prompt_ids), params))
+        self._inbox.append(("add", rid, list(prompt_ids), params, priority))
         self._wake.set()
         try:
             while True:

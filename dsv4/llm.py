@@ -81,6 +81,7 @@ class LLM:
         speculative_config: dict | str | None = None,
         enable_prefix_caching: bool = True,
         prefix_snapshots: int | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # one sequence's prefill chunk: by default the step budget, as vLLM's chunked prefill
@@ -107,6 +108,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype,
                 parallel=par,
                 num_speculative_tokens=speculative_tokens(speculative_config),
+                scheduling_policy=scheduling_policy,
             )
             log.info(
                 "engine: %s%s",
@@ -234,6 +236,7 @@ class LLM:
             cuda_graphs=c.cuda_graphs,
             num_speculative_tokens=c.num_speculative_tokens,
             enable_prefix_caching=snapshots > 0,
+            scheduling_policy=c.scheduling_policy,
         )
 
     # ---- weights -------------------------------------------------------------------------------
@@ -444,8 +447,8 @@ class LLM:
                     self.engine.flush_cache()
                 elif kind == "retract":
                     self.engine.retract()
-                else:
-                    self.engine.add_request(*rest, rid)
+                else:  # ("add", rid, prompt ids, params, priority)
+                    self.engine.add_request(rest[0], rest[1], rid, rest[2])
             if what == "stop":
                 self.engine.close()  # (its graphs)
                 log.info("rank %d: stopped", self.config.parallel.rank)
@@ -527,9 +530,13 @@ class LLM:
         return list(prompt)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        return self.engine.add_request(self.encode(prompt), params, request_id)
+        return self.engine.add_request(self.encode(prompt), params, request_id, priority)
 
     def warmup(self) -> float:
         """Meet the shapes a server meets first before it serves: a prefill step of every
@@ -653,9 +660,11 @@ class LLM:
         prompts: str | list[int] | list[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion with continuous batching; one
-        RequestOutput per prompt (with n > 1 its `outputs` holds the n completions, as vLLM's)."""
+        RequestOutput per prompt (with n > 1 its `outputs` holds the n completions, as vLLM's).
+        priority: one per prompt, under the "priority" scheduling policy (vLLM's argument)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = SamplingParams() if params is None else params
@@ -663,9 +672,14 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        for pr in priority:  # (before any request is queued)
+            self.engine.scheduler.check_priority(pr)
         ids = [
-            [self.add_request(p, sp.choice(j)) for j in range(sp.n)]
-            for p, sp in zip(prompts, params)
+            [self.add_request(p, sp.choice(j), priority=pr) for j in range(sp.n)]
+            for p, sp, pr in zip(prompts, params, priority)
         ]
         done: dict[str, RequestOutput] = {}
         bar = None

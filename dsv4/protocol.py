@@ -109,6 +109,7 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
     user: str | None = None
+    priority: int = 0  # vLLM extension: under --scheduling-policy priority, lower first
     # {"type": "text"}, {"type": "json_object"} (JSON mode: dsv4.grammar) or {"type":
     # "json_schema", "json_schema": {"name", "schema", "strict"}} (structured outputs:
     # dsv4.json_schema); vLLM takes it on completions too
@@ -466,6 +467,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool = False
+    priority: int | None = None  # SGLang's: under --scheduling-policy priority, lower first
 
     @property
     def batch(self) -> bool:

@@ -1,7 +1,14 @@
-"""Requests, admission, chunked prefill mixed with decodes, preemption by recompute."""
+"""Requests, admission, chunked prefill mixed with decodes, preemption by recompute.
+
+Policies (vLLM's --scheduling-policy): "fcfs" serves requests in arrival order; "priority" in
+order of (priority, arrival), a lower value first, as vLLM's. The order decides which waiting
+request is admitted next, which running ones get the step's token budget first, and which is
+preempted when pages run out (the last in that order). A waiting request never preempts a
+running one (vLLM's rule; SGLang's preemption threshold is not built)."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dsv4.config import check_policy
 from dsv4.prefix_cache import Block, PrefixCache
 from dsv4.sampling import SamplingParams
 from dsv4.state import DecodeState
@@ -35,6 +43,7 @@ class Request:
     shared_at: Any = None
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
+    priority: int = 0  # the "priority" policy: lower first
     arrival: int = field(default_factory=lambda: next(_ids))
     extra: dict[str, Any] = field(default_factory=dict)  # sampler/detokenizer state (engine)
 
@@ -80,7 +89,8 @@ class Work:
 
 
 class Scheduler:
-    """FCFS; decodes and unfinished prefills first, then new requests, within a token budget."""
+    """Decodes and unfinished prefills first, then new requests, within a token budget; in
+    arrival order ("fcfs") or (priority, arrival) order ("priority")."""
 
     def __init__(
         self,
@@ -89,7 +99,10 @@ class Scheduler:
         max_step_tokens: int,
         chunk_size: int,
         prefix_cache: PrefixCache | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        check_policy(policy)
+        self.policy = policy
         self.state, self.cache = state, prefix_cache
         self.max_running = min(max_running, state.max_seqs)
         self.max_step_tokens, self.chunk_size = max_step_tokens, chunk_size
@@ -107,7 +120,30 @@ class Scheduler:
                 f"request {req.request_id} needs {need} pages; the pool has "
                 f"{self.state.num_blocks} ({self.state.max_blocks_per_seq} per sequence)"
             )
-        self.waiting.append(req)
+        self.check_priority(req.priority)
+        self._wait(req, front=False)
+
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs the "priority" policy (vLLM's rule)."""
+        if priority and self.policy != "priority":
+            raise ValueError(
+                f"priority {priority} given, but priority scheduling is not enabled "
+                "(--scheduling-policy priority)"
+            )
+
+    def order(self, req: Request) -> tuple[int, int]:
+        """The policy's order: the first is served first, the last is preempted first."""
+        return (req.priority if self.policy == "priority" else 0, req.arrival)
+
+    def _wait(self, req: Request, front: bool) -> None:
+        # fcfs: new requests at the back, preempted ones at the front; priority: by order
+        if self.policy == "priority":
+            keys = [self.order(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, self.order(req)), req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,14 +179,14 @@ class Scheduler:
         """Free everything `req` holds; it recomputes prompt + output when readmitted."""
         self.running.remove(req)
         self._release(req)
-        self.waiting.appendleft(req)
+        self._wait(req, front=True)
         self.num_preemptions += 1
 
     def retract_all(self) -> int:
         """Preempt every running request (SGLang's pause mode "retract"): their state is freed
-        and they wait, in arrival order ahead of the others, to recompute prompt + output.
-        Returns how many."""
-        running = sorted(self.running, key=lambda r: r.arrival, reverse=True)
+        and they wait, in the policy's order ahead of the others (fcfs; priority: among them by
+        order), to recompute prompt + output. Returns how many."""
+        running = sorted(self.running, key=self.order, reverse=True)
         for req in running:  # (newest first: each goes to the front, the oldest ends first)
             self._preempt(req)
         return len(running)
@@ -172,7 +208,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> list[Work]:
         budget, work = self.max_step_tokens, []
-        for req in sorted(self.running, key=lambda r: r.arrival):
+        for req in sorted(self.running, key=self.order):
             if req not in self.running or budget == 0:
                 continue
             n = min(req.num_tokens - req.num_computed, self.chunk_size, budget)
@@ -181,7 +217,7 @@ class Scheduler:
             if draft and not self._grow(req, req.num_computed + n + len(draft)):
                 draft = []  # no free page for a guess: nobody is preempted for it
             while not self._grow(req, req.num_computed + n):
-                victim = max(self.running, key=lambda r: r.arrival)  # newest first
+                victim = max(self.running, key=self.order)  # newest (lowest priority) first
                 self._preempt(victim)
                 work = [w for w in work if w.request is not victim]
                 if victim is req:

@@ -243,11 +243,13 @@ class Server:
         stream: bool,
         include_usage: bool,
         listed: bool = False,
+        priority: int = 0,
     ) -> Response:
         """Run a request's choices (`jobs`: prompt ids and params, n per prompt; `fmts`: one
         formatter each): JSON when all finish, or SSE from the first token on, the choices'
         chunks interleaved as their steps come. listed (SGLang's /generate, whose formatters
-        have an id each): the JSON is the list of the choices' bodies."""
+        have an id each): the JSON is the list of the choices' bodies. priority: the choices'
+        place under the "priority" scheduling policy."""
         engine = self.require_engine()
         cap = self.config.max_queue
         if cap is not None and engine.stats().num_waiting >= cap:
@@ -257,7 +259,9 @@ class Server:
         rids = [f.id for f in fmts]
         if len(set(rids)) < len(rids):
             rids = [f"{rid}-{i}" for i, rid in enumerate(rids)]
-        gens = [engine.generate(ids, params, rid) for (ids, params), rid in zip(jobs, rids)]
+        gens = [
+            engine.generate(ids, params, rid, priority) for (ids, params), rid in zip(jobs, rids)
+        ]
         traces = [self.metrics.track() for _ in gens]
         outs = _merge(gens, traces)
         streaming = False  # the SSE body owns `outs` (and the `leave`) from its first token on
@@ -521,7 +525,9 @@ def build_app(server: Server) -> FastAPI:
             for i in range(len(prompts) * body.n)
         ]
         jobs = _choices(prompts, params, body.n)
-        return await server.respond(request, jobs, fmts, body.n, body.stream, body.include_usage)
+        return await server.respond(
+            request, jobs, fmts, body.n, body.stream, body.include_usage, priority=body.priority
+        )
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -566,7 +572,9 @@ def build_app(server: Server) -> FastAPI:
             for i in range(body.n)
         ]
         jobs = _choices([ids], params, body.n)
-        return await server.respond(request, jobs, fmts, body.n, body.stream, body.include_usage)
+        return await server.respond(
+            request, jobs, fmts, body.n, body.stream, body.include_usage, priority=body.priority
+        )
 
     app.include_router(v1)
 
@@ -629,8 +637,9 @@ def build_app(server: Server) -> FastAPI:
             for i, rid in enumerate(body.rids())
         ]  # fmt: skip
         return await server.respond(
-            request, jobs, fmts, n, body.stream, False, listed=several or body.batch
-        )
+            request, jobs, fmts, n, body.stream, False, listed=several or body.batch,
+            priority=body.priority or 0,
+        )  # fmt: skip
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsRequest) -> JSONResponse:

@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 
 def test_two_ranks_equal_one(model_dir: Path) -> None:
     # this process leads (rank 0); LLM() starts rank 1, which follows its steps and scores
-    two = LLM(model_dir, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4)
+    two = LLM(model_dir, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4,
+              scheduling_policy="priority")  # fmt: skip
     try:
         a = two.args
         assert two.config.parallel == Parallel(2, 0) and two._followers
@@ -45,6 +46,9 @@ def test_two_ranks_equal_one(model_dir: Path) -> None:
         greedy = [o.token_ids for o in two.generate(PROMPTS, GREEDY)]
         torch.manual_seed(1234)  # rank 1 draws from its own generator: rank 0's must decide
         drawn = [o.token_ids for o in two.generate(PROMPTS, RANDOM)]
+        # rank 1 admits in rank 0's order (the slots and the batch order follow it) only if the
+        # priorities reach it: the last prompt first
+        ordered = [o.token_ids for o in two.generate(PROMPTS, GREEDY, priority=[5, 1, 0])]
     finally:
         two.close()
     assert not any(p.is_alive() for p in two._followers)
@@ -53,6 +57,7 @@ def test_two_ranks_equal_one(model_dir: Path) -> None:
     # the same logits as one process (fp32; the ranks' partial sums only reorder the additions)
     torch.testing.assert_close(logits, one.score(PROMPTS[0]), rtol=1e-4, atol=1e-4)
     assert greedy == [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
+    assert ordered == greedy
     torch.manual_seed(1234)
     assert drawn == [o.token_ids for o in one.generate(PROMPTS, RANDOM)]
 

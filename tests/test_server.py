@@ -1593,3 +1593,46 @@ def test_serve_flags(capsys):  # noqa: ANN001
         main(["--max-num-batched-tokens", "0"]) == 2
         and "max_step_tokens" in capsys.readouterr().err
     )
+    assert parse_args([]).scheduling_policy == "fcfs"
+    assert parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    with pytest.raises(SystemExit):
+        parse_args(["--scheduling-policy", "lifo"])
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_priority_field(model_dir, client):  # noqa: ANN001
+    # vLLM's `priority` (and SGLang's on /generate): refused with a 400 naming the flag under the
+    # default fcfs policy; under --scheduling-policy priority each route hands it to the engine
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": 1}
+        )
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": 0})
+    server, ac = in_process(model_dir, max_seqs=2, max_seq_len=256, scheduling_policy="priority")
+    engine, seen = server.engine, []
+    real = engine.generate
+
+    def spy(ids, params, rid=None, priority=0):  # noqa: ANN001, ANN202
+        seen.append(priority)
+        return real(ids, params, rid, priority)
+
+    engine.generate = spy
+    body = {"max_tokens": 2, "ignore_eos": True}
+
+    async def go() -> list:
+        async with ac:
+            return [
+                await ac.post(C, json=body | {"prompt": [0, 5, 6], "priority": -3}),
+                await ac.post(CHAT, json=body | {"messages": HI, "priority": 7}),
+                await ac.post("/generate", json={"input_ids": [0, 5], "priority": 2,
+                                                 "sampling_params": {"max_new_tokens": 2}}),
+                await ac.post("/generate", json={"input_ids": [0, 5]}),
+                await ac.post(C, json=body | {"prompt": [0, 5], "priority": "high"}),
+            ]  # fmt: skip
+
+    try:
+        replies = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert [r.status_code for r in replies] == [200, 200, 200, 200, 400], [r.text for r in replies]
+    assert seen == [-3, 7, 2, 0]
