@@ -8,7 +8,52 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import inspect  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language (inspect.getmembers over its modules) at every
+    device-function call, not only at the launch: over half of an interpreted launch's time in
+    this suite (tl.sum is itself one). The patches are the same wrappers each time and the
+    launch undoes them at its end, so inside a launch a repeat for modules already patched is
+    skipped. The kernels compute the same; only the interpreter's bookkeeping is saved."""
+    try:
+        from triton.runtime import interpreter as it
+
+        patch, launch, scope, tl = (
+            it._patch_lang,
+            it.GridExecutor.__call__,
+            it._LangPatchScope,
+            it.tl,
+        )
+    except (ImportError, AttributeError):  # another Triton: its interpreter as it is
+        return
+    patched: set[int] = set()  # the language modules patched in the running launch
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202
+        langs = {
+            id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)
+        }
+        if patched and langs <= patched:
+            return scope()  # (nothing to undo)
+        out = patch(fn)
+        patched.update(langs)
+        return out
+
+    def run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    it._patch_lang, it.GridExecutor.__call__ = patch_lang, run
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_language_once_per_launch()
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
