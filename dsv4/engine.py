@@ -710,8 +710,9 @@ class AsyncEngine:
                     out = req.extra["out"]
                     self._deliver(rid, dataclasses.replace(out, delta_token_ids=[], delta_text=""))
                 continue
+            prompt_ids, params, priority = args
             try:
-                self.engine.add_request(*args[:2], rid, *args[2:])
+                self.engine.add_request(prompt_ids, params, rid, priority)
             except Exception as e:  # refused (ValueError): the caller's generate raises it
                 self._deliver(rid, e)
 

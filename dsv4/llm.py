@@ -448,7 +448,8 @@ class LLM:
                 elif kind == "retract":
                     self.engine.retract()
                 else:  # ("add", rid, prompt ids, params, priority)
-                    self.engine.add_request(rest[0], rest[1], rid, rest[2])
+                    prompt_ids, params, priority = rest
+                    self.engine.add_request(prompt_ids, params, rid, priority)
             if what == "stop":
                 self.engine.close()  # (its graphs)
                 log.info("rank %d: stopped", self.config.parallel.rank)
