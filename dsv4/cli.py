@@ -20,6 +20,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "block_size",
     "max_memory",
     "memory_fraction",
+    "gpu_memory_utilization",
     "cuda_graphs",
     "kv_cache_dtype",
     "tensor_parallel_size",
@@ -101,7 +102,9 @@ def _chat(ns: argparse.Namespace) -> int:
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
+    p.add_argument(
+        "--model", "--model-path", default=None, help="checkpoint directory (default: demo model)"
+    )
     # "auto" / unset: the GPU fast path when torch sees CUDA, else the exact CPU reference path
     # (`dsv4.config.resolve_engine`)
     p.add_argument("--device", default="auto", help="cpu | cuda[:N] | auto (default)")
@@ -149,6 +152,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="state budget as a fraction of free device memory after weights",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of the GPU's total memory for the weights and the state together, as "
+        "vLLM's / SGLang's flag: the state gets it less what the GPU holds once the weights are "
+        "loaded; the rest is left for activations and graphs",
+    )
+    p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -172,6 +184,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size",
         "-tp",
         "--tp-size",
+        "--tp",
         type=int,
         default=1,
         help="ranks, one GPU each: attention heads and the shared expert split, routed experts "

@@ -555,6 +555,26 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (`dsv4.scheduler`)
 
 
+def check_memory_flags(
+    max_memory: int | None, memory_fraction: float | None, gpu_memory_utilization: float | None
+) -> None:
+    """The state's budget comes from one of max_memory, memory_fraction, gpu_memory_utilization
+    (fractions in (0, 1]); ConfigError naming what is wrong."""
+    given = {
+        "max_memory": max_memory,
+        "memory_fraction": memory_fraction,
+        "gpu_memory_utilization": gpu_memory_utilization,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if len(given) > 1:
+        raise ConfigError(f"give one state budget, not {' and '.join(given)}")
+    for name in ("memory_fraction", "gpu_memory_utilization"):
+        if name in given and not 0 < given[name] <= 1:
+            raise ConfigError(f"{name} must be in (0, 1], got {given[name]}")
+    if "max_memory" in given and given["max_memory"] <= 0:
+        raise ConfigError(f"max_memory must be > 0, got {max_memory}")
+
+
 def check_policy(policy: str) -> None:
     """A scheduling policy is one of SCHEDULING_POLICIES (ConfigError naming it if not)."""
     if policy not in SCHEDULING_POLICIES:
@@ -731,6 +751,7 @@ class ServerConfig:
     block_size: int | None = None  # tokens a state page covers; None = the model's default
     max_memory: int | None = None
     memory_fraction: float | None = None
+    gpu_memory_utilization: float | None = None  # vLLM's / SGLang's (--mem-fraction-static)
     cuda_graphs: bool | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each); rank 0 serves HTTP
@@ -760,6 +781,7 @@ class ServerConfig:
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
                 f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"
             )
+        check_memory_flags(self.max_memory, self.memory_fraction, self.gpu_memory_utilization)
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -17,7 +17,13 @@ import torch
 from dsv4 import hf_names, parallel
 from dsv4 import ops as ops_pkg
 from dsv4.checkpoint import has_mtp, load_checkpoint, load_tensors
-from dsv4.config import EngineConfig, ModelArgs, resolve_engine, speculative_tokens
+from dsv4.config import (
+    EngineConfig,
+    ModelArgs,
+    check_memory_flags,
+    resolve_engine,
+    speculative_tokens,
+)
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.sampling import SamplingParams
@@ -74,6 +80,7 @@ class LLM:
         max_memory: int | None = None,
         memory_fraction: float | None = None,
         block_size: int | None = None,
+        gpu_memory_utilization: float | None = None,
         cuda_graphs: bool | None = None,
         kv_cache_dtype: str = "auto",
         progress: bool = True,
@@ -93,6 +100,7 @@ class LLM:
                 f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
                 f"max_step_tokens={max_step_tokens} must be >= 1"
             )
+        check_memory_flags(max_memory, memory_fraction, gpu_memory_utilization)
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
         # tensor/expert parallel: one process a rank. Ranks 1.. are started here (they run this
@@ -120,8 +128,8 @@ class LLM:
             if enable_prefix_caching and prefix_snapshots is not None and prefix_snapshots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
             snapshots = prefix_snapshots if enable_prefix_caching else 0
-            self._load(c, progress, block_size, max_memory, memory_fraction, max_step_tokens,
-                       chunk_size, snapshots)  # fmt: skip
+            self._load(c, progress, block_size, max_memory, (memory_fraction, gpu_memory_utilization),
+                       max_step_tokens, chunk_size, snapshots)  # fmt: skip
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
@@ -144,13 +152,14 @@ class LLM:
         progress: bool,
         block_size: int | None,
         max_memory: int | None,
-        memory_fraction: float | None,
+        fractions: tuple[float | None, float | None],
         max_step_tokens: int,
         chunk_size: int,
         snapshots: int | None = 0,
     ) -> None:
         """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part);
-        snapshots: prefix caching's ring snapshots (0: no cache, None: the default count)."""
+        fractions: (memory_fraction, gpu_memory_utilization), the state budget when max_memory is
+        None; snapshots: prefix caching's ring snapshots (0: no cache, None: the default count)."""
         max_seqs, max_seq_len, kv_cache_dtype, par = (
             c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
         )  # fmt: skip
@@ -167,13 +176,18 @@ class LLM:
         # ---- state pools: fixed part per slot, pages for the growing part
         tdt = self.config.torch_dtype
         block_size = block_size or default_block_size(args)
-        # like peers' mem-fraction: of what is free after weights
-        if memory_fraction is not None:
-            if not 0 < memory_fraction <= 1:
-                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        # memory_fraction: of what is free after the weights; gpu_memory_utilization (vLLM's,
+        # SGLang's mem-fraction-static): of the device's total, less what it holds now
+        for name, fraction in zip(("memory_fraction", "gpu_memory_utilization"), fractions):
+            if fraction is None:
+                continue
             if torch.device(c.device).type != "cuda":
-                raise ValueError("memory_fraction needs a CUDA device; use max_memory on the CPU")
-            max_memory = int(torch.cuda.mem_get_info(torch.device(c.device))[0] * memory_fraction)
+                raise ValueError(f"{name} needs a CUDA device; use max_memory on the CPU")
+            free, total = torch.cuda.mem_get_info(torch.device(c.device))
+            if name == "memory_fraction":
+                max_memory = int(free * fraction)
+            else:
+                max_memory = utilization_budget(fraction, free, total)
         # speculative decoding: compressor rows for a verify step's own tokens
         k = c.num_speculative_tokens
         step_rows = max_seqs * (1 + k) if k else 0
@@ -704,6 +718,20 @@ class LLM:
                 first = dataclasses.replace(first, choices=choices)
             outs.append(first)
         return outs
+
+
+def utilization_budget(utilization: float, free: int, total: int) -> int:
+    """The state's bytes under gpu_memory_utilization: that fraction of the device's `total`
+    less what it holds now (`total - free`: the weights, the CUDA context, other processes).
+    ValueError when nothing is left."""
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} of {total / 2**30:.1f} GiB leaves no room for "
+            f"the decode state: {(total - free) / 2**30:.1f} GiB are in use once the weights "
+            "are loaded; raise it, or give memory_fraction / max_memory"
+        )
+    return budget
 
 
 def _follower(kwargs: dict) -> None:

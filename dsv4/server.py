@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import sys
 import time
 import uuid
@@ -835,10 +836,33 @@ def _encode_chat(tokenizer, messages: list[dict], opts: dict, prefix: str = "") 
 # ---- command line ---------------------------------------------------------------------------
 
 
+def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """vLLM's / SGLang's parser flags name the formats dsv4 parses: DeepSeek-V4's DSML tool calls
+    (V3.2's grammar) and DeepSeek's <think> reasoning. Another family is a ConfigError."""
+
+    def key(name: str) -> str:
+        return re.sub(r"[-_.]", "", name.lower())
+
+    if tool_call_parser is not None and key(tool_call_parser) not in ("deepseekv4", "deepseekv32"):
+        raise ConfigError(
+            f"--tool-call-parser {tool_call_parser!r}: dsv4 parses DeepSeek-V4's DSML tool calls "
+            "only (deepseek_v4 / deepseekv4 / deepseek_v32 name it)"
+        )
+    if reasoning_parser is not None and not key(reasoning_parser).startswith("deepseek"):
+        raise ConfigError(
+            f"--reasoning-parser {reasoning_parser!r}: dsv4 parses DeepSeek's <think> reasoning "
+            "only (deepseek_v4 / deepseek-v4 / deepseek_r1 name it)"
+        )
+
+
 def parse_args(argv: list[str]) -> ServerConfig:
     from dsv4.cli import _engine_flags
 
     p = argparse.ArgumentParser(prog="dsv4 serve", description="OpenAI-compatible HTTP server")
+    p.add_argument(
+        "model_dir", nargs="?", default=None, metavar="MODEL",
+        help="checkpoint directory, as `vllm serve MODEL` (the same as --model)",
+    )  # fmt: skip
     _engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -866,7 +890,32 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_true",
         help="no periodic engine line (throughputs, running / waiting, state use, cache hits)",
     )
+    # vLLM's / SGLang's launch flags that name what dsv4 always does: accepted, so their
+    # DeepSeek-V4 commands run as written
+    p.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="accepted (vLLM / SGLang): dsv4 runs no code from a checkpoint",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted (vLLM): tool_choice 'auto' is always on",
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default=None,
+        help="accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, deepseekv4, "
+        "deepseek_v32): the parser built in",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None,
+        help="accepted when it names a DeepSeek reasoning parser (deepseek_v4, deepseek-v4, "
+        "deepseek_r1, ...): the <think> parsing built in",
+    )  # fmt: skip
     ns = p.parse_args(argv)
+    check_parsers(ns.tool_call_parser, ns.reasoning_parser)
+    if ns.model_dir is not None:
+        if ns.model is not None and ns.model != ns.model_dir:
+            raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
+        ns.model = ns.model_dir
     # the engine flags' "auto" filled in now, so a bad --device fails before the server starts
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
     fields |= resolve_engine(**{k: fields[k] for k in AUTO_FLAGS})

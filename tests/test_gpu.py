@@ -245,3 +245,39 @@ def test_gpu_update_weights_from_tensor_under_graphs(tiny, tmp_path):  # noqa: A
     got = llm.model.layers[0].attn.wq_a
     assert torch.equal(got.weight.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(got.scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_gpu_memory_utilization(tiny, monkeypatch):  # noqa: ANN001
+    # vLLM's gpu_memory_utilization: the state gets that fraction of the device less what the
+    # device holds once the weights are loaded (as mem_get_info reads it then); the pages follow
+    import dsv4.llm as llm_mod
+
+    seen = []
+    real = llm_mod.utilization_budget
+
+    def spy(u, free, total):  # noqa: ANN001, ANN202
+        seen.append((u, free, total))
+        return real(u, free, total)
+
+    monkeypatch.setattr(llm_mod, "utilization_budget", spy)
+    kw = dict(progress=False, max_seqs=4, max_seq_len=256, cuda_graphs=False)
+    import gc
+
+    gc.collect()  # (earlier tests' engines freed now, not while this one loads)
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    # ~64 MiB past what the device holds now, less what the weights take
+    used = total - torch.cuda.mem_get_info()[0]
+    small = (used + (64 << 20)) / total
+    llm = LLM(tiny, gpu_memory_utilization=small, **kw)
+    ((u, free, t),) = seen
+    budget = int(u * t) - (t - free)
+    assert 0 < budget and llm.state.nbytes() <= budget, (budget, llm.state.nbytes())
+    same = LLM(tiny, max_memory=budget, **kw)  # the same budget given in bytes: the same pages
+    assert same.state.num_blocks == llm.state.num_blocks
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(["hi", "there"], sp)] == [
+        o.token_ids for o in same.generate(["hi", "there"], sp)
+    ]
+    with pytest.raises(ValueError, match="leaves no room for the decode state"):
+        LLM(tiny, gpu_memory_utilization=max(used / total / 2, 0.001), **kw)

@@ -234,6 +234,30 @@ def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
         LLM(llm.model_dir, device="cpu", progress=False, max_step_tokens=0)
 
 
+def test_state_budget_flags(llm):  # noqa: ANN001
+    # one budget: max_memory, memory_fraction (of what is free after the weights) or vLLM's
+    # gpu_memory_utilization / SGLang's --mem-fraction-static (of the device's total, less what it
+    # holds after the weights); the fractions need a CUDA device
+    from dsv4.config import ConfigError
+    from dsv4.llm import utilization_budget
+
+    gib = 2**30
+    assert (
+        utilization_budget(0.9, free=60 * gib, total=140 * gib) == int(0.9 * 140 * gib) - 80 * gib
+    )
+    with pytest.raises(ValueError, match=r"0.5 of 140.0 GiB leaves no room .* 80.0 GiB are in use"):
+        utilization_budget(0.5, free=60 * gib, total=140 * gib)
+    d = llm.model_dir
+    with pytest.raises(ValueError, match="gpu_memory_utilization needs a CUDA device"):
+        LLM(d, device="cpu", progress=False, gpu_memory_utilization=0.5)
+    with pytest.raises(ValueError, match="memory_fraction needs a CUDA device"):
+        LLM(d, device="cpu", progress=False, memory_fraction=0.5)
+    with pytest.raises(ConfigError, match="give one state budget, not max_memory and memory_frac"):
+        LLM(d, device="cpu", progress=False, max_memory=1 << 30, memory_fraction=0.5)
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\], got 0"):
+        LLM(d, device="cpu", progress=False, gpu_memory_utilization=0.0)
+
+
 def test_n_completions_as_vllm(llm):  # noqa: ANN001
     # SamplingParams.n: one RequestOutput per prompt, its `outputs` the n completions (index j,
     # seed + j: each as its own seeded request); n = 1 keeps `outputs` = [itself]

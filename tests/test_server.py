@@ -1593,6 +1593,22 @@ def test_serve_flags(capsys):  # noqa: ANN001
         main(["--max-num-batched-tokens", "0"]) == 2
         and "max_step_tokens" in capsys.readouterr().err
     )
+    # vLLM's / SGLang's DeepSeek-V4 launch commands as written: the model positional or
+    # --model-path, --tp, the memory fraction, and the flags naming what dsv4 always does
+    vl = parse_args(["/m/DeepSeek-V4-Flash", "--trust-remote-code", "--enable-auto-tool-choice",
+                     "--tool-call-parser", "deepseek_v4", "--reasoning-parser", "deepseek_v4",
+                     "--gpu-memory-utilization", "0.9"])  # fmt: skip
+    assert (vl.model, vl.gpu_memory_utilization) == ("/m/DeepSeek-V4-Flash", 0.9)
+    sg = parse_args(["--model-path", "/m/x", "--tp", "1", "--mem-fraction-static", "0.85",
+                     "--tool-call-parser", "deepseekv4", "--reasoning-parser", "deepseek-v4"])  # fmt: skip
+    assert (sg.model, sg.tensor_parallel_size, sg.gpu_memory_utilization) == ("/m/x", 1, 0.85)
+    for bad, why in (
+        (["--tool-call-parser", "hermes"], "DSML tool calls only"),
+        (["--reasoning-parser", "qwen3"], "<think> reasoning only"),
+        (["/a", "--model", "/b"], "two models given"),
+        (["--memory-fraction", "0.5", "--mem-fraction-static", "0.9"], "give one state budget"),
+    ):
+        assert main(bad) == 2 and why in capsys.readouterr().err, bad
     assert parse_args([]).scheduling_policy == "fcfs"
     assert parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
     with pytest.raises(SystemExit):
