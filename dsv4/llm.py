@@ -128,8 +128,9 @@ class LLM:
             if enable_prefix_caching and prefix_snapshots is not None and prefix_snapshots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
             snapshots = prefix_snapshots if enable_prefix_caching else 0
-            self._load(c, progress, block_size, max_memory, (memory_fraction, gpu_memory_utilization),
-                       max_step_tokens, chunk_size, snapshots)  # fmt: skip
+            fractions = (memory_fraction, gpu_memory_utilization)
+            self._load(c, progress, block_size, max_memory, fractions, max_step_tokens,
+                       chunk_size, snapshots)  # fmt: skip
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
