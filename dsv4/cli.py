@@ -218,7 +218,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default="fcfs",
         choices=SCHEDULING_POLICIES,
         help="fcfs (default): arrival order; priority: requests' `priority`, lower first, then "
-        "arrival (admission, the step's budget, and who is preempted first), as vLLM's",
+        "arrival (admission, the step's budget, and who is preempted first), as vLLM's; "
+        "priority-high-first: higher first, SGLang's default order",
     )
 
 

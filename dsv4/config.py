@@ -552,7 +552,9 @@ def flash_args() -> ModelArgs:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (`dsv4.scheduler`)
+# vLLM's --scheduling-policy, and SGLang's order under --enable-priority-scheduling (higher values
+# first unless --schedule-low-priority-values-first): `dsv4.scheduler`
+SCHEDULING_POLICIES = ("fcfs", "priority", "priority-high-first")
 
 
 def check_memory_flags(
@@ -643,7 +645,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     parallel: Parallel = field(default_factory=Parallel)  # tensor/expert-parallel rank and size
     num_speculative_tokens: int = 0  # MTP speculative decoding: draft tokens per step (0 = off)
-    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" | "priority" (lower `priority` first)
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES (`dsv4.scheduler`)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -758,7 +760,7 @@ class ServerConfig:
     # vLLM's --speculative-config: {"method": "mtp", "num_speculative_tokens": k} (JSON text)
     speculative_config: str | None = None
     enable_prefix_caching: bool = True  # vLLM's flag, on by default as there (`dsv4.prefix_cache`)
-    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" | "priority" (lower `priority` first)
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES (`dsv4.scheduler`)
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)

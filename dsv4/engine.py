@@ -186,8 +186,8 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; priority: its place under the "priority" scheduling policy (lower
-        first; any other value than 0 is refused under "fcfs", as vLLM does)."""
+        """Queue a request; priority: its place under a priority scheduling policy (lower first,
+        or higher first; any other value than 0 is refused under "fcfs", as vLLM does)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.asleep:
             raise ValueError(self.asleep)

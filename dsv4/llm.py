@@ -680,7 +680,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts (strings or token-id lists) to completion with continuous batching; one
         RequestOutput per prompt (with n > 1 its `outputs` holds the n completions, as vLLM's).
-        priority: one per prompt, under the "priority" scheduling policy (vLLM's argument)."""
+        priority: one per prompt, under a priority scheduling policy (vLLM's argument)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = SamplingParams() if params is None else params

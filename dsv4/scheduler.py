@@ -1,7 +1,8 @@
 """Requests, admission, chunked prefill mixed with decodes, preemption by recompute.
 
 Policies (vLLM's --scheduling-policy): "fcfs" serves requests in arrival order; "priority" in
-order of (priority, arrival), a lower value first, as vLLM's. The order decides which waiting
+order of (priority, arrival), a lower value first, as vLLM's; "priority-high-first" a higher value
+first, as SGLang's --enable-priority-scheduling by default. The order decides which waiting
 request is admitted next, which running ones get the step's token budget first, and which is
 preempted when pages run out (the last in that order). A waiting request never preempts a
 running one (vLLM's rule; SGLang's preemption threshold is not built)."""
@@ -43,7 +44,7 @@ class Request:
     shared_at: Any = None
     draft: list[int] = field(default_factory=list)  # speculative tokens after the last (MTP)
     finish_reason: str | None = None
-    priority: int = 0  # the "priority" policy: lower first
+    priority: int = 0  # the priority policies' order (lower first, or higher first)
     arrival: int = field(default_factory=lambda: next(_ids))
     extra: dict[str, Any] = field(default_factory=dict)  # sampler/detokenizer state (engine)
 
@@ -90,7 +91,8 @@ class Work:
 
 class Scheduler:
     """Decodes and unfinished prefills first, then new requests, within a token budget; in
-    arrival order ("fcfs") or (priority, arrival) order ("priority")."""
+    arrival order ("fcfs") or (priority, arrival) order ("priority"; "priority-high-first":
+    the priority negated)."""
 
     def __init__(
         self,
@@ -124,8 +126,8 @@ class Scheduler:
         self._wait(req, front=False)
 
     def check_priority(self, priority: int) -> None:
-        """A priority other than 0 needs the "priority" policy (vLLM's rule)."""
-        if priority and self.policy != "priority":
+        """A priority other than 0 needs a priority policy (vLLM's rule)."""
+        if priority and self.policy == "fcfs":
             raise ValueError(
                 f"priority {priority} given, but priority scheduling is not enabled "
                 "(--scheduling-policy priority)"
@@ -133,11 +135,12 @@ class Scheduler:
 
     def order(self, req: Request) -> tuple[int, int]:
         """The policy's order: the first is served first, the last is preempted first."""
-        return (req.priority if self.policy == "priority" else 0, req.arrival)
+        sign = {"fcfs": 0, "priority": 1, "priority-high-first": -1}[self.policy]
+        return (sign * req.priority, req.arrival)
 
     def _wait(self, req: Request, front: bool) -> None:
         # fcfs: new requests at the back, preempted ones at the front; priority: by order
-        if self.policy == "priority":
+        if self.policy != "fcfs":
             keys = [self.order(r) for r in self.waiting]
             self.waiting.insert(bisect.bisect(keys, self.order(req)), req)
         elif front:

@@ -910,8 +910,25 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="accepted when it names a DeepSeek reasoning parser (deepseek_v4, deepseek-v4, "
         "deepseek_r1, ...): the <think> parsing built in",
     )  # fmt: skip
+    p.add_argument(
+        "--enable-priority-scheduling", action="store_true",
+        help="SGLang's: the priority policy with higher `priority` values first "
+        "(--scheduling-policy priority-high-first)",
+    )  # fmt: skip
+    p.add_argument(
+        "--schedule-low-priority-values-first", action="store_true",
+        help="SGLang's: with --enable-priority-scheduling, lower values first (vLLM's order, "
+        "--scheduling-policy priority)",
+    )  # fmt: skip
     ns = p.parse_args(argv)
     check_parsers(ns.tool_call_parser, ns.reasoning_parser)
+    if ns.enable_priority_scheduling:
+        if ns.scheduling_policy != "fcfs":
+            raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
+        low = ns.schedule_low_priority_values_first
+        ns.scheduling_policy = "priority" if low else "priority-high-first"
+    elif ns.schedule_low_priority_values_first:
+        raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
     if ns.model_dir is not None:
         if ns.model is not None and ns.model != ns.model_dir:
             raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")

@@ -50,6 +50,14 @@ def test_priority_decides_admission(ckpt, prompts, expected):  # noqa: ANN001
     assert _finish_order(llm, rids) == ["r3", "r1", "r4", "r0", "r2"]
     outs = llm.generate(prompts, GREEDY, priority=prio)
     assert [o.token_ids for o in outs] == expected  # (in prompt order, whatever ran first)
+    # SGLang's default order: higher first, then arrival
+    high = LLM(
+        ckpt, progress=False, max_seqs=1, block_size=16, scheduling_policy="priority-high-first"
+    )
+    rids = [
+        high.add_request(p, GREEDY, f"r{i}", pr) for i, (p, pr) in enumerate(zip(prompts, prio))
+    ]
+    assert _finish_order(high, rids) == ["r0", "r2", "r1", "r4", "r3"]
     # fcfs: arrival order
     fcfs = LLM(ckpt, progress=False, max_seqs=1, block_size=16)
     rids = [fcfs.add_request(p, GREEDY, f"r{i}") for i, p in enumerate(prompts)]

@@ -1610,6 +1610,14 @@ def test_serve_flags(capsys):  # noqa: ANN001
     ):
         assert main(bad) == 2 and why in capsys.readouterr().err, bad
     assert parse_args([]).scheduling_policy == "fcfs"
+    # SGLang's flags: higher values first unless --schedule-low-priority-values-first
+    assert parse_args(["--enable-priority-scheduling"]).scheduling_policy == "priority-high-first"
+    low = parse_args(["--enable-priority-scheduling", "--schedule-low-priority-values-first"])
+    assert low.scheduling_policy == "priority"
+    assert main(["--schedule-low-priority-values-first"]) == 2
+    assert "needs --enable-priority-scheduling" in capsys.readouterr().err
+    assert main(["--enable-priority-scheduling", "--scheduling-policy", "priority"]) == 2
+    assert "not both" in capsys.readouterr().err
     assert parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "lifo"])
