@@ -130,7 +130,7 @@ class Scheduler:
         if priority and self.policy == "fcfs":
             raise ValueError(
                 f"priority {priority} given, but priority scheduling is not enabled "
-                "(--scheduling-policy priority)"
+                "(--scheduling-policy priority, or SGLang's --enable-priority-scheduling)"
             )
 
     def order(self, req: Request) -> tuple[int, int]:
