@@ -141,8 +141,7 @@ class Scheduler:
     def _wait(self, req: Request, front: bool) -> None:
         # fcfs: new requests at the back, preempted ones at the front; priority: by order
         if self.policy != "fcfs":
-            keys = [self.order(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect(keys, self.order(req)), req)
+            self.waiting.insert(bisect.bisect(self.waiting, self.order(req), key=self.order), req)
         elif front:
             self.waiting.appendleft(req)
         else:
