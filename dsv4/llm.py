@@ -128,9 +128,9 @@ class LLM:
             if enable_prefix_caching and prefix_snapshots is not None and prefix_snapshots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {prefix_snapshots}")
             snapshots = prefix_snapshots if enable_prefix_caching else 0
-            fractions = (memory_fraction, gpu_memory_utilization)
-            self._load(c, progress, block_size, max_memory, fractions, max_step_tokens,
-                       chunk_size, snapshots)  # fmt: skip
+            budget = dict(max_memory=max_memory, memory_fraction=memory_fraction,
+                          gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+            self._load(c, progress, block_size, budget, max_step_tokens, chunk_size, snapshots)
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
@@ -152,15 +152,14 @@ class LLM:
         c: EngineConfig,
         progress: bool,
         block_size: int | None,
-        max_memory: int | None,
-        fractions: tuple[float | None, float | None],
+        budget: dict,
         max_step_tokens: int,
         chunk_size: int,
         snapshots: int | None = 0,
     ) -> None:
         """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part);
-        fractions: (memory_fraction, gpu_memory_utilization), the state budget when max_memory is
-        None; snapshots: prefix caching's ring snapshots (0: no cache, None: the default count)."""
+        budget: `state_budget`'s keywords, read once the weights are loaded; snapshots: prefix
+        caching's ring snapshots (0: no cache, None: the default count)."""
         max_seqs, max_seq_len, kv_cache_dtype, par = (
             c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
         )  # fmt: skip
@@ -177,18 +176,7 @@ class LLM:
         # ---- state pools: fixed part per slot, pages for the growing part
         tdt = self.config.torch_dtype
         block_size = block_size or default_block_size(args)
-        # memory_fraction: of what is free after the weights; gpu_memory_utilization (vLLM's,
-        # SGLang's mem-fraction-static): of the device's total, less what it holds now
-        for name, fraction in zip(("memory_fraction", "gpu_memory_utilization"), fractions):
-            if fraction is None:
-                continue
-            if torch.device(c.device).type != "cuda":
-                raise ValueError(f"{name} needs a CUDA device; use max_memory on the CPU")
-            free, total = torch.cuda.mem_get_info(torch.device(c.device))
-            if name == "memory_fraction":
-                max_memory = int(free * fraction)
-            else:
-                max_memory = utilization_budget(fraction, free, total)
+        max_memory = state_budget(c.device, **budget)
         # speculative decoding: compressor rows for a verify step's own tokens
         k = c.num_speculative_tokens
         step_rows = max_seqs * (1 + k) if k else 0
@@ -719,6 +707,26 @@ class LLM:
                 first = dataclasses.replace(first, choices=choices)
             outs.append(first)
         return outs
+
+
+def state_budget(
+    device: str,
+    max_memory: int | None,
+    memory_fraction: float | None,
+    gpu_memory_utilization: float | None,
+) -> int | None:
+    """The decode state's bytes from the one budget given (`config.check_memory_flags`), read
+    after the weights are loaded: max_memory as it is, memory_fraction of what the device has
+    free, gpu_memory_utilization by `utilization_budget`; None: no budget."""
+    if memory_fraction is None and gpu_memory_utilization is None:
+        return max_memory
+    name = "memory_fraction" if memory_fraction is not None else "gpu_memory_utilization"
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"{name} needs a CUDA device; use max_memory on the CPU")
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    if memory_fraction is not None:
+        return int(free * memory_fraction)
+    return utilization_budget(gpu_memory_utilization, free, total)
 
 
 def utilization_budget(utilization: float, free: int, total: int) -> int:

@@ -109,7 +109,7 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
     user: str | None = None
-    priority: int = 0  # vLLM extension: under --scheduling-policy priority, lower first
+    priority: int = 0  # vLLM extension: the place under a priority policy (`dsv4.scheduler`)
     # {"type": "text"}, {"type": "json_object"} (JSON mode: dsv4.grammar) or {"type":
     # "json_schema", "json_schema": {"name", "schema", "strict"}} (structured outputs:
     # dsv4.json_schema); vLLM takes it on completions too
@@ -467,7 +467,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     return_text_in_logprobs: bool = False
-    priority: int | None = None  # SGLang's: under --scheduling-policy priority, lower first
+    priority: int | None = None  # SGLang's: the place under a priority policy
 
     @property
     def batch(self) -> bool:

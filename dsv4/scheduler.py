@@ -105,6 +105,8 @@ class Scheduler:
     ) -> None:
         check_policy(policy)
         self.policy = policy
+        # the priority's sign in the order: none (fcfs), lower first, higher first
+        self._sign = {"fcfs": 0, "priority": 1, "priority-high-first": -1}[policy]
         self.state, self.cache = state, prefix_cache
         self.max_running = min(max_running, state.max_seqs)
         self.max_step_tokens, self.chunk_size = max_step_tokens, chunk_size
@@ -135,8 +137,7 @@ class Scheduler:
 
     def order(self, req: Request) -> tuple[int, int]:
         """The policy's order: the first is served first, the last is preempted first."""
-        sign = {"fcfs": 0, "priority": 1, "priority-high-first": -1}[self.policy]
-        return (sign * req.priority, req.arrival)
+        return (self._sign * req.priority, req.arrival)
 
     def _wait(self, req: Request, front: bool) -> None:
         # fcfs: new requests at the back, preempted ones at the front; priority: by order

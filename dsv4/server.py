@@ -250,7 +250,7 @@ class Server:
         formatter each): JSON when all finish, or SSE from the first token on, the choices'
         chunks interleaved as their steps come. listed (SGLang's /generate, whose formatters
         have an id each): the JSON is the list of the choices' bodies. priority: the choices'
-        place under the "priority" scheduling policy."""
+        place under a priority scheduling policy."""
         engine = self.require_engine()
         cap = self.config.max_queue
         if cap is not None and engine.stats().num_waiting >= cap:
