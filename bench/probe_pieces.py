@@ -2283,59 +2283,6 @@ def probe_step_indexer() -> None:
            lambda m=mod: m.index_topk(qb, wb, kb, cb, 512, sort=False))  # fmt: skip
 
 
-def probe_l2_ahead() -> None:
-    # rows asked into L2 (prefetch.global.L2) some tiles past the loads' front, so that more bytes
-    # are in flight per SM than shared memory holds: the sm90 attention at T = 64 / 48 / 32 (its
-    # gathers alone too, and one split, which has no partials), and the indexer's score kernel
-    # and index_topk at T = 16 / 64, 128K. Every output against the same kernel without it
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 48, 32):
-        q, kv, sink, idx = attn.tokens(T)
-        one = (torch.cat(kv),)
-        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
-        sp = None if T != 64 else 2
-        base = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, num_splits=sp)
-        for rep in range(2):
-            for pf in (0, 1, 2, 3, 4, 6):
-                kw = dict(num_splits=sp, prefetch=pf)
-                same = torch.equal(sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw), base)
-                us(f"l2 attn T={T} sm90 default splits, prefetch {pf} tiles (same {same}) #{rep}",
-                   lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
-                   nbytes=nbytes)  # fmt: skip
-        if T != 64:
-            continue
-        for pf in (0, 2, 4):
-            us(f"l2 attn T=64 sm90 2 splits loads only, prefetch {pf}",
-               lambda pf=pf: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, num_splits=2, mode=1,  # noqa: B023
-                                                   prefetch=pf), nbytes=nbytes)  # fmt: skip
-        for pf in (0, 2, 4, 6):
-            o1 = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, num_splits=1, prefetch=pf)
-            err = float((o1.float() - base.float()).abs().max())
-            us(f"l2 attn T=64 sm90 1 split, prefetch {pf} (max|diff| {err:.1e})",
-               lambda pf=pf: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, num_splits=1,  # noqa: B023
-                                                   prefetch=pf), nbytes=nbytes)  # fmt: skip
-    copy_floor("l2 attn: copy_ of 64 MiB", 64 << 20)
-    for T in (16, 64):
-        q, w, keys, cand = index_inputs(T, 64, 128, 32768, False, "cuda", True)
-        nbytes = T * 32768 * 128 * 2
-        want = indexer.index_topk(q, w, keys, cand, 512, sort=False)
-        s0 = indexer._scores(q, w, keys, cand)
-        for rep in range(2):
-            for pf in (0, 3, 4, 6, 8, 12):
-                cfg = indexer.ScoreConfig(prefetch=pf)
-                same = torch.equal(indexer._scores(q, w, keys, cand, cfg), s0)
-                us(f"l2 index T={T} scores, prefetch {pf} (same {same}) #{rep}",
-                   lambda cfg=cfg: indexer._scores(q, w, keys, cand, cfg), nbytes=nbytes)  # noqa: B023  # fmt: skip
-                got = indexer.index_topk(q, w, keys, cand, 512, sort=False, score_config=cfg)
-                us(f"l2 index T={T} index_topk unsorted, prefetch {pf} "
-                   f"(same {torch.equal(got, want)}) #{rep}",
-                   lambda cfg=cfg: indexer.index_topk(q, w, keys, cand, 512, sort=False,  # noqa: B023
-                                                      score_config=cfg), nbytes=nbytes)  # fmt: skip
-        copy_floor(f"l2 index T={T}: copy_ of the keys", nbytes)
-
-
 MODES = (("cold", {}), ("cold, clean L2", {"clean": True}), ("warm", {"cold": False}))
 
 
@@ -2348,7 +2295,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "l2_ahead": probe_l2_ahead}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

@@ -12,8 +12,7 @@ venv's torch:
   PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
 
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
-splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), pf2 (rows asked into L2 two tiles
-past the gathers);
+splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits);
 default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
@@ -33,7 +32,7 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32}, "pf2": {"prefetch": 2}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -54,7 +53,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
     try:
         sm90.sparse_attn_sm90(
             q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
-            inv_rope=cs, block_n=case.get("block_n", 64), prefetch=case.get("prefetch", 0),
+            inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
         if not calls:

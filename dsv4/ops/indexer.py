@@ -108,8 +108,6 @@ def _index_score_kernel(
     PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
-    PF: tl.constexpr = 0,  # tiles ahead whose key rows are asked into L2 (0: none)
-    LINES: tl.constexpr = 2,  # PF: 128-byte lines of a key row
 ):
     # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
@@ -145,16 +143,6 @@ def _index_score_kernel(
     row_t = t.to(tl.int64)
 
     for i in range(0, n_live):
-        if PF > 0:  # rows of tile i + PF into L2 (their cp.async later hits there)
-            offs_p = c0 + (i + PF) * BLOCK_N + tl.arange(0, BLOCK_N)
-            idx_p = tl.load(idx_row + offs_p, mask=(offs_p < C) & (i + PF < n_live), other=-1)
-            line = tl.arange(0, LINES) * (128 // k_ptr.dtype.element_ty.primitive_bitwidth * 8)
-            at = k_ptr + tl.maximum(idx_p, 0)[:, None] * stride_kn + line[None, :]
-            ok = tl.broadcast_to((idx_p >= 0)[:, None], (BLOCK_N, LINES)).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [at, ok], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
         # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         in_c = offs_n < C
@@ -619,7 +607,6 @@ class ScoreConfig(NamedTuple):
     num_stages: int = 3
     programs_per_sm: int = 2
     keys_on_m: bool = True  # keys on the MMA rows: the head sum stays inside a warp
-    prefetch: int = 0  # GPU: tiles ahead whose key rows are asked into L2 (0: none)
 
 
 def _scores(
@@ -659,8 +646,6 @@ def _scores(
         HIST=hist is not None,
         KEY_FP8=key_fp8,
         DECODE=decode_mode(q.device),
-        PF=cfg.prefetch if q.is_cuda else 0,
-        LINES=next_power_of_2(cdiv(d * keys.element_size(), 128)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **chain(q.device),

@@ -70,23 +70,6 @@ def _gather(buf, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _prefetch_l2(idx_row, k0, k_end, kv_ptr, stride_kn, BLOCK_N: gl.constexpr,
-                 NUM_WARPS: gl.constexpr):  # fmt: skip
-    # ask L2 for the rows of keys k0 .. k0 + BLOCK_N (1 KB each, 8 lines of 128 B; -1 and keys past
-    # k_end: nothing) so that their cp.async later hits L2: rows in flight without shared memory
-    n: gl.constexpr = BLOCK_N * 8
-    lay: gl.constexpr = gl.BlockedLayout([n // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
-    j = gl.arange(0, n, layout=lay)
-    k = k0 + j // 8
-    idx = gl.load(idx_row + k, mask=k < k_end, other=-1)
-    at = kv_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn + (j % 8) * 64
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ge.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [at, idx.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _copy_rows(dst, at, ok, N: gl.constexpr, VALID: gl.constexpr, lay: gl.constexpr):
     # dst [BN, N] <- N elements from each row pointer at [BN] by cp.async (rows not ok and
     # columns >= VALID: zeros)
@@ -272,7 +255,6 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
-    PF: gl.constexpr = 0,  # bf16 rows: tiles past the gathers' front asked into L2 (0: none)
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
@@ -328,9 +310,6 @@ def _decode_kernel(
                             stride_kn, idx, BLOCK_N, NOPE)  # fmt: skip
         else:
             _gather(kv_smem.index(b), kv_ptr, stride_kn, idx, offs_gd)
-    for b in gl.static_range(PF):
-        _prefetch_l2(idx_row, k_begin + (NUM_BUF - 1 + b) * BLOCK_N, k_end, kv_ptr, stride_kn,
-                     BLOCK_N, 8)  # fmt: skip
     idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
     valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
 
@@ -352,9 +331,6 @@ def _decode_kernel(
                             stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
         elif MODE != 2:
             _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
-            if PF > 0:
-                _prefetch_l2(idx_row, k_begin + (nxt + PF) * BLOCK_N, k_end, kv_ptr, stride_kn,
-                             BLOCK_N, 8)  # fmt: skip
         else:
             cp.commit_group()
         idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
@@ -450,7 +426,6 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    prefetch: int = 0,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
@@ -497,7 +472,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, PF=0 if entries else prefetch,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:
