@@ -28,6 +28,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "enable_prefix_caching",
     "prefix_snapshots",
     "scheduling_policy",
+    "priority_preemption_threshold",
 )
 
 
@@ -220,6 +221,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="fcfs (default): arrival order; priority: requests' `priority`, lower first, then "
         "arrival (admission, the step's budget, and who is preempted first), as vLLM's; "
         "priority-high-first: higher first, SGLang's default order",
+    )
+    p.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        dest="priority_preemption_threshold",
+        type=int,
+        default=None,
+        help="SGLang's: under a priority policy, a waiting request that cannot be admitted "
+        "preempts running ones whose priority it beats by more than this (default: never, as "
+        "vLLM; 10 with --enable-priority-scheduling)",
     )
 
 

@@ -577,10 +577,22 @@ def check_memory_flags(
         raise ConfigError(f"max_memory must be > 0, got {max_memory}")
 
 
-def check_policy(policy: str) -> None:
-    """A scheduling policy is one of SCHEDULING_POLICIES (ConfigError naming it if not)."""
+def check_policy(policy: str, preemption_threshold: int | None = None) -> None:
+    """A scheduling policy is one of SCHEDULING_POLICIES; a priority preemption threshold (SGLang's
+    --priority-scheduling-preemption-threshold: a waiting request preempts running ones whose
+    priority it beats by more than this) is >= 0 and needs a priority policy. ConfigError naming
+    what is wrong."""
     if policy not in SCHEDULING_POLICIES:
         raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+    if preemption_threshold is None:
+        return
+    if preemption_threshold < 0:
+        raise ConfigError(f"priority_preemption_threshold must be >= 0, got {preemption_threshold}")
+    if policy == "fcfs":
+        raise ConfigError(
+            "priority_preemption_threshold needs a priority scheduling policy (--scheduling-policy "
+            "priority, or SGLang's --enable-priority-scheduling)"
+        )
 
 
 AUTO_FLAGS = ("device", "dtype", "ops", "quantized", "cuda_graphs")  # what resolve_engine fills
@@ -646,6 +658,8 @@ class EngineConfig:
     parallel: Parallel = field(default_factory=Parallel)  # tensor/expert-parallel rank and size
     num_speculative_tokens: int = 0  # MTP speculative decoding: draft tokens per step (0 = off)
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES (`dsv4.scheduler`)
+    # a waiting request preempts running ones it beats by more than this priority (None: never)
+    priority_preemption_threshold: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -665,7 +679,7 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
-        check_policy(self.scheduling_policy)
+        check_policy(self.scheduling_policy, self.priority_preemption_threshold)
         if self.max_seqs <= 0 or self.max_seq_len <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
@@ -761,6 +775,8 @@ class ServerConfig:
     speculative_config: str | None = None
     enable_prefix_caching: bool = True  # vLLM's flag, on by default as there (`dsv4.prefix_cache`)
     scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES (`dsv4.scheduler`)
+    # a waiting request preempts running ones it beats by more than this priority (None: never)
+    priority_preemption_threshold: int | None = None
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)
@@ -789,7 +805,7 @@ class ServerConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         speculative_tokens(self.speculative_config)  # a bad one fails before the server starts
-        check_policy(self.scheduling_policy)
+        check_policy(self.scheduling_policy, self.priority_preemption_threshold)
 
     @property
     def model_name(self) -> str:

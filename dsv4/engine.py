@@ -135,6 +135,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         enable_prefix_caching: bool = False,
         scheduling_policy: str = "fcfs",
+        priority_preemption_threshold: int | None = None,
     ) -> None:
         self.model, self.state, self.tokenizer = model, state, tokenizer
         # speculative decoding: the MTP layer drafts this many tokens after each sampled one,
@@ -164,8 +165,9 @@ class Engine:
             PrefixCache(state.block_size, state.num_snapshots) if enable_prefix_caching else None
         )
         self.scheduler = Scheduler(
-            state, max_running, max_step_tokens, chunk_size, cache, scheduling_policy
-        )
+            state, max_running, max_step_tokens, chunk_size, cache, scheduling_policy,
+            priority_preemption_threshold,
+        )  # fmt: skip
         self.sampler = Sampler(self.args.eos_token_id)
         self._json_grammar: JsonGrammar | None = None
         self._schema_grammars: dict[Automaton, SchemaGrammar] = {}

@@ -89,6 +89,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_snapshots: int | None = None,
         scheduling_policy: str = "fcfs",
+        priority_preemption_threshold: int | None = None,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # one sequence's prefill chunk: by default the step budget, as vLLM's chunked prefill
@@ -117,6 +118,7 @@ class LLM:
                 parallel=par,
                 num_speculative_tokens=speculative_tokens(speculative_config),
                 scheduling_policy=scheduling_policy,
+                priority_preemption_threshold=priority_preemption_threshold,
             )
             log.info(
                 "engine: %s%s",
@@ -240,6 +242,7 @@ class LLM:
             num_speculative_tokens=c.num_speculative_tokens,
             enable_prefix_caching=snapshots > 0,
             scheduling_policy=c.scheduling_policy,
+            priority_preemption_threshold=c.priority_preemption_threshold,
         )
 
     # ---- weights -------------------------------------------------------------------------------

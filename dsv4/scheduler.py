@@ -4,14 +4,17 @@ Policies (vLLM's --scheduling-policy): "fcfs" serves requests in arrival order; 
 order of (priority, arrival), a lower value first, as vLLM's; "priority-high-first" a higher value
 first, as SGLang's --enable-priority-scheduling by default. The order decides which waiting
 request is admitted next, which running ones get the step's token budget first, and which is
-preempted when pages run out (the last in that order). A waiting request never preempts a
-running one (vLLM's rule; SGLang's preemption threshold is not built)."""
+preempted when pages run out (the last in that order). A waiting request preempts running ones
+only with a preemption threshold (SGLang's --priority-scheduling-preemption-threshold, on under
+its --enable-priority-scheduling): when it cannot be admitted (no slot, or too few pages), the
+running requests it beats by more than the threshold are preempted, the last in order first, if
+that makes room; otherwise nobody is (vLLM's rule: no threshold, no such preemption)."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +105,10 @@ class Scheduler:
         chunk_size: int,
         prefix_cache: PrefixCache | None = None,
         policy: str = "fcfs",
+        preemption_threshold: int | None = None,
     ) -> None:
-        check_policy(policy)
-        self.policy = policy
+        check_policy(policy, preemption_threshold)
+        self.policy, self.preemption_threshold = policy, preemption_threshold
         # the priority's sign in the order: none (fcfs), lower first, higher first
         self._sign = {"fcfs": 0, "priority": 1, "priority-high-first": -1}[policy]
         self.state, self.cache = state, prefix_cache
@@ -228,18 +232,26 @@ class Scheduler:
             if req in self.running:
                 work.append(Work(req, req.num_computed, n, draft))
                 budget -= n + len(draft)
-        while (
-            self.waiting and budget > 0 and self.free_slots and len(self.running) < self.max_running
-        ):
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            room = bool(self.free_slots) and len(self.running) < self.max_running
+            if not room and self.preemption_threshold is None:
+                break
             chain = self._match(req)  # a cached prefix: its pages and the rings after it
             start = len(chain) * self.state.block_size
             n = min(req.num_tokens - start, self.chunk_size, budget)
+            need = self._pages_for(start + n) - len(chain)
             spare = len(self.free_pages) + (self.cache.num_evictable if self.cache else 0)
-            if self._pages_for(start + n) - len(chain) > spare:
-                for b in chain:  # (not held after all)
-                    self.cache.release(b.page)
-                break
+            if not room or need > spare:
+                victims = self._outranked(req, need - spare, room)
+                if not victims:
+                    for b in chain:  # (not held after all)
+                        self.cache.release(b.page)
+                    break
+                for victim in victims:
+                    self._preempt(victim)
+                    budget += sum(w.length for w in work if w.request is victim)
+                    work = [w for w in work if w.request is not victim]
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             if self.cache and req.cacheable:
@@ -249,6 +261,25 @@ class Scheduler:
             work.append(Work(req, start, n))
             budget -= n
         return work
+
+    def _outranked(self, req: Request, pages: int, room: bool) -> list[Request]:
+        """With a preemption threshold: the running requests `req` beats by more than it, the
+        last in order first, as few as free a slot (unless there is `room`) and `pages` more
+        pages (their own, and cached ones no one else holds); [] if they cannot."""
+        if self.preemption_threshold is None:
+            return []
+        victims, held = [], Counter()
+        for v in sorted(self.running, key=self.order, reverse=True):
+            if self._sign * (v.priority - req.priority) <= self.preemption_threshold:
+                break  # (the rest come earlier in order: not beaten by more either)
+            victims.append(v)
+            for p in v.pages:
+                b = self.cache.by_page.get(p) if self.cache else None
+                held[b] += 1
+                pages -= b is None or b.refs == held[b]
+            if pages <= 0:
+                return victims
+        return []
 
     # ---- prefix caching ------------------------------------------------------------------------
     def _match(self, req: Request) -> list[Block]:

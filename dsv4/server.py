@@ -392,6 +392,8 @@ def _first_loc(errors: list[dict]) -> tuple[str | None, str]:
 
 
 STATS_INTERVAL = 5.0  # seconds between the engine lines (vLLM's default)
+# SGLang's default --priority-scheduling-preemption-threshold under --enable-priority-scheduling
+SGLANG_PREEMPTION_THRESHOLD = 10
 
 
 async def log_stats(server: Server) -> None:
@@ -920,6 +922,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="SGLang's: with --enable-priority-scheduling, lower values first (vLLM's order, "
         "--scheduling-policy priority)",
     )  # fmt: skip
+    p.add_argument(
+        "--disable-priority-preemption", action="store_true",
+        help="SGLang's: with --enable-priority-scheduling, waiting requests never preempt "
+        "running ones",
+    )  # fmt: skip
     ns = p.parse_args(argv)
     check_parsers(ns.tool_call_parser, ns.reasoning_parser)
     if ns.enable_priority_scheduling:
@@ -927,8 +934,14 @@ def parse_args(argv: list[str]) -> ServerConfig:
             raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
         low = ns.schedule_low_priority_values_first
         ns.scheduling_policy = "priority" if low else "priority-high-first"
+        if ns.disable_priority_preemption:
+            ns.priority_preemption_threshold = None
+        elif ns.priority_preemption_threshold is None:
+            ns.priority_preemption_threshold = SGLANG_PREEMPTION_THRESHOLD
     elif ns.schedule_low_priority_values_first:
         raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
+    elif ns.disable_priority_preemption:
+        raise ConfigError("--disable-priority-preemption needs --enable-priority-scheduling")
     if ns.model_dir is not None:
         if ns.model is not None and ns.model != ns.model_dir:
             raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")

@@ -138,3 +138,99 @@ def test_priority_orders_the_step_budget(ckpt, prompts):  # noqa: ANN001
     llm.engine.step()
     assert (reqs[r1].num_computed, reqs[r0].num_computed) == (12, 4)
     _finish_order(llm, [r0, r1])
+
+
+def _running(llm: LLM) -> list[str]:
+    return sorted(r.request_id for r in llm.engine.scheduler.running)
+
+
+@pytest.mark.parametrize(
+    ("policy", "low", "high"), [("priority", 50, 0), ("priority-high-first", 0, 50)]
+)
+def test_waiting_request_preempts_outranked(ckpt, prompts, expected, policy, low, high):  # noqa: ANN001
+    # SGLang's preemption threshold: two slots held by outranked requests; a request that beats
+    # them by more than the threshold takes the slot of the last in order (the newer), which
+    # waits. Every request still gives the tokens it gives alone
+    def run(threshold: int | None, beat: int) -> tuple[LLM, list[str]]:
+        llm = LLM(ckpt, progress=False, max_seqs=2, block_size=16, scheduling_policy=policy,
+                  priority_preemption_threshold=threshold)  # fmt: skip
+        rids = [llm.add_request(prompts[i], GREEDY, f"r{i}", low) for i in range(2)]
+        llm.engine.step()
+        rids.append(llm.add_request(prompts[2], GREEDY, "r2", beat))
+        llm.engine.step()
+        return llm, rids
+
+    by = high - low  # (the sign of "beats" under each policy)
+    llm, rids = run(10, high)
+    s = llm.engine.scheduler
+    assert _running(llm) == ["r0", "r2"] and [r.request_id for r in s.waiting] == ["r1"]
+    assert s.num_preemptions == 1
+    outs = {}
+    while llm.engine.has_work():
+        outs |= {o.request_id: o.token_ids for o in llm.engine.step() if o.finished}
+    assert [outs[r] for r in rids] == expected[:3]
+    # beaten by the threshold exactly, or no threshold: nobody is preempted
+    for threshold, beat in ((10, low + by // abs(by) * 10), (None, high), (0, low)):
+        llm, _ = run(threshold, beat)
+        assert _running(llm) == ["r0", "r1"], (threshold, beat)
+        assert llm.engine.scheduler.num_preemptions == 0
+
+
+def test_preemption_frees_pages_or_nothing(ckpt, prompts):  # noqa: ANN001
+    # three pages and free slots: a waiting request short of pages preempts outranked running
+    # ones until its first chunk fits; if all it outranks cannot free enough, nobody is preempted
+    per_page = int(bytes_per_token(ARGS, torch.float32) * 16)
+    budget = 3 * bytes_per_seq(ARGS, torch.float32) + 3 * per_page
+    kw = dict(progress=False, max_seqs=3, max_memory=budget, block_size=16, chunk_size=48,
+              scheduling_policy="priority", priority_preemption_threshold=10)  # fmt: skip
+    one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # 12 + 4 tokens: 1 page
+    llm = LLM(ckpt, **kw)
+    s = llm.engine.scheduler
+    assert s.state.num_blocks == 3
+    for i, pr in enumerate((0, 50, 50)):  # one page each (12-token prompts)
+        llm.add_request(prompts[3][: 12 - i], one, f"r{i}", pr)
+    llm.engine.step()
+    assert _running(llm) == ["r0", "r1", "r2"] and not s.free_pages
+    long = (prompts[3] * 4)[:40]  # a 40-token prompt in one chunk: 3 pages
+    llm.add_request(long, one, "big", 5)  # beats r1, r2 by 45, r0 not at all: 2 pages, not 3
+    llm.engine.step()
+    assert _running(llm) == ["r0", "r1", "r2"] and s.num_preemptions == 0
+    assert [r.request_id for r in s.waiting] == ["big"]
+    llm.engine.abort("big")
+    llm.add_request(prompts[0], one, "small", 5)  # 5 tokens: one page, the newer r2's
+    llm.engine.step()
+    assert _running(llm) == ["r0", "r1", "small"] and s.num_preemptions == 1
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preemption_threshold_needs_a_priority_policy(ckpt):  # noqa: ANN001
+    with pytest.raises(ConfigError, match="needs a priority scheduling policy"):
+        LLM(ckpt, progress=False, priority_preemption_threshold=10)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        ServerConfig(scheduling_policy="priority", priority_preemption_threshold=-1)
+
+
+def test_preemption_counts_shared_pages_once(ckpt, prompts):  # noqa: ANN001
+    # prefix caching: r1 shares r0's first block. Preempting r1 alone frees only its own page
+    # (the shared one stays held by r0), so a request short of 2 pages preempts both
+    bpt = bytes_per_token(ARGS, torch.float32)
+    budget = 4 * bytes_per_seq(ARGS, torch.float32) + int(3 * 16 * bpt)  # 3 slots + 1 snapshot
+    llm = LLM(ckpt, progress=False, max_seqs=3, max_memory=budget, block_size=16,
+              prefix_snapshots=1, scheduling_policy="priority", priority_preemption_threshold=10)  # fmt: skip
+    s = llm.engine.scheduler
+    assert s.state.num_blocks == 3 and s.cache is not None
+    four = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # 20 + 4 tokens: 2 pages
+    shared = (prompts[3] * 2)[:16]
+    llm.add_request(shared + [5, 6, 7, 8], four, "r0", 50)
+    llm.engine.step()  # r0's first block is cached (snapshot at 16)
+    llm.add_request(shared + [9, 10, 11, 12], four, "r1", 50)
+    llm.engine.step()
+    reqs = {r.request_id: r for r in s.running}
+    assert reqs["r1"].num_cached == 16 and reqs["r1"].pages[0] == reqs["r0"].pages[0]
+    assert not s.free_pages and s.cache.num_evictable == 0
+    llm.add_request((prompts[1] * 3)[:20], four, "x", 0)  # 2 pages, no hit
+    llm.engine.step()
+    assert _running(llm) == ["x"] and s.num_preemptions == 2
+    assert len(reqs := {r.request_id: r for r in s.running}) == 1 and len(reqs["x"].pages) == 2
+    while llm.engine.has_work():
+        llm.engine.step()

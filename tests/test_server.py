@@ -1619,6 +1619,24 @@ def test_serve_flags(capsys):  # noqa: ANN001
     assert main(["--enable-priority-scheduling", "--scheduling-policy", "priority"]) == 2
     assert "not both" in capsys.readouterr().err
     assert parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    # waiting requests preempt outranked running ones: SGLang's threshold 10 under its flag
+    # (--disable-priority-preemption: never), never under vLLM's policy unless a threshold is given
+    assert parse_args(["--enable-priority-scheduling"]).priority_preemption_threshold == 10
+    for flags, want in (
+        (["--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "3"], 3),
+        (["--enable-priority-scheduling", "--disable-priority-preemption"], None),
+        (["--scheduling-policy", "priority"], None),
+        (["--scheduling-policy", "priority", "--priority-scheduling-preemption-threshold", "0"], 0),
+        ([], None),
+    ):
+        assert parse_args(flags).priority_preemption_threshold == want, flags
+    for bad, why in (
+        (["--disable-priority-preemption"], "needs --enable-priority-scheduling"),
+        (["--priority-scheduling-preemption-threshold", "5"], "needs a priority scheduling"),
+        (["--scheduling-policy", "priority", "--priority-scheduling-preemption-threshold", "-1"],
+         "must be >= 0"),
+    ):  # fmt: skip
+        assert main(bad) == 2 and why in capsys.readouterr().err, bad
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "lifo"])
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
