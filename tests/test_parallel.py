@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 def test_two_ranks_equal_one(model_dir: Path) -> None:
     # this process leads (rank 0); LLM() starts rank 1, which follows its steps and scores
     two = LLM(model_dir, device="cpu", tensor_parallel_size=2, progress=False, max_seqs=4,
-              scheduling_policy="priority")  # fmt: skip
+              scheduling_policy="priority", priority_preemption_threshold=10)  # fmt: skip
     try:
         a = two.args
         assert two.config.parallel == Parallel(2, 0) and two._followers
@@ -49,6 +49,15 @@ def test_two_ranks_equal_one(model_dir: Path) -> None:
         # rank 1 admits in rank 0's order (the slots and the batch order follow it) only if the
         # priorities reach it: the last prompt first
         ordered = [o.token_ids for o in two.generate(PROMPTS, GREEDY, priority=[5, 1, 0])]
+        # four slots held by outranked requests: a later one preempts the newest on both ranks
+        low = PROMPTS + PROMPTS[1:2]
+        rids = [two.add_request(p, GREEDY, f"low{i}", priority=50) for i, p in enumerate(low)]
+        two.engine.step()
+        rids.append(two.add_request(PROMPTS[2], GREEDY, "high", priority=0))
+        done = {}
+        while two.engine.has_work():
+            done |= {o.request_id: o.token_ids for o in two.engine.step() if o.finished}
+        preempted = [done[r] for r in rids], two.engine.scheduler.num_preemptions
     finally:
         two.close()
     assert not any(p.is_alive() for p in two._followers)
@@ -58,6 +67,7 @@ def test_two_ranks_equal_one(model_dir: Path) -> None:
     torch.testing.assert_close(logits, one.score(PROMPTS[0]), rtol=1e-4, atol=1e-4)
     assert greedy == [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
     assert ordered == greedy
+    assert preempted == (greedy + greedy[1:3], 1)
     torch.manual_seed(1234)
     assert drawn == [o.token_ids for o in one.generate(PROMPTS, RANDOM)]
 
