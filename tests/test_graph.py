@@ -180,6 +180,39 @@ def test_engine_with_cuda_graphs_matches_eager(
 
 
 @pytest.mark.gpu
+def test_graphs_through_a_priority_preemption(tmp_path) -> None:  # noqa: ANN001
+    # two slots held by outranked requests; a later one preempts the newer (SGLang's threshold),
+    # which recomputes its prompt and output: the graphed engine gives the eager one's tokens
+    from dsv4.llm import LLM
+    from dsv4.sampling import SamplingParams
+    from dsv4.tiny import make_tiny, tiny_args
+
+    tiny = make_tiny(tmp_path / "m", tiny_args(vocab_size=300))
+    prompts = [list(range(2, 2 + n)) for n in (5, 40, 77)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", ops="triton", dtype="bfloat16", quantized=True, max_seqs=2)
+    kw |= dict(max_seq_len=512, progress=False, scheduling_policy="priority",
+               priority_preemption_threshold=10)  # fmt: skip
+
+    def run(graphs: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(tiny, cuda_graphs=graphs, **kw)
+        rids = [llm.add_request(p, sp, f"low{i}", priority=50) for i, p in enumerate(prompts[:2])]
+        for _ in range(4):
+            llm.engine.step()
+        rids.append(llm.add_request(prompts[2], sp, "high", priority=0))
+        done = {}
+        while llm.engine.has_work():
+            done |= {o.request_id: o.token_ids for o in llm.engine.step() if o.finished}
+        assert llm.engine.scheduler.num_preemptions == 1
+        return [done[r] for r in rids], llm
+
+    eager, _ = run(False)
+    graphed, llm = run(True)
+    assert graphed == eager and all(len(t) == 24 for t in graphed)
+    assert llm.engine.graphs.graphs and not llm.engine.graphs.failed
+
+
+@pytest.mark.gpu
 def test_graphs_keep_no_logits_each(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     # a generation that crosses a position bound captures a second graph of its batch bucket; that
     # capture leaves no allocation of its logits' size behind (they go to DecodeGraphs.out). With
