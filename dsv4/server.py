@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -857,6 +858,99 @@ def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) ->
         )
 
 
+# vLLM's / SGLang's flags choosing what dsv4 has no choice of (its own kernels, its own state
+# layout): accepted, so the peers' DeepSeek-V4 commands run as written, with a warning
+NO_EFFECT = {
+    "moe_runner_backend": "dsv4 runs its own routed-expert kernels",
+    "swa_full_tokens_ratio": "dsv4's sliding-window rings are one per sequence, the model's size",
+}
+TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v4", "deepseek_v32")  # vLLM's, all one here
+SGLANG_MTP = ("EAGLE", "NEXTN")  # SGLang's --speculative-algorithm names for a DeepSeek MTP layer
+
+
+def _peer_flags(p: argparse.ArgumentParser) -> None:
+    """The peers' launch flags that map onto dsv4's (`_apply_peer_flags`)."""
+    p.add_argument(
+        "--tokenizer-mode", default=None,
+        help="vLLM's: auto, hf, slow, deepseek_v4 or deepseek_v32 accepted (the checkpoint's "
+        "tokenizer.json and DeepSeek-V4's chat format always)",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-parallel-size", "-dp", "--dp-size", "--dp", type=int, default=1,
+        help="vLLM's / SGLang's: only 1 (no data parallelism: run one server per replica)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="accepted (vLLM): the routed experts are always spread over the tensor-parallel ranks",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-parallel-size", "--ep-size", "--ep", type=int, default=None,
+        help="SGLang's: the tensor-parallel size (the routed experts are spread over those ranks)",
+    )  # fmt: skip
+    for flag, why in NO_EFFECT.items():
+        p.add_argument(
+            "--" + flag.replace("_", "-"), default=None, help=f"accepted, no effect: {why}"
+        )
+    p.add_argument(
+        "--speculative-algorithm", default=None,
+        help="SGLang's: EAGLE or NEXTN drafts with the checkpoint's MTP layer (as --speculative-"
+        "config with method mtp)",
+    )  # fmt: skip
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="SGLang's: draft tokens")
+    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="SGLang's: only 1")
+    p.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=None,
+        help="SGLang's: --speculative-num-steps + 1 (one draft chain)",
+    )  # fmt: skip
+
+
+def _apply_peer_flags(ns: argparse.Namespace) -> None:
+    """Check the peers' flags and set dsv4's from them (ConfigError naming what cannot run)."""
+    if ns.tokenizer_mode is not None and ns.tokenizer_mode not in TOKENIZER_MODES:
+        raise ConfigError(
+            f"--tokenizer-mode {ns.tokenizer_mode!r}: dsv4 reads the checkpoint's tokenizer.json "
+            f"with DeepSeek-V4's chat format ({', '.join(TOKENIZER_MODES)} name it)"
+        )
+    if ns.data_parallel_size != 1:
+        raise ConfigError(
+            f"--data-parallel-size {ns.data_parallel_size}: data parallelism is not built; dsv4 "
+            "splits one replica over --tensor-parallel-size ranks (run one server per replica)"
+        )
+    ep, tp = ns.expert_parallel_size, ns.tensor_parallel_size
+    if ep is not None and ep not in (1, tp):
+        raise ConfigError(
+            f"--expert-parallel-size {ep}: dsv4 spreads the routed experts over the "
+            f"--tensor-parallel-size ranks ({tp})"
+        )
+    for flag, why in NO_EFFECT.items():
+        if getattr(ns, flag) is not None:
+            log.warning("--%s %s: accepted, no effect (%s)", flag.replace("_", "-"),
+                        getattr(ns, flag), why)  # fmt: skip
+    steps, topk, drafts = (
+        ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens
+    )  # fmt: skip
+    if ns.speculative_algorithm is None:
+        if (steps, topk, drafts) != (None, None, None):
+            raise ConfigError("the --speculative-* counts need --speculative-algorithm")
+        return
+    if ns.speculative_config is not None:
+        raise ConfigError("give --speculative-config or --speculative-algorithm, not both")
+    if ns.speculative_algorithm.upper() not in SGLANG_MTP:
+        raise ConfigError(
+            f"--speculative-algorithm {ns.speculative_algorithm}: dsv4 drafts with the "
+            f"checkpoint's MTP layer only ({' / '.join(SGLANG_MTP)} name it)"
+        )
+    if topk not in (None, 1):
+        raise ConfigError(f"--speculative-eagle-topk {topk}: dsv4 drafts one chain (topk 1)")
+    steps = steps if steps is not None else (drafts - 1 if drafts is not None else 3)
+    if drafts is not None and drafts != steps + 1:
+        raise ConfigError(
+            f"--speculative-num-draft-tokens {drafts}: with one draft chain it is "
+            f"--speculative-num-steps + 1 = {steps + 1}"
+        )
+    ns.speculative_config = json.dumps({"method": "mtp", "num_speculative_tokens": steps})
+
+
 def parse_args(argv: list[str]) -> ServerConfig:
     from dsv4.cli import _engine_flags
 
@@ -927,8 +1021,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="SGLang's: with --enable-priority-scheduling, waiting requests never preempt "
         "running ones",
     )  # fmt: skip
+    _peer_flags(p)
     ns = p.parse_args(argv)
     check_parsers(ns.tool_call_parser, ns.reasoning_parser)
+    _apply_peer_flags(ns)
     if ns.enable_priority_scheduling:
         if ns.scheduling_policy != "fcfs":
             raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from dsv4.chat import encode_messages, tool_call_prefix
+from dsv4.config import speculative_tokens
 from dsv4.engine import RequestOutput
 from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
@@ -1564,7 +1566,7 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert 'x_count{model_name="a\\"b"} 4' in lines
 
 
-def test_serve_flags(capsys):  # noqa: ANN001
+def test_serve_flags(capsys, caplog):  # noqa: ANN001
     c = parse_args(["--max-seqs", "3", "--port", "9000", "--api-key", "k", "--max-queue", "5"])
     assert (c.max_seqs, c.port, c.api_key, c.max_queue, c.host) == (3, 9000, "k", 5, "127.0.0.1")
     assert (
@@ -1610,6 +1612,44 @@ def test_serve_flags(capsys):  # noqa: ANN001
     ):
         assert main(bad) == 2 and why in capsys.readouterr().err, bad
     assert parse_args([]).scheduling_policy == "fcfs"
+    # the peers' published DeepSeek-V4 launch lines (../shared/spec/serving-conventions.md 2.2)
+    vllm_v4 = parse_args(["deepseek-ai/DeepSeek-V4-Flash", "--trust-remote-code", "--kv-cache-dtype",
+                          "fp8", "--block-size", "256", "--tokenizer-mode", "deepseek_v4",
+                          "--tool-call-parser", "deepseek_v4", "--enable-auto-tool-choice",
+                          "--reasoning-parser", "deepseek_v4", "--speculative-config",
+                          '{"method":"mtp","num_speculative_tokens":2}'])  # fmt: skip
+    assert (vllm_v4.kv_cache_dtype, vllm_v4.block_size) == ("fp8", 256)
+    assert speculative_tokens(vllm_v4.speculative_config) == 2
+    sglang_v3 = parse_args(["--model-path", "/m/v3", "--tp", "8", "--trust-remote-code",
+                            "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
+                            "4"])  # fmt: skip
+    assert speculative_tokens(sglang_v3.speculative_config) == 3
+    assert sglang_v3.tensor_parallel_size == 8
+    sglang_v4 = ["--trust-remote-code", "--model-path", "/m/v4", "--tp", "4", "--moe-runner-backend",
+                 "flashinfer_mxfp4", "--speculative-algorithm", "NEXTN", "--mem-fraction-static",
+                 "0.90", "--chunked-prefill-size", "4096", "--swa-full-tokens-ratio", "0.1",
+                 "--reasoning-parser", "deepseek-v4", "--tool-call-parser", "deepseekv4"]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="dsv4"):
+        v4 = parse_args(sglang_v4)
+    assert (v4.chunk_size, v4.gpu_memory_utilization, v4.tensor_parallel_size) == (4096, 0.9, 4)
+    assert speculative_tokens(v4.speculative_config) == 3  # (SGLang's DeepSeek default: 3 steps)
+    assert "--moe-runner-backend flashinfer_mxfp4: accepted, no effect" in caplog.text
+    assert "--swa-full-tokens-ratio 0.1: accepted, no effect" in caplog.text
+    assert parse_args(["--tp", "2", "--ep", "2", "--enable-expert-parallel", "-dp", "1"])
+    for bad, why in (
+        (["--speculative-algorithm", "DSPARK"], "MTP layer only (EAGLE / NEXTN name it)"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4"], "one chain"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+          "--speculative-num-draft-tokens", "4"], "--speculative-num-steps + 1 = 3"),
+        (["--speculative-num-steps", "2"], "need --speculative-algorithm"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-config", '{"method": "mtp"}'],
+         "not both"),
+        (["--tokenizer-mode", "mistral"], "DeepSeek-V4's chat format"),
+        (["--data-parallel-size", "2"], "data parallelism is not built"),
+        (["--tp", "2", "--ep", "4"], "over the --tensor-parallel-size ranks (2)"),
+    ):  # fmt: skip
+        assert main(bad) == 2 and why in capsys.readouterr().err, bad
     # SGLang's flags: higher values first unless --schedule-low-priority-values-first
     assert parse_args(["--enable-priority-scheduling"]).scheduling_policy == "priority-high-first"
     low = parse_args(["--enable-priority-scheduling", "--schedule-low-priority-values-first"])
