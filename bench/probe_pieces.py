@@ -9,6 +9,7 @@ cleared), against the fixed cost of any launch measured the same way:
     gathers alone and its math alone; attn_tlb: the same with each token's picks in its own
     region; gather / tma_gather: the floor of the access pattern (rows gathered and summed, no
     math; ld.global / cp.async, or one TMA copy per row);
+  - gather_runs: the same gathers in runs of 1-16 consecutive rows (1-16 KB pieces);
   - index_floor: the indexer's key reads with no math (contiguous, paged, TMA pages);
   - moe: the routed experts' decode paths (own decode, tl.dot_scaled) and tiles; moe_sm90: the
     Gluon sm_90 experts against tl.dot_scaled and the GEMV form, T = 1..64; moe_gemv: the GEMV
@@ -633,6 +634,40 @@ def probe_gather() -> None:
                 nbytes=nbytes,
             )
     copy_floor("copy of the same bytes (torch copy_)", nbytes)
+
+
+def probe_gather_runs() -> None:
+    # is the gather rate of scattered 1 KB rows set by the access pattern? T=64 tokens x 640 rows
+    # of the 1M-row pool (none shared between tokens), in runs of R consecutive rows at random
+    # R-aligned places: the same bytes as sparse attention's T=64 case, in 1 KB to 16 KB pieces.
+    # Two of the gather floor's configurations (probe_gather), and copy_ of the same bytes
+    T, K = 64, 640
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    pool = attn.pool
+    g = torch.Generator(device="cuda").manual_seed(2)
+    nbytes = T * K * 512 * 2
+    _, _, _, shared = attn.tokens(T)  # (the attention probes' rows: one ring shared by all)
+    cases = {"attention probes' rows (shared ring + 512 picks)": (torch.cat(attn.tokens(T)[1]),
+                                                                  shared.to(torch.int32))}  # fmt: skip
+    for run in (1, 2, 4, 8, 16):
+        starts = torch.randint(0, pool.shape[0] // run, (T, K // run), device="cuda", generator=g)
+        ix = (starts[:, :, None] * run + torch.arange(run, device="cuda")).reshape(T, K)
+        cases[f"runs of {run} rows ({run} KB)"] = (pool, ix.to(torch.int32).contiguous())
+    for name, (src, ix) in cases.items():
+        for bn, stages, warps, splits in ((16, 1, 4, 10), (32, 3, 8, 2)):
+            kps = triton.cdiv(K, splits)
+            out = torch.empty(T * splits, 512, device="cuda")
+            us(
+                f"gather runs T=64 x 640: {name}; BN {bn}, stages {stages}, {warps} warps, "
+                f"{splits} splits",
+                lambda bn=bn, stages=stages, warps=warps, splits=splits, kps=kps, out=out, src=src,
+                ix=ix: _gather_sum_kernel[(T, splits)](
+                    src, ix, out, K, kps, src.stride(0), ix.stride(0), BN=bn, D=512,
+                    STAGES=stages, num_warps=warps,
+                ),
+                nbytes=nbytes,
+            )  # fmt: skip
+    copy_floor("gather runs: copy_ of the same bytes", nbytes)
 
 
 @gluon.jit
@@ -2295,7 +2330,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:
