@@ -641,9 +641,12 @@ def probe_gather_runs() -> None:
     # of the 1M-row pool (none shared between tokens), in runs of R consecutive rows at random
     # R-aligned places: the same bytes as sparse attention's T=64 case, in 1 KB to 16 KB pieces.
     # Two of the gather floor's configurations (probe_gather), and copy_ of the same bytes
+    from dsv4.ops import sparse_attn_sm90 as sm90
+
     T, K = 64, 640
     attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
     pool = attn.pool
+    q = attn.tokens(T)[0]
     g = torch.Generator(device="cuda").manual_seed(2)
     nbytes = T * K * 512 * 2
     _, _, _, shared = attn.tokens(T)  # (the attention probes' rows: one ring shared by all)
@@ -667,6 +670,9 @@ def probe_gather_runs() -> None:
                 ),
                 nbytes=nbytes,
             )  # fmt: skip
+        us(f"gather runs T=64 x 640: {name}; sm90 attention (2 splits, fixup)",
+           lambda src=src, ix=ix: sm90.sparse_attn_sm90(q, (src,), attn.sink, ix, 0.04,
+                                                        num_splits=2), nbytes=nbytes)  # fmt: skip
     copy_floor("gather runs: copy_ of the same bytes", nbytes)
 
 
