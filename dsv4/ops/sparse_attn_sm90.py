@@ -11,8 +11,8 @@ the warpgroups through shared memory, P goes to shared memory once, and each war
 accumulates its half of the 512 output channels over every key of the tile (O [64, 512] has
 warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
 NUM_BUF - 1 tiles ahead. Two splits of bf16 rows (T = 45..66 on an H200, the batch-64 decode)
-finish inside the kernel (`_fixup`): the later split of a token waits for its peer's published
-partial and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine.
+finish inside the kernel (`_fixup`): split 1 of a token waits for split 0's published partial
+and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine.
 
 H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
 gathers alone (MODE=1, partials and combine included) take 25 us and the math alone (MODE=2)
@@ -47,7 +47,7 @@ ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
 # against the Triton kernel's 65.1)
 FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
-# two splits of bf16 rows finish in the kernel (`_fixup`): the later split of a token combines
+# two splits of bf16 rows finish in the kernel (`_fixup`): split 1 of a token combines
 # both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
@@ -150,29 +150,44 @@ def _mul_rn(a, b):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
+def _peer_part(peer_rows, c, cols, CH: gl.constexpr):  # noqa: ANN001, ANN202
+    # channels c*CH .. of the peer split's published partial (fp32, from L2)
+    return gl.load(peer_rows + (c * CH + cols)[None, :], cache_modifier=".cg")
+
+
+@gluon.jit
+def _combine_part(own, b, c, w0, w1, o_rows, cols, CH: gl.constexpr, c_layout: gl.constexpr):  # noqa: ANN001, ANN202
+    # o channels c*CH .. = w0 * split 0's partial (b) + w1 * split 1's (own), products rounded
+    # on their own
+    a = own.slice(c * CH, CH, dim=1).load(c_layout)
+    out = _mul_rn(b, w0) + _mul_rn(a, w1)
+    gl.store(o_rows + (c * CH + cols)[None, :], out.to(gl.bfloat16))
+
+
+@gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
            sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot, stride_oh,
            stride_ct, stride_st, RD: gl.constexpr, stamps, STAMP: gl.constexpr):  # fmt: skip
-    # two splits of token t finish here without a combine launch. The first to arrive publishes
-    # its partial (acc, m, l) and a flag; the second waits for the flag (its peer has arrived, so
-    # is resident: no deadlock), stages its own acc in the free kv buffers and writes o from both,
-    # in split order whichever arrives last (the same bits either way), then zeroes the semaphores
+    # two splits of token t finish here without a combine launch. Split 0 publishes its partial
+    # (acc, m, l) and a flag; split 1 stages its own acc in the free kv buffers, waits for the
+    # flag and writes o from both, then zeroes the flag. Split 1 waits only for a program that
+    # comes before it in launch order (every (t, 0) is dispatched before any (t, 1): resident
+    # or done, so no deadlock, as stream-K's fixups rely on)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
-    CH: gl.constexpr = 64  # output channels per combine step
+    CH: gl.constexpr = 128  # output channels per combine step (the peer's 4 loaded at once)
     o_layout: gl.constexpr = acc.type.layout
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    sem = sem_ptr + 2 * t
-    ticket = gl.atomic_add(sem, 1, sem="acq_rel")
-    if ticket == 0:
+    flag = sem_ptr + 2 * t + 1
+    if split == 0:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
-        gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
-        ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
+        gl.store(part_ptr + t * stride_pt + hv, acc)
+        ml = ml_ptr + t * stride_mt + offs_h
         gl.store(ml, m_o)
         gl.store(ml + H, l_o)
         gl.thread_barrier()  # every thread's partial before the flag
-        gl.atomic_xchg(sem + 1, 1, sem="release")
+        gl.atomic_xchg(flag, 1, sem="release")
         _stamp(stamps, 30, STAMP)
     else:
         # own acc -> shared memory (fp32 [64, 512] over the two bf16 kv buffers, swizzled so the
@@ -185,35 +200,33 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
         m_own = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
         l_own = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))
-        ready = gl.atomic_add(sem + 1, 0, sem="acquire")
+        ready = gl.atomic_add(flag, 0, sem="acquire")
         while ready == 0:
-            ready = gl.atomic_add(sem + 1, 0, sem="acquire")
+            ready = gl.atomic_add(flag, 0, sem="acquire")
         gl.thread_barrier()  # the peer's partial is visible to every thread; own acc stored
         _stamp(stamps, 30, STAMP)
-        peer = 1 - split
-        ml_peer = ml_ptr + t * stride_mt + peer * stride_ms + rows
-        m_peer = gl.load(ml_peer, cache_modifier=".cg")
-        l_peer = gl.load(ml_peer + H, cache_modifier=".cg")
-        first = split == 0  # (m0, l0) / (m1, l1): split order
-        m0 = gl.where(first, m_own, m_peer)
-        m1 = gl.where(first, m_peer, m_own)
+        # the peer's partial all at once (one round trip), then the weights from (m, l) of both
+        peer_rows = part_ptr + t * stride_pt + rows[:, None] * stride_ph
+        b0 = _peer_part(peer_rows, 0, cols, CH)
+        b1 = _peer_part(peer_rows, 1, cols, CH)
+        b2 = _peer_part(peer_rows, 2, cols, CH)
+        b3 = _peer_part(peer_rows, 3, cols, CH)
+        ml_peer = ml_ptr + t * stride_mt + rows
+        m0 = gl.load(ml_peer, cache_modifier=".cg")  # (split 0's: the peer's)
+        l0 = gl.load(ml_peer + H, cache_modifier=".cg")
         sink = gl.load(sink_ptr + rows) * 1.4426950408889634
-        m_all = gl.maximum(gl.maximum(m0, m1), sink)
+        m_all = gl.maximum(gl.maximum(m0, m_own), sink)
         e0 = gl.exp2(m0 - m_all)
-        e1 = gl.exp2(m1 - m_all)
+        e1 = gl.exp2(m_own - m_all)
         # (products rounded on their own: the same bits in every compiled variant, RD or not)
-        l0 = gl.where(first, l_own, l_peer)
-        l1 = gl.where(first, l_peer, l_own)
-        den = (_mul_rn(e0, l0) + _mul_rn(e1, l1)) + gl.exp2(sink - m_all)
+        den = (_mul_rn(e0, l0) + _mul_rn(e1, l_own)) + gl.exp2(sink - m_all)
         w0 = (e0 / den)[:, None]
         w1 = (e1 / den)[:, None]
-        peer_rows = part_ptr + t * stride_pt + peer * stride_ps + rows[:, None] * stride_ph
         o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
-        for c in gl.static_range(D // CH):
-            a = own.slice(c * CH, CH, dim=1).load(c_layout)
-            b = gl.load(peer_rows + (c * CH + cols)[None, :], cache_modifier=".cg")
-            out = _mul_rn(gl.where(first, a, b), w0) + _mul_rn(gl.where(first, b, a), w1)
-            gl.store(o_rows + (c * CH + cols)[None, :], out.to(gl.bfloat16))
+        _combine_part(own, b0, 0, w0, w1, o_rows, cols, CH, c_layout)
+        _combine_part(own, b1, 1, w0, w1, o_rows, cols, CH, c_layout)
+        _combine_part(own, b2, 2, w0, w1, o_rows, cols, CH, c_layout)
+        _combine_part(own, b3, 3, w0, w1, o_rows, cols, CH, c_layout)
         if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s)
             gl.thread_barrier()  # every thread's bf16 o before the pairs are read back
             r_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [8, 1], [1, 0])
@@ -228,8 +241,7 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
             # rotary launch it replaces: the same bits)
             gl.store(at, (re * cos - im * sin).to(gl.bfloat16))
             gl.store(at + 1, (re * sin + im * cos).to(gl.bfloat16))
-        gl.store(sem, 0)  # zero between launches (only the two splits of t touch them)
-        gl.store(sem + 1, 0)
+        gl.store(flag, 0)  # zero between launches (only the two splits of t touch it)
 
 
 @gluon.jit
@@ -268,7 +280,7 @@ def _decode_kernel(
     ENTRIES: gl.constexpr = False,  # kv rows are FP8 entries (uint8, `dsv4.ops.kv_fp8`; MODE 0)
     NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
     PDL: gl.constexpr = False,  # chained launch (device.chain)
-    FIXUP: gl.constexpr = False,  # two splits: the later one combines them here (no combine launch)
+    FIXUP: gl.constexpr = False,  # two splits: split 1 combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
     STAMP: gl.constexpr = False,  # probes: timer stamps (start, tile 0 in, each tile, end)
 ):
