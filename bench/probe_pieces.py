@@ -636,50 +636,6 @@ def probe_gather() -> None:
     copy_floor("copy of the same bytes (torch copy_)", nbytes)
 
 
-def probe_attn_timeline() -> None:
-    # where the sm90 attention's time goes at T=64 (2 splits, in-kernel combine): each program's
-    # global-timer stamps (start, tile 0 landed, each tile's end, loop end, combine, end), as
-    # offsets from the earliest start; the full kernel and its probe modes (gathers / math alone)
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 32):
-        q, kv, sink, idx = attn.tokens(T)
-        one = (torch.cat(kv),)
-        for mode in (0, 1, 2):
-            st = torch.zeros(T, 2, 32, dtype=torch.int64, device="cuda")
-            kw = dict(num_splits=2, mode=mode, stamps=st)
-            for _ in range(3):  # (warm: compiled, then a steady launch)
-                st.zero_()
-                sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
-            torch.cuda.synchronize()
-            s = st.cpu().double()
-            t0 = s[..., 0].min()
-            rel = lambda k: (s[..., k] - t0) / 1e3  # noqa: E731  (µs from the first start)
-            n_tiles = int((idx.shape[1] // 2 + 63) // 64)
-            ends = [rel(2 + i) for i in range(n_tiles)]
-            tile = torch.stack(
-                [ends[0] - rel(1)] + [ends[i] - ends[i - 1] for i in range(1, n_tiles)]
-            )
-
-            def q3(x: torch.Tensor) -> str:
-                x = x.flatten().sort().values
-                return f"{x[0]:.2f} / {x[len(x) // 2]:.2f} / {x[-1]:.2f}"
-
-            print(f"timeline T={T} mode {mode} (min / median / max over {2 * T} programs, µs):")
-            print(f"    start                     {q3(rel(0))}")
-            print(f"    tile 0 landed (q too)     {q3(rel(1))}")
-            for i in range(n_tiles):
-                print(f"    tile {i} end               {q3(ends[i])}   (this tile {q3(tile[i])})")
-            print(f"    loop end                  {q3(rel(28))}")
-            if mode == 0:
-                print(f"    combine: published / peer seen   {q3(rel(30))}")
-            print(f"    end                       {q3(rel(31))}")
-            us(f"timeline T={T} mode {mode}: the kernel (no stamps)",
-               lambda mode=mode: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, num_splits=2,  # noqa: B023
-                                                       mode=mode))  # fmt: skip
-
-
 def probe_gather_runs() -> None:
     # is the gather rate of scattered 1 KB rows set by the access pattern? T=64 tokens x 640 rows
     # of the 1M-row pool (none shared between tokens), in runs of R consecutive rows at random
@@ -2380,7 +2336,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs, "attn_timeline": probe_attn_timeline}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

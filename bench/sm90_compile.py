@@ -32,7 +32,7 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32}, "stamps": {"stamps": True}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -54,7 +54,6 @@ def capture(case: dict) -> tuple[tuple, dict]:
         sm90.sparse_attn_sm90(
             q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
             inv_rope=cs, block_n=case.get("block_n", 64),
-            stamps=torch.zeros(T, 2, 32, dtype=torch.int64) if case.get("stamps") else None,
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
         if not calls:

@@ -55,18 +55,6 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 
 
 @gluon.jit
-def _stamp(ptr, k, STAMP: gl.constexpr):  # noqa: ANN001, ANN202
-    # probes only: the global timer (ns) into ptr[k], from one thread
-    if STAMP:
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-        offs = gl.arange(0, 256, layout=lay)
-        now = gl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=gl.int64, is_pure=False, pack=1
-        )
-        gl.store(ptr + k + offs * 0, now, mask=offs == 0)
-
-
-@gluon.jit
 def _tile_idx(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
     # the kv rows of keys k0 + offs (-1 past k_end)
     k = k0 + offs
@@ -167,7 +155,7 @@ def _combine_part(own, b, c, w0, w1, o_rows, cols, CH: gl.constexpr, c_layout: g
 @gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
            sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot, stride_oh,
-           stride_ct, stride_st, RD: gl.constexpr, stamps, STAMP: gl.constexpr):  # fmt: skip
+           stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
     # two splits of token t finish here without a combine launch. Split 0 publishes its partial
     # (acc, m, l) and a flag; split 1 stages its own acc in the free kv buffers, waits for the
     # flag and writes o from both, then zeroes the flag. Split 1 waits only for a program that
@@ -188,7 +176,6 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         gl.store(ml + H, l_o)
         gl.thread_barrier()  # every thread's partial before the flag
         gl.atomic_xchg(flag, 1, sem="release")
-        _stamp(stamps, 30, STAMP)
     else:
         # own acc -> shared memory (fp32 [64, 512] over the two bf16 kv buffers, swizzled so the
         # MMA layout's row pairs store without bank conflicts)
@@ -204,7 +191,6 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         while ready == 0:
             ready = gl.atomic_add(flag, 0, sem="acquire")
         gl.thread_barrier()  # the peer's partial is visible to every thread; own acc stored
-        _stamp(stamps, 30, STAMP)
         # the peer's partial all at once (one round trip), then the weights from (m, l) of both
         peer_rows = part_ptr + t * stride_pt + rows[:, None] * stride_ph
         b0 = _peer_part(peer_rows, 0, cols, CH)
@@ -256,7 +242,6 @@ def _decode_kernel(
     sem_ptr,  # FIXUP: [T, 2] int32 (arrivals, partials published), zero between launches
     cos_ptr,  # FIXUP and RD: [T, RD/2] fp32 cos / sin of the tokens' positions (inverse RoPE)
     sin_ptr,
-    stamp_ptr,  # STAMP: [T, S, 32] int64 global timer stamps (probes)
     K,
     keys_per_split,
     qk_scale,  # scale * log2(e)
@@ -282,15 +267,12 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: split 1 combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
-    STAMP: gl.constexpr = False,  # probes: timer stamps (start, tile 0 in, each tile, end)
 ):
     chain_start(PDL)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
-    stamps = stamp_ptr + (t * gl.num_programs(1) + split) * 32
-    _stamp(stamps, 0, STAMP)
 
     # ---- layouts: S [64, BN] and O [64, 512] on 2 warpgroups side by side (warps [4, 2])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -353,8 +335,6 @@ def _decode_kernel(
         cp.wait_group(NUM_BUF - 2)
         fence_async_shared()
         gl.thread_barrier()
-        if i == 0:
-            _stamp(stamps, 1, STAMP)
         # every warp is past tile i - 1's MMAs: its buffer takes tile i + NUM_BUF - 1
         nxt = i + NUM_BUF - 1
         if ENTRIES:
@@ -385,11 +365,8 @@ def _decode_kernel(
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             acc = warpgroup_mma(p_smem, kv, acc)
             gl.thread_barrier()  # p_smem is rewritten by the next tile
-        if i < 24:
-            _stamp(stamps, 2 + i, STAMP)
 
     cp.wait_group(0)
-    _stamp(stamps, 28, STAMP)
 
     # ---- epilogue: the in-kernel combine, partials for the combine launch, or the sink-normalised
     # output
@@ -401,7 +378,7 @@ def _decode_kernel(
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
         _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
                cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-               stride_ot, stride_oh, stride_ct, stride_st, RD, stamps, STAMP)  # fmt: skip
+               stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
     elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
@@ -412,7 +389,6 @@ def _decode_kernel(
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
         o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-    _stamp(stamps, 31, STAMP)
 
 
 def supported(
@@ -462,7 +438,6 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
@@ -504,12 +479,12 @@ def sparse_attn_sm90(
     launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
         q, src, topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
-        stamps if stamps is not None else ml, K, keys_per_split, scale * _triton.LOG2E,
+        K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, STAMP=stamps is not None,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:
