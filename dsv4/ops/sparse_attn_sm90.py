@@ -153,6 +153,26 @@ def _combine_part(own, b, c, w0, w1, o_rows, cols, CH: gl.constexpr, c_layout: g
 
 
 @gluon.jit
+def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl.constexpr,
+                       RD: gl.constexpr, c_layout: gl.constexpr):  # fmt: skip
+    # `_combine_part` for the chunk holding the last RD channels, RoPE undone on them in
+    # registers as `rope.rotary` does it: o rounded to bf16, each pair (2j, 2j+1) rotated back
+    # in fp32 by position t's (cos, -sin) and rounded again (`rope.rotate_tile`'s expressions)
+    gl.static_assert(RD <= CH, "the RoPE channels lie in the last chunk")
+    a = own.slice(c * CH, CH, dim=1).load(c_layout)
+    out = (_mul_rn(b, w0) + _mul_rn(a, w1)).to(gl.bfloat16).to(gl.float32)
+    re, im = gl.split(gl.reshape(out, [out.shape[0], CH // 2, 2]))
+    pair = gl.arange(0, CH // 2, layout=gl.SliceLayout(0, re.type.layout)) - (CH - RD) // 2
+    rope = (pair >= 0)[None, :]
+    cos = gl.load(cos_row + pair, mask=pair >= 0, other=1.0)[None, :]
+    sin = -gl.load(sin_row + pair, mask=pair >= 0, other=0.0)[None, :]
+    re_t = gl.where(rope, re * cos - im * sin, re)
+    im_t = gl.where(rope, re * sin + im * cos, im)
+    turned = gl.convert_layout(gl.reshape(gl.join(re_t, im_t), [out.shape[0], CH]), c_layout)
+    gl.store(o_rows + (c * CH + cols)[None, :], turned.to(gl.bfloat16))
+
+
+@gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
            sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot, stride_oh,
            stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
@@ -212,21 +232,13 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         _combine_part(own, b0, 0, w0, w1, o_rows, cols, CH, c_layout)
         _combine_part(own, b1, 1, w0, w1, o_rows, cols, CH, c_layout)
         _combine_part(own, b2, 2, w0, w1, o_rows, cols, CH, c_layout)
-        _combine_part(own, b3, 3, w0, w1, o_rows, cols, CH, c_layout)
-        if RD > 0:  # o as bf16, then rotated back in fp32 and cast again (`rope.rotary`'s)
-            gl.thread_barrier()  # every thread's bf16 o before the pairs are read back
-            r_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [8, 1], [1, 0])
-            r_rows = gl.arange(0, H, layout=gl.SliceLayout(1, r_layout))
-            pairs = gl.arange(0, RD // 2, layout=gl.SliceLayout(0, r_layout))
-            at = o_ptr + t * stride_ot + r_rows[:, None] * stride_oh + (D - RD) + 2 * pairs[None, :]
-            re = gl.load(at, cache_modifier=".cg").to(gl.float32)
-            im = gl.load(at + 1, cache_modifier=".cg").to(gl.float32)
-            cos = gl.load(cos_ptr + t * stride_ct + pairs)[None, :]
-            sin = -gl.load(sin_ptr + t * stride_st + pairs)[None, :]
-            # (as `rope.rotate_tile` writes it, so the compiler contracts it the same way as the
-            # rotary launch it replaces: the same bits)
-            gl.store(at, (re * cos - im * sin).to(gl.bfloat16))
-            gl.store(at + 1, (re * sin + im * cos).to(gl.bfloat16))
+        if RD > 0:  # (the last RD channels lie in the last chunk)
+            cos_row = cos_ptr + t * stride_ct
+            sin_row = sin_ptr + t * stride_st
+            _combine_part_rope(own, b3, 3, w0, w1, o_rows, cols, cos_row, sin_row, CH, RD,
+                               c_layout)  # fmt: skip
+        else:
+            _combine_part(own, b3, 3, w0, w1, o_rows, cols, CH, c_layout)
         gl.store(flag, 0)  # zero between launches (only the two splits of t touch it)
 
 
