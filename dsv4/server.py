@@ -858,8 +858,25 @@ def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) ->
         )
 
 
-# vLLM's / SGLang's flags choosing what dsv4 has no choice of (its own kernels, its own state
-# layout): accepted, so the peers' DeepSeek-V4 commands run as written, with a warning
+# vLLM's / SGLang's launch flags that name what dsv4 always does: accepted, so their
+# DeepSeek-V4 commands run as written
+ACCEPTED = {
+    "trust_remote_code": "accepted (vLLM / SGLang): dsv4 runs no code from a checkpoint",
+    "enable_auto_tool_choice": "accepted (vLLM): tool_choice 'auto' is always on",
+    "enable_expert_parallel": "accepted (vLLM): the routed experts are always spread over the "
+    "tensor-parallel ranks",
+}
+# SGLang's priority switches (`_apply_peer_flags` maps them onto the scheduling policy)
+SGLANG_PRIORITY = {
+    "enable_priority_scheduling": "SGLang's: the priority policy with higher `priority` values "
+    "first (--scheduling-policy priority-high-first)",
+    "schedule_low_priority_values_first": "SGLang's: with --enable-priority-scheduling, lower "
+    "values first (vLLM's order, --scheduling-policy priority)",
+    "disable_priority_preemption": "SGLang's: with --enable-priority-scheduling, waiting "
+    "requests never preempt running ones",
+}
+# and the flags choosing what dsv4 has no choice of (its own kernels, its own state layout):
+# accepted with a warning
 NO_EFFECT = {
     "moe_runner_backend": "dsv4 runs its own routed-expert kernels",
     "swa_full_tokens_ratio": "dsv4's sliding-window rings are one per sequence, the model's size",
@@ -870,6 +887,20 @@ SGLANG_MTP = ("EAGLE", "NEXTN")  # SGLang's --speculative-algorithm names for a 
 
 def _peer_flags(p: argparse.ArgumentParser) -> None:
     """The peers' launch flags that map onto dsv4's (`_apply_peer_flags`)."""
+    for flag, why in ACCEPTED.items():
+        p.add_argument("--" + flag.replace("_", "-"), action="store_true", help=why)
+    p.add_argument(
+        "--tool-call-parser", default=None,
+        help="accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, deepseekv4, "
+        "deepseek_v32): the parser built in",
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None,
+        help="accepted when it names a DeepSeek reasoning parser (deepseek_v4, deepseek-v4, "
+        "deepseek_r1, ...): the <think> parsing built in",
+    )  # fmt: skip
+    for flag, why in SGLANG_PRIORITY.items():
+        p.add_argument("--" + flag.replace("_", "-"), action="store_true", help=why)
     p.add_argument(
         "--tokenizer-mode", default=None,
         help="vLLM's: auto, hf, slow, deepseek_v4 or deepseek_v32 accepted (the checkpoint's "
@@ -878,10 +909,6 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data-parallel-size", "-dp", "--dp-size", "--dp", type=int, default=1,
         help="vLLM's / SGLang's: only 1 (no data parallelism: run one server per replica)",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-expert-parallel", action="store_true",
-        help="accepted (vLLM): the routed experts are always spread over the tensor-parallel ranks",
     )  # fmt: skip
     p.add_argument(
         "--expert-parallel-size", "--ep-size", "--ep", type=int, default=None,
@@ -906,6 +933,20 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
 
 def _apply_peer_flags(ns: argparse.Namespace) -> None:
     """Check the peers' flags and set dsv4's from them (ConfigError naming what cannot run)."""
+    check_parsers(ns.tool_call_parser, ns.reasoning_parser)
+    if ns.enable_priority_scheduling:
+        if ns.scheduling_policy != "fcfs":
+            raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
+        low = ns.schedule_low_priority_values_first
+        ns.scheduling_policy = "priority" if low else "priority-high-first"
+        if ns.disable_priority_preemption:
+            ns.priority_preemption_threshold = None
+        elif ns.priority_preemption_threshold is None:
+            ns.priority_preemption_threshold = SGLANG_PREEMPTION_THRESHOLD
+    elif ns.schedule_low_priority_values_first:
+        raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
+    elif ns.disable_priority_preemption:
+        raise ConfigError("--disable-priority-preemption needs --enable-priority-scheduling")
     if ns.tokenizer_mode is not None and ns.tokenizer_mode not in TOKENIZER_MODES:
         raise ConfigError(
             f"--tokenizer-mode {ns.tokenizer_mode!r}: dsv4 reads the checkpoint's tokenizer.json "
@@ -986,58 +1027,9 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_true",
         help="no periodic engine line (throughputs, running / waiting, state use, cache hits)",
     )
-    # vLLM's / SGLang's launch flags that name what dsv4 always does: accepted, so their
-    # DeepSeek-V4 commands run as written
-    p.add_argument(
-        "--trust-remote-code", action="store_true",
-        help="accepted (vLLM / SGLang): dsv4 runs no code from a checkpoint",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-auto-tool-choice", action="store_true",
-        help="accepted (vLLM): tool_choice 'auto' is always on",
-    )  # fmt: skip
-    p.add_argument(
-        "--tool-call-parser", default=None,
-        help="accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, deepseekv4, "
-        "deepseek_v32): the parser built in",
-    )  # fmt: skip
-    p.add_argument(
-        "--reasoning-parser", default=None,
-        help="accepted when it names a DeepSeek reasoning parser (deepseek_v4, deepseek-v4, "
-        "deepseek_r1, ...): the <think> parsing built in",
-    )  # fmt: skip
-    p.add_argument(
-        "--enable-priority-scheduling", action="store_true",
-        help="SGLang's: the priority policy with higher `priority` values first "
-        "(--scheduling-policy priority-high-first)",
-    )  # fmt: skip
-    p.add_argument(
-        "--schedule-low-priority-values-first", action="store_true",
-        help="SGLang's: with --enable-priority-scheduling, lower values first (vLLM's order, "
-        "--scheduling-policy priority)",
-    )  # fmt: skip
-    p.add_argument(
-        "--disable-priority-preemption", action="store_true",
-        help="SGLang's: with --enable-priority-scheduling, waiting requests never preempt "
-        "running ones",
-    )  # fmt: skip
     _peer_flags(p)
     ns = p.parse_args(argv)
-    check_parsers(ns.tool_call_parser, ns.reasoning_parser)
     _apply_peer_flags(ns)
-    if ns.enable_priority_scheduling:
-        if ns.scheduling_policy != "fcfs":
-            raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
-        low = ns.schedule_low_priority_values_first
-        ns.scheduling_policy = "priority" if low else "priority-high-first"
-        if ns.disable_priority_preemption:
-            ns.priority_preemption_threshold = None
-        elif ns.priority_preemption_threshold is None:
-            ns.priority_preemption_threshold = SGLANG_PREEMPTION_THRESHOLD
-    elif ns.schedule_low_priority_values_first:
-        raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
-    elif ns.disable_priority_preemption:
-        raise ConfigError("--disable-priority-preemption needs --enable-priority-scheduling")
     if ns.model_dir is not None:
         if ns.model is not None and ns.model != ns.model_dir:
             raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
