@@ -883,6 +883,7 @@ NO_EFFECT = {
 }
 TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v4", "deepseek_v32")  # vLLM's, all one here
 SGLANG_MTP = ("EAGLE", "NEXTN")  # SGLang's --speculative-algorithm names for a DeepSeek MTP layer
+SGLANG_MTP_STEPS = 3  # its draft tokens for DeepSeek when --speculative-num-steps is not given
 
 
 def _peer_flags(p: argparse.ArgumentParser) -> None:
@@ -934,19 +935,7 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
 def _apply_peer_flags(ns: argparse.Namespace) -> None:
     """Check the peers' flags and set dsv4's from them (ConfigError naming what cannot run)."""
     check_parsers(ns.tool_call_parser, ns.reasoning_parser)
-    if ns.enable_priority_scheduling:
-        if ns.scheduling_policy != "fcfs":
-            raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
-        low = ns.schedule_low_priority_values_first
-        ns.scheduling_policy = "priority" if low else "priority-high-first"
-        if ns.disable_priority_preemption:
-            ns.priority_preemption_threshold = None
-        elif ns.priority_preemption_threshold is None:
-            ns.priority_preemption_threshold = SGLANG_PREEMPTION_THRESHOLD
-    elif ns.schedule_low_priority_values_first:
-        raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
-    elif ns.disable_priority_preemption:
-        raise ConfigError("--disable-priority-preemption needs --enable-priority-scheduling")
+    _sglang_priority(ns)
     if ns.tokenizer_mode is not None and ns.tokenizer_mode not in TOKENIZER_MODES:
         raise ConfigError(
             f"--tokenizer-mode {ns.tokenizer_mode!r}: dsv4 reads the checkpoint's tokenizer.json "
@@ -967,15 +956,38 @@ def _apply_peer_flags(ns: argparse.Namespace) -> None:
         if getattr(ns, flag) is not None:
             log.warning("--%s %s: accepted, no effect (%s)", flag.replace("_", "-"),
                         getattr(ns, flag), why)  # fmt: skip
+    if ns.speculative_algorithm is not None:
+        if ns.speculative_config is not None:
+            raise ConfigError("give --speculative-config or --speculative-algorithm, not both")
+        ns.speculative_config = _sglang_speculative(ns)
+    elif (ns.speculative_num_steps, ns.speculative_eagle_topk,
+          ns.speculative_num_draft_tokens) != (None, None, None):  # fmt: skip
+        raise ConfigError("the --speculative-* counts need --speculative-algorithm")
+
+
+def _sglang_priority(ns: argparse.Namespace) -> None:
+    """SGLang's priority switches as the scheduling policy and preemption threshold."""
+    if ns.enable_priority_scheduling:
+        if ns.scheduling_policy != "fcfs":
+            raise ConfigError("give --scheduling-policy or --enable-priority-scheduling, not both")
+        low = ns.schedule_low_priority_values_first
+        ns.scheduling_policy = "priority" if low else "priority-high-first"
+        if ns.disable_priority_preemption:
+            ns.priority_preemption_threshold = None
+        elif ns.priority_preemption_threshold is None:
+            ns.priority_preemption_threshold = SGLANG_PREEMPTION_THRESHOLD
+    elif ns.schedule_low_priority_values_first:
+        raise ConfigError("--schedule-low-priority-values-first needs --enable-priority-scheduling")
+    elif ns.disable_priority_preemption:
+        raise ConfigError("--disable-priority-preemption needs --enable-priority-scheduling")
+
+
+def _sglang_speculative(ns: argparse.Namespace) -> str:
+    """SGLang's --speculative-algorithm EAGLE / NEXTN and its counts as vLLM's speculative
+    config: the MTP layer drafting one chain of --speculative-num-steps tokens."""
     steps, topk, drafts = (
         ns.speculative_num_steps, ns.speculative_eagle_topk, ns.speculative_num_draft_tokens
     )  # fmt: skip
-    if ns.speculative_algorithm is None:
-        if (steps, topk, drafts) != (None, None, None):
-            raise ConfigError("the --speculative-* counts need --speculative-algorithm")
-        return
-    if ns.speculative_config is not None:
-        raise ConfigError("give --speculative-config or --speculative-algorithm, not both")
     if ns.speculative_algorithm.upper() not in SGLANG_MTP:
         raise ConfigError(
             f"--speculative-algorithm {ns.speculative_algorithm}: dsv4 drafts with the "
@@ -983,13 +995,14 @@ def _apply_peer_flags(ns: argparse.Namespace) -> None:
         )
     if topk not in (None, 1):
         raise ConfigError(f"--speculative-eagle-topk {topk}: dsv4 drafts one chain (topk 1)")
-    steps = steps if steps is not None else (drafts - 1 if drafts is not None else 3)
+    if steps is None:
+        steps = drafts - 1 if drafts is not None else SGLANG_MTP_STEPS
     if drafts is not None and drafts != steps + 1:
         raise ConfigError(
             f"--speculative-num-draft-tokens {drafts}: with one draft chain it is "
             f"--speculative-num-steps + 1 = {steps + 1}"
         )
-    ns.speculative_config = json.dumps({"method": "mtp", "num_speculative_tokens": steps})
+    return json.dumps({"method": "mtp", "num_speculative_tokens": steps})
 
 
 def parse_args(argv: list[str]) -> ServerConfig:
