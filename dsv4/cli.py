@@ -19,6 +19,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "max_step_tokens",
     "block_size",
     "max_memory",
+    "max_total_tokens",
     "memory_fraction",
     "gpu_memory_utilization",
     "cuda_graphs",
@@ -145,7 +146,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="tokens a state page covers (a multiple of both compress ratios; default: the "
         "smallest such multiple >= 256)",
     )  # fmt: skip
-    p.add_argument("--max-memory", type=int, default=None, help="state budget in bytes")
+    p.add_argument(
+        "--max-memory", "--kv-cache-memory-bytes", type=int, default=None,
+        help="state budget in bytes (vLLM's --kv-cache-memory-bytes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-total-tokens", type=int, default=None,
+        help="SGLang's: at most this many tokens in the state's pages (a cap on what the budget "
+        "gives)",
+    )  # fmt: skip
     p.add_argument(
         "--memory-fraction",
         type=float,

@@ -558,10 +558,16 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "priority-high-first")
 
 
 def check_memory_flags(
-    max_memory: int | None, memory_fraction: float | None, gpu_memory_utilization: float | None
+    max_memory: int | None,
+    memory_fraction: float | None,
+    gpu_memory_utilization: float | None,
+    max_total_tokens: int | None = None,
 ) -> None:
     """The state's budget comes from one of max_memory, memory_fraction, gpu_memory_utilization
-    (fractions in (0, 1]); ConfigError naming what is wrong."""
+    (fractions in (0, 1]); max_total_tokens, a cap on its pages' tokens, is > 0. ConfigError
+    naming what is wrong."""
+    if max_total_tokens is not None and max_total_tokens <= 0:
+        raise ConfigError(f"max_total_tokens must be > 0, got {max_total_tokens}")
     given = {
         "max_memory": max_memory,
         "memory_fraction": memory_fraction,
@@ -766,6 +772,7 @@ class ServerConfig:
     max_step_tokens: int = 2048  # tokens one engine step runs (vLLM's max_num_batched_tokens)
     block_size: int | None = None  # tokens a state page covers; None = the model's default
     max_memory: int | None = None
+    max_total_tokens: int | None = None  # SGLang's: a cap on the state's page tokens
     memory_fraction: float | None = None
     gpu_memory_utilization: float | None = None  # vLLM's / SGLang's (--mem-fraction-static)
     cuda_graphs: bool | None = None
@@ -799,7 +806,10 @@ class ServerConfig:
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
                 f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"
             )
-        check_memory_flags(self.max_memory, self.memory_fraction, self.gpu_memory_utilization)
+        check_memory_flags(
+            self.max_memory, self.memory_fraction, self.gpu_memory_utilization,
+            self.max_total_tokens,
+        )  # fmt: skip
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {self.block_size}")
         if self.tensor_parallel_size < 1:

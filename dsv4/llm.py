@@ -78,6 +78,7 @@ class LLM:
         max_step_tokens: int = 2048,
         chunk_size: int | None = None,
         max_memory: int | None = None,
+        max_total_tokens: int | None = None,
         memory_fraction: float | None = None,
         block_size: int | None = None,
         gpu_memory_utilization: float | None = None,
@@ -101,7 +102,7 @@ class LLM:
                 f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
                 f"max_step_tokens={max_step_tokens} must be >= 1"
             )
-        check_memory_flags(max_memory, memory_fraction, gpu_memory_utilization)
+        check_memory_flags(max_memory, memory_fraction, gpu_memory_utilization, max_total_tokens)
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
         # tensor/expert parallel: one process a rank. Ranks 1.. are started here (they run this
@@ -132,7 +133,8 @@ class LLM:
             snapshots = prefix_snapshots if enable_prefix_caching else 0
             budget = dict(max_memory=max_memory, memory_fraction=memory_fraction,
                           gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
-            self._load(c, progress, block_size, budget, max_step_tokens, chunk_size, snapshots)
+            self._load(c, progress, block_size, budget, max_step_tokens, chunk_size, snapshots,
+                       max_total_tokens)  # fmt: skip
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
@@ -158,10 +160,12 @@ class LLM:
         max_step_tokens: int,
         chunk_size: int,
         snapshots: int | None = 0,
+        max_total_tokens: int | None = None,
     ) -> None:
         """Model, weights, tokenizer, state pools and engine for config `c` (this rank's part);
         budget: `state_budget`'s keywords, read once the weights are loaded; snapshots: prefix
-        caching's ring snapshots (0: no cache, None: the default count)."""
+        caching's ring snapshots (0: no cache, None: the default count); max_total_tokens: a cap
+        on the pages' tokens (SGLang's)."""
         max_seqs, max_seq_len, kv_cache_dtype, par = (
             c.max_seqs, c.max_seq_len, c.kv_cache_dtype, c.parallel
         )  # fmt: skip
@@ -195,6 +199,8 @@ class LLM:
             num_blocks = DecodeState.blocks_for_budget(
                 args, max_seqs, max_memory, tdt, block_size, kv_cache_dtype, snapshots, step_rows
             )
+        if max_total_tokens is not None:
+            num_blocks = min(num_blocks, -(-max_total_tokens // block_size))
         # every rank the same pages (free memory differs a little between GPUs): the ranks'
         # schedulers must make the same choices, preemptions included
         num_blocks = par.least(num_blocks)

@@ -294,6 +294,26 @@ def test_capacity_lines_as_vllm(llm, caplog):  # noqa: ANN001
     assert "Maximum concurrency for 32 tokens per request: 2.00x" in text  # 4 pages / 2 (4 slots)
 
 
+
+def test_max_total_tokens_caps_the_pages(llm):  # noqa: ANN001
+    # SGLang's --max-total-tokens: the pages' tokens at most that (whole pages), under the
+    # budget's own count or the default (every slot at max_seq_len); one page at least
+    from dsv4.config import ConfigError
+    from dsv4.state import bytes_per_seq, bytes_per_token
+
+    kw = dict(device="cpu", progress=False, max_seqs=4, max_seq_len=64, block_size=16,
+              enable_prefix_caching=False)  # fmt: skip
+    d = llm.model_dir
+    assert LLM(d, **kw).state.num_blocks == 16  # 4 slots x 4 pages
+    assert LLM(d, max_total_tokens=40, **kw).state.num_blocks == 3  # 40 tokens: 3 pages
+    fixed = 4 * bytes_per_seq(llm.args, torch.float32)
+    page = bytes_per_token(llm.args, torch.float32) * 16
+    budget = int(fixed + 2.5 * page)  # 2 pages: under the cap
+    assert LLM(d, max_memory=budget, max_total_tokens=40, **kw).state.num_blocks == 2
+    with pytest.raises(ConfigError, match="max_total_tokens must be > 0, got 0"):
+        LLM(d, max_total_tokens=0, **kw)
+
+
 def _a_and_b(tmp_path):  # noqa: ANN001, ANN202
     # two checkpoints of one tiny model, an LLM on the first, and each one's greedy tokens:
     # (llm, gen, a, b, first, fresh_b)

@@ -1637,6 +1637,8 @@ def test_serve_flags(capsys, caplog):  # noqa: ANN001
     assert "--moe-runner-backend flashinfer_mxfp4: accepted, no effect" in caplog.text
     assert "--swa-full-tokens-ratio 0.1: accepted, no effect" in caplog.text
     assert parse_args(["--tp", "2", "--ep", "2", "--enable-expert-parallel", "-dp", "1"])
+    caps = parse_args(["--max-total-tokens", "4096", "--kv-cache-memory-bytes", "1000000"])
+    assert (caps.max_total_tokens, caps.max_memory) == (4096, 1000000)
     for bad, why in (
         (["--speculative-algorithm", "DSPARK"], "MTP layer only (EAGLE / NEXTN name it)"),
         (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4"], "one chain"),
