@@ -294,7 +294,6 @@ def test_capacity_lines_as_vllm(llm, caplog):  # noqa: ANN001
     assert "Maximum concurrency for 32 tokens per request: 2.00x" in text  # 4 pages / 2 (4 slots)
 
 
-
 def test_max_total_tokens_caps_the_pages(llm):  # noqa: ANN001
     # SGLang's --max-total-tokens: the pages' tokens at most that (whole pages), under the
     # budget's own count or the default (every slot at max_seq_len); one page at least
