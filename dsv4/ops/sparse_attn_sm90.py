@@ -174,8 +174,8 @@ def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl
 
 @gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
-           sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot, stride_oh,
-           stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
+           sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh, stride_ct, stride_st,
+           RD: gl.constexpr):  # fmt: skip
     # two splits of token t finish here without a combine launch. Split 0 publishes its partial
     # (acc, m, l) and a flag; split 1 stages its own acc in the free kv buffers, waits for the
     # flag and writes o from both, then zeroes the flag. Split 1 waits only for a program that
@@ -389,8 +389,8 @@ def _decode_kernel(
     if FIXUP:
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
         _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
-               cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-               stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
+               cos_ptr, sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh,
+               stride_ct, stride_st, RD)  # fmt: skip
     elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
