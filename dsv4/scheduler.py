@@ -235,8 +235,11 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             room = bool(self.free_slots) and len(self.running) < self.max_running
-            if not room and self.preemption_threshold is None:
-                break
+            if not room and (
+                self.preemption_threshold is None
+                or not self._beats(req, max(self.running, key=self.order))
+            ):
+                break  # (no slot, and not even the last running request is outranked)
             chain = self._match(req)  # a cached prefix: its pages and the rings after it
             start = len(chain) * self.state.block_size
             n = min(req.num_tokens - start, self.chunk_size, budget)
@@ -262,15 +265,19 @@ class Scheduler:
             budget -= n
         return work
 
+    def _beats(self, req: Request, running: Request) -> bool:
+        """Whether waiting `req` may preempt `running`: a threshold is set and `req`'s priority
+        beats its by more than that (in the policy's direction)."""
+        threshold = self.preemption_threshold
+        return threshold is not None and self._sign * (running.priority - req.priority) > threshold
+
     def _outranked(self, req: Request, pages: int, room: bool) -> list[Request]:
         """With a preemption threshold: the running requests `req` beats by more than it, the
         last in order first, as few as free a slot (unless there is `room`) and `pages` more
         pages (their own, and cached ones no one else holds); [] if they cannot."""
-        if self.preemption_threshold is None:
-            return []
         victims, held = [], Counter()
         for v in sorted(self.running, key=self.order, reverse=True):
-            if self._sign * (v.priority - req.priority) <= self.preemption_threshold:
+            if not self._beats(req, v):
                 break  # (the rest come earlier in order: not beaten by more either)
             victims.append(v)
             for p in v.pages:

@@ -886,27 +886,39 @@ SGLANG_MTP = ("EAGLE", "NEXTN")  # SGLang's --speculative-algorithm names for a 
 SGLANG_MTP_STEPS = 3  # its draft tokens for DeepSeek when --speculative-num-steps is not given
 
 
+# the peers' flags that name something, each checked or mapped by `_apply_peer_flags`
+NAMED = {
+    "tool_call_parser": "accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, "
+    "deepseekv4, deepseek_v32): the parser built in",
+    "reasoning_parser": "accepted when it names a DeepSeek reasoning parser (deepseek_v4, "
+    "deepseek-v4, deepseek_r1, ...): the <think> parsing built in",
+    "tokenizer_mode": "vLLM's: auto, hf, slow, deepseek_v4 or deepseek_v32 accepted (the "
+    "checkpoint's tokenizer.json and DeepSeek-V4's chat format always)",
+    "speculative_algorithm": "SGLang's: EAGLE or NEXTN drafts with the checkpoint's MTP layer (as "
+    "--speculative-config with method mtp)",
+}
+# and those that count something
+COUNTS = {
+    "speculative_num_steps": "SGLang's: draft tokens",
+    "speculative_eagle_topk": "SGLang's: only 1",
+    "speculative_num_draft_tokens": "SGLang's: --speculative-num-steps + 1 (one draft chain)",
+}
+
+
 def _peer_flags(p: argparse.ArgumentParser) -> None:
     """The peers' launch flags that map onto dsv4's (`_apply_peer_flags`)."""
-    for flag, why in ACCEPTED.items():
-        p.add_argument("--" + flag.replace("_", "-"), action="store_true", help=why)
-    p.add_argument(
-        "--tool-call-parser", default=None,
-        help="accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, deepseekv4, "
-        "deepseek_v32): the parser built in",
-    )  # fmt: skip
-    p.add_argument(
-        "--reasoning-parser", default=None,
-        help="accepted when it names a DeepSeek reasoning parser (deepseek_v4, deepseek-v4, "
-        "deepseek_r1, ...): the <think> parsing built in",
-    )  # fmt: skip
-    for flag, why in SGLANG_PRIORITY.items():
-        p.add_argument("--" + flag.replace("_", "-"), action="store_true", help=why)
-    p.add_argument(
-        "--tokenizer-mode", default=None,
-        help="vLLM's: auto, hf, slow, deepseek_v4 or deepseek_v32 accepted (the checkpoint's "
-        "tokenizer.json and DeepSeek-V4's chat format always)",
-    )  # fmt: skip
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name, why in (ACCEPTED | SGLANG_PRIORITY).items():
+        p.add_argument(flag(name), action="store_true", help=why)
+    for name, why in NAMED.items():
+        p.add_argument(flag(name), default=None, help=why)
+    for name, why in NO_EFFECT.items():
+        p.add_argument(flag(name), default=None, help=f"accepted, no effect: {why}")
+    for name, why in COUNTS.items():
+        p.add_argument(flag(name), type=int, default=None, help=why)
     p.add_argument(
         "--data-parallel-size", "-dp", "--dp-size", "--dp", type=int, default=1,
         help="vLLM's / SGLang's: only 1 (no data parallelism: run one server per replica)",
@@ -914,21 +926,6 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--expert-parallel-size", "--ep-size", "--ep", type=int, default=None,
         help="SGLang's: the tensor-parallel size (the routed experts are spread over those ranks)",
-    )  # fmt: skip
-    for flag, why in NO_EFFECT.items():
-        p.add_argument(
-            "--" + flag.replace("_", "-"), default=None, help=f"accepted, no effect: {why}"
-        )
-    p.add_argument(
-        "--speculative-algorithm", default=None,
-        help="SGLang's: EAGLE or NEXTN drafts with the checkpoint's MTP layer (as --speculative-"
-        "config with method mtp)",
-    )  # fmt: skip
-    p.add_argument("--speculative-num-steps", type=int, default=None, help="SGLang's: draft tokens")
-    p.add_argument("--speculative-eagle-topk", type=int, default=None, help="SGLang's: only 1")
-    p.add_argument(
-        "--speculative-num-draft-tokens", type=int, default=None,
-        help="SGLang's: --speculative-num-steps + 1 (one draft chain)",
     )  # fmt: skip
 
 
