@@ -538,14 +538,21 @@ def probe_attn_fixup() -> None:
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
+# (block_n, num_buf, L, how the peer's part is checked: 0 per element, 1 no exchange, 2 unchecked,
+# 3 at once)
+PAIR_CASES = [(32, 10, 3, 0), (32, 10, 3, 1), (32, 10, 3, 2), (32, 10, 3, 3), (32, 9, 4, 3),
+              (32, 8, 2, 3)]  # fmt: skip
+
+
 def probe_attn_pair() -> None:
     # the channel pair (`sparse_attn_sm90._pair_kernel`: two programs a token on 256 channels,
     # S parts exchanged in L2, no combine) against the default (two key splits, in-kernel
     # combine), bare and in the model's form (inverse RoPE); tiles, buffers and the lookahead L
     from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.ops.device import arrival_counts
 
     attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 48, 32):
+    for T in (64, 32):
         q, kv, sink, idx = attn.tokens(T)
         one = (torch.cat(kv),)
         cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
@@ -557,25 +564,30 @@ def probe_attn_pair() -> None:
             us(f"attn T={T} default{' inv_rope' if rope else ''}",
                lambda r=r: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, inv_rope=r, pair=False),
                nbytes=nbytes)  # fmt: skip
-        for bn, nb, L in ((32, 10, 3), (32, 8, 2), (32, 9, 4), (64, 4, 2), (64, 3, 3)):
-            sm90.PAIR_L, sm90.PAIR_R = L, 2 * L
+        for bn, nb, L, xm in PAIR_CASES:
+            sm90.PAIR_L, sm90.PAIR_R, sm90.PAIR_XMODE = L, 2 * L, xm
             kw = dict(pair=True, block_n=bn, num_buf=nb)
             try:
                 o = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
             except Exception as e:  # noqa: BLE001  (a tile that does not fit: say so, go on)
-                print(f"attn T={T} pair bn{bn} nb{nb} L{L}: {type(e).__name__}: {str(e)[:120]}")
+                print(
+                    f"attn T={T} pair bn{bn} nb{nb} L{L} x{xm}: {type(e).__name__}: {str(e)[:120]}"
+                )
                 continue
             err = float((o.float() - want).norm() / want.norm())
             diff = float((o.float() - base.float()).abs().max())
             again = torch.equal(sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw), o)
-            for rope in (False, True):
+            for rope in (False, True) if xm in (0, 3) else (False,):
                 r = cs if rope else None
-                us(f"attn T={T} pair bn{bn} nb{nb} L{L}{' inv_rope' if rope else ''}",
+                us(f"attn T={T} pair bn{bn} nb{nb} L{L} x{xm}{' inv_rope' if rope else ''}",
                    lambda r=r, kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, inv_rope=r,
                                                             **kw),
                    nbytes=nbytes, note=f"  rel err {err:.1e}, max|pair - default| {diff:.1e}, "
                    f"repeat bit-exact {again}")  # fmt: skip
-        sm90.PAIR_L, sm90.PAIR_R = 3, 6
+            # (modes 1 and 2 do not wait for the peer, so its slots may be left written)
+            slots = sm90.PAIR_MAX_TOKENS * 2 * sm90.PAIR_R * 64 * bn
+            arrival_counts(f"sparse_attn_sm90.pair{bn}", q.device, slots).zero_()
+        sm90.PAIR_L, sm90.PAIR_R, sm90.PAIR_XMODE = 3, 6, 0
     copy_floor("attn pair: copy_ of 64 MiB", 64 << 20)
 
 

@@ -58,6 +58,7 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 PAIR = False
 PAIR_MAX_TOKENS = 160  # tokens the exchange slots cover
 PAIR_L, PAIR_R = 3, 6  # S parts published 3 tiles ahead; 6 slots a side (>= 2 L)
+PAIR_XMODE = 0
 
 
 @gluon.jit
@@ -468,6 +469,7 @@ def _pair_kernel(
     R: gl.constexpr,  # exchange slots a side (>= 2 L: a slot is rewritten only once the peer used it)
     PDL: gl.constexpr = False,
     RD: gl.constexpr = 0,  # > 0: the inverse RoPE on the last RD channels of o
+    XMODE: gl.constexpr = 0,  # probes: how the peer's part is checked (0 per element, 3 at once)
 ):
     # the channel pair: programs (0, t) and (1, t) each take 256 of token t's 512 channels of q
     # and of every key row over all of its keys. S = Q K^T is the sum of their two parts: each
@@ -550,7 +552,19 @@ def _pair_kernel(
                               use_acc=False, is_async=True)  # fmt: skip
         # tile k: own part + the peer's
         s = own_smem.index(k % (L + 1)).load(s_layout)
-        s = s + _peer_s(v_now, peer_x + ((k % R) * SLOT + x_off), ((k // R) & 1) ^ 1)
+        tag = ((k // R) & 1) ^ 1
+        if XMODE == 0:
+            s = s + _peer_s(v_now, peer_x + ((k % R) * SLOT + x_off), tag)
+        elif XMODE == 1:  # probes: no exchange (S = 2 * own part)
+            s = s + s
+        elif XMODE == 2:  # probes: the exchange unchecked
+            s = s + v_now.to(gl.float32, bitcast=True)
+        else:  # the whole part checked at once, read again at once until every tag is right
+            stale = gl.max(gl.max(((v_now & 1) != tag).to(gl.int32), 1), 0)
+            while stale != 0:
+                v_now = gl.load(peer_x + ((k % R) * SLOT + x_off), volatile=True)
+                stale = gl.max(gl.max(((v_now & 1) != tag).to(gl.int32), 1), 0)
+            s = s + v_now.to(gl.float32, bitcast=True)
         p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
@@ -713,11 +727,13 @@ def _pair(q, src, attn_sink, topk_idxs, scale, o, inv_rope, block_n, num_buf):  
     cos, sin = inv_rope if inv_rope is not None else (slots, slots)
     rd = check_rope(o, cos, sin) if inv_rope is not None else 0
     assert rd in (0, ROPE), "sparse_attn_sm90: the pair undoes RoPE on 64 channels"
+    assert num_buf >= PAIR_L + 2, "sparse_attn_sm90: the pair needs num_buf >= L + 2"
     launch = chain(q.device)
     _pair_kernel[(2, T)](
         q, src, topk_idxs, attn_sink, o, slots, cos, sin, K, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
         cos.stride(0), sin.stride(0),
-        BLOCK_N=block_n, NUM_BUF=num_buf, L=PAIR_L, R=PAIR_R, RD=rd, num_warps=4, **launch,
+        BLOCK_N=block_n, NUM_BUF=num_buf, L=PAIR_L, R=PAIR_R, RD=rd, XMODE=PAIR_XMODE, num_warps=4,
+        **launch,
     )  # fmt: skip
     return o
