@@ -533,6 +533,7 @@ def _pair_kernel(
     v_next = gl.load(peer_x + ((1 % R) * SLOT + x_off), mask=1 < n_tiles, other=0,
                      cache_modifier=".cg")  # fmt: skip
 
+    valid_next = _tile_idx(idx_row, 0, K, offs_sn) >= 0
     m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
@@ -545,7 +546,8 @@ def _pair_kernel(
         nxt = k + NUM_BUF - 1
         _gather(kv_smem.index(nxt % NUM_BUF), half_kv, stride_kn, idx_next, offs_gd)
         idx_next = _tile_idx(idx_row, (nxt + 1) * BLOCK_N, K, offs_gn)
-        valid = _tile_idx(idx_row, k * BLOCK_N, K, offs_sn) >= 0
+        valid = valid_next
+        valid_next = _tile_idx(idx_row, (k + 1) * BLOCK_N, K, offs_sn) >= 0
         # own S part of tile k + L (zeros past the end: never published)
         j = k + L
         s_new = warpgroup_mma(q_smem, kv_smem.index(j % NUM_BUF).permute((1, 0)), s_zero,
