@@ -538,58 +538,6 @@ def probe_attn_fixup() -> None:
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
-# (block_n, num_buf, L, how the peer's part is checked: 0 per element, 1 no exchange, 2 unchecked,
-# 3 at once)
-PAIR_CASES = [(32, 10, 3, 0), (32, 10, 3, 1), (32, 10, 3, 3), (32, 9, 4, 3), (32, 7, 3, 3)]
-
-
-def probe_attn_pair() -> None:
-    # the channel pair (`sparse_attn_sm90._pair_kernel`: two programs a token on 256 channels,
-    # S parts exchanged in L2, no combine) against the default (two key splits, in-kernel
-    # combine), bare and in the model's form (inverse RoPE); tiles, buffers and the lookahead L
-    from dsv4.ops import sparse_attn_sm90 as sm90
-    from dsv4.ops.device import arrival_counts
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 32):
-        q, kv, sink, idx = attn.tokens(T)
-        one = (torch.cat(kv),)
-        cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
-        nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
-        want = ref.sparse_attn(q.float(), tuple(k.float() for k in one), sink, idx, 0.04)
-        base = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, pair=False)
-        for rope in (False, True):
-            r = cs if rope else None
-            us(f"attn T={T} default{' inv_rope' if rope else ''}",
-               lambda r=r: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, inv_rope=r, pair=False),
-               nbytes=nbytes)  # fmt: skip
-        for bn, nb, L, xm in PAIR_CASES:
-            sm90.PAIR_L, sm90.PAIR_R, sm90.PAIR_XMODE = L, 2 * L, xm
-            kw = dict(pair=True, block_n=bn, num_buf=nb)
-            try:
-                o = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
-            except Exception as e:  # noqa: BLE001  (a tile that does not fit: say so, go on)
-                print(
-                    f"attn T={T} pair bn{bn} nb{nb} L{L} x{xm}: {type(e).__name__}: {str(e)[:120]}"
-                )
-                continue
-            err = float((o.float() - want).norm() / want.norm())
-            diff = float((o.float() - base.float()).abs().max())
-            again = torch.equal(sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw), o)
-            for rope in (False, True) if xm in (0, 3) else (False,):
-                r = cs if rope else None
-                us(f"attn T={T} pair bn{bn} nb{nb} L{L} x{xm}{' inv_rope' if rope else ''}",
-                   lambda r=r, kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, inv_rope=r,
-                                                            **kw),
-                   nbytes=nbytes, note=f"  rel err {err:.1e}, max|pair - default| {diff:.1e}, "
-                   f"repeat bit-exact {again}")  # fmt: skip
-            # (modes 1 and 2 do not wait for the peer, so its slots may be left written)
-            slots = sm90.PAIR_MAX_TOKENS * 2 * sm90.PAIR_R * 64 * bn
-            arrival_counts(f"sparse_attn_sm90.pair{bn}", q.device, slots).zero_()
-        sm90.PAIR_L, sm90.PAIR_R, sm90.PAIR_XMODE = 3, 6, 0
-    copy_floor("attn pair: copy_ of 64 MiB", 64 << 20)
-
-
 def probe_attn_tlb() -> None:
     # T=64 gathers: picks uniform over a 1 GB pool vs each token's own region (the engine's
     # layout: a sequence's entries together), the Triton kernel and the sm90 one (full, loads only)
@@ -2388,7 +2336,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_pair": probe_attn_pair, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

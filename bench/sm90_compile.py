@@ -32,10 +32,7 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32},
-         "pair": {"pair": True, "block_n": 32, "num_buf": 10},
-         "pair_rope": {"pair": True, "block_n": 32, "num_buf": 10, "rope": True},
-         "pair_bn64": {"pair": True, "block_n": 64, "num_buf": 4}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -51,35 +48,30 @@ def capture(case: dict) -> tuple[tuple, dict]:
     kv = torch.randn(2000, 512, dtype=torch.bfloat16)
     idx = torch.randint(0, 2000, (T, 640), dtype=torch.int32)
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
-    kernel, pair, supported = sm90._decode_kernel, sm90._pair_kernel, sm90.supported
-    sm90._decode_kernel = sm90._pair_kernel = Launch()
-    sm90.supported = lambda *a, **k: True
+    kernel, supported = sm90._decode_kernel, sm90.supported
+    sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
     try:
         sm90.sparse_attn_sm90(
-            q, (kv,), torch.zeros(64), idx, 0.04,
-            num_splits=None if case.get("pair") else case.get("num_splits", 2),
-            inv_rope=cs, block_n=case.get("block_n", 64), num_buf=case.get("num_buf", 2),
-            pair=case.get("pair", False),
+            q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
+            inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
         if not calls:
             raise
     finally:
-        sm90._decode_kernel, sm90._pair_kernel, sm90.supported = kernel, pair, supported
+        sm90._decode_kernel, sm90.supported = kernel, supported
     return calls[0]
 
 
 def compile_case(name: str, out: str) -> None:
     args, kwargs = capture(CASES[name])
-    kernel = sm90._pair_kernel if CASES[name].get("pair") else sm90._decode_kernel
+    kernel = sm90._decode_kernel
     # (PDL as on the GPU; the strides' divisibility decides the cp.async widths)
     sig, consts, attrs = launch_signature(
         kernel, args, kwargs, {"PDL": True}, int_divisibility=True
     )
     src = GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs.pop("num_warps", 8)}
-    )
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     ptx = os.path.join(out, f"{name}.ptx")
     with open(ptx, "w") as f:
         f.write(k.asm["ptx"])
@@ -91,7 +83,7 @@ def compile_case(name: str, out: str) -> None:
     with open(os.path.join(out, f"{name}.sass"), "w") as f:
         f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                capture_output=True, text=True).stdout)  # fmt: skip
-    print(f"{name}: FIXUP {kwargs.get('FIXUP')} RD {kwargs['RD']} "
+    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} "
           f"shared {k.metadata.shared} B; "
           + "; ".join(regs))  # fmt: skip
 

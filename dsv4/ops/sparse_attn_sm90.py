@@ -32,7 +32,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from dsv4.ops import sparse_attn as _triton
@@ -53,12 +52,6 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
-# the channel pair (`_pair_kernel`): two programs a token, each on 256 channels over all keys, S
-# parts exchanged through L2 (probe `PROBE=attn_pair`; off until measured)
-PAIR = False
-PAIR_MAX_TOKENS = 160  # tokens the exchange slots cover
-PAIR_L, PAIR_R = 3, 6  # S parts published 3 tiles ahead; 6 slots a side (>= 2 L)
-PAIR_XMODE = 0
 
 
 @gluon.jit
@@ -163,20 +156,11 @@ def _combine_part(own, b, c, w0, w1, o_rows, cols, CH: gl.constexpr, c_layout: g
 def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl.constexpr,
                        RD: gl.constexpr, c_layout: gl.constexpr):  # fmt: skip
     # `_combine_part` for the chunk holding the last RD channels, RoPE undone on them in
-    # registers (`_store_rope`)
-    a = own.slice(c * CH, CH, dim=1).load(c_layout)
-    _store_rope(_mul_rn(b, w0) + _mul_rn(a, w1), c, o_rows, cols, cos_row, sin_row, CH, RD,
-                c_layout)  # fmt: skip
-
-
-@gluon.jit
-def _store_rope(out, c, o_rows, cols, cos_row, sin_row, CH: gl.constexpr, RD: gl.constexpr,
-                c_layout: gl.constexpr):  # fmt: skip
-    # o channels c*CH .. from out (fp32 [64, CH]) with RoPE undone on the last RD of them as
-    # `rope.rotary` does it: rounded to bf16, each pair (2j, 2j+1) rotated back in fp32 by
-    # position t's (cos, -sin) and rounded again (`rope.rotate_tile`'s expressions)
+    # registers as `rope.rotary` does it: o rounded to bf16, each pair (2j, 2j+1) rotated back
+    # in fp32 by position t's (cos, -sin) and rounded again (`rope.rotate_tile`'s expressions)
     gl.static_assert(RD <= CH, "the RoPE channels lie in the last chunk")
-    out = out.to(gl.bfloat16).to(gl.float32)
+    a = own.slice(c * CH, CH, dim=1).load(c_layout)
+    out = (_mul_rn(b, w0) + _mul_rn(a, w1)).to(gl.bfloat16).to(gl.float32)
     re, im = gl.split(gl.reshape(out, [out.shape[0], CH // 2, 2]))
     pair = gl.arange(0, CH // 2, layout=gl.SliceLayout(0, re.type.layout)) - (CH - RD) // 2
     rope = (pair >= 0)[None, :]
@@ -419,199 +403,6 @@ def _decode_kernel(
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
 
 
-@gluon.jit
-def _tagged(s, j, R: gl.constexpr):  # noqa: ANN001, ANN202
-    # tile j's S part as int32 bits, the lowest bit replaced by the slot's use tag (1, 0, 1, ..
-    # for the slot's 1st, 2nd, 3rd .. tile; slots are zero between launches, so a stale slot never
-    # shows the tag its next tile will)
-    return (s.to(gl.int32, bitcast=True) & -2) | (((j // R) & 1) ^ 1)
-
-
-@gluon.jit
-def _peer_s(v, at, tag):  # noqa: ANN001, ANN202
-    # the peer's S part from v (int32 bits loaded from at earlier): elements whose tag is not yet
-    # the tile's are read again until it is (a trap after 2^22 tries: seconds), as fp32. Each 32-bit
-    # element is written once per use of its slot, so a right tag means its value is the tile's
-    bits = gl.inline_asm_elementwise(
-        """{ .reg .pred p; .reg .b32 b; .reg .u32 n;
-        mov.b32 $0, $1; and.b32 b, $0, 1; setp.eq.u32 p, b, $3; @p bra DONE; mov.u32 n, 0;
-        SPIN: ld.relaxed.gpu.global.b32 $0, [$2]; and.b32 b, $0, 1; setp.eq.u32 p, b, $3;
-        @p bra DONE; add.u32 n, n, 1; setp.lt.u32 p, n, 4194304; @p bra SPIN; trap;
-        DONE: }""",
-        "=r,r,l,r", [v, at, tag + gl.zeros_like(v)], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _pair_kernel(
-    q_ptr,  # [T, 64, 512] bf16
-    kv_ptr,  # [N, 512] bf16 rows (row stride stride_kn)
-    idx_ptr,  # [T, K] int32/int64 rows of kv, -1 = none
-    sink_ptr,  # [64] fp32
-    o_ptr,  # [T, 64, 512] bf16
-    x_ptr,  # [T, 2, R, 64, BN] int32 S parts exchanged between the two sides, zero between launches
-    cos_ptr,  # RD: [T, RD/2] fp32 cos / sin of the tokens' positions (inverse RoPE)
-    sin_ptr,
-    K,
-    qk_scale,  # scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_kn,
-    stride_it,
-    stride_ot,
-    stride_oh,
-    stride_ct,
-    stride_st,
-    BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr,  # gathered tiles (half rows) in shared memory
-    L: gl.constexpr,  # S parts published this many tiles ahead of their use
-    R: gl.constexpr,  # exchange slots a side (>= 2 L: a slot is rewritten only once the peer used it)
-    PDL: gl.constexpr = False,
-    RD: gl.constexpr = 0,  # > 0: the inverse RoPE on the last RD channels of o
-    XMODE: gl.constexpr = 0,  # probes: how the peer's part is checked (0 per element, 3 at once)
-):
-    # the channel pair: programs (0, t) and (1, t) each take 256 of token t's 512 channels of q
-    # and of every key row over all of its keys. S = Q K^T is the sum of their two parts: each
-    # side computes its part of tile j L tiles ahead, publishes it to a slot in L2 (tagged,
-    # `_tagged`), and adds the peer's part when it reaches tile j. Each side then runs the same
-    # online softmax and accumulates its own 256 output channels: no split of the keys, so no
-    # partial outputs and no combine. The two sides of a token come one after the other in launch
-    # order and wait only for each other (resident together, as two splits' fixup relies on)
-    chain_start(PDL)
-    H: gl.constexpr = 64
-    DH: gl.constexpr = 256
-    SLOT: gl.constexpr = H * BLOCK_N
-    side = gl.program_id(0)
-    t = gl.program_id(1).to(gl.int64)
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DH, 16]
-    )
-    pa_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    g_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, DH], gl.bfloat16)
-    kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DH], gl.bfloat16)
-    own_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, DH], q_smem_layout)
-    kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, DH], kv_smem_layout)
-    own_smem = gl.allocate_shared_memory(gl.float32, [L + 1, H, BLOCK_N], own_layout)
-
-    col0 = side * DH
-    half_kv = kv_ptr + col0
-    offs_gd = gl.arange(0, DH, layout=gl.SliceLayout(0, g_layout))
-    offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
-    offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_sh = gl.arange(0, H, layout=gl.SliceLayout(1, s_layout))
-    x_off = offs_sh[:, None] * BLOCK_N + offs_sn[None, :]  # (pointers made at each use)
-    own_x = x_ptr + (2 * t + side) * (R * SLOT)
-    peer_x = x_ptr + (2 * t + 1 - side) * (R * SLOT)
-
-    # own half of q (with the first tile), then tiles 0 .. NUM_BUF - 2 in flight
-    offs_qh = gl.arange(0, H, layout=gl.SliceLayout(1, g_layout))
-    q_rows = q_ptr + t * stride_qt + offs_qh[:, None] * stride_qh + col0
-    cp.async_copy_global_to_shared(q_smem, q_rows + offs_gd[None, :])
-    n_tiles = gl.cdiv(K, BLOCK_N)
-    idx_row = idx_ptr + t * stride_it
-    for b in gl.static_range(NUM_BUF - 1):
-        idx = _tile_idx(idx_row, b * BLOCK_N, K, offs_gn)
-        _gather(kv_smem.index(b), half_kv, stride_kn, idx, offs_gd)
-    idx_next = _tile_idx(idx_row, (NUM_BUF - 1) * BLOCK_N, K, offs_gn)
-
-    # S parts of tiles 0 .. L - 1 published; the peer's of tiles 0 and 1 asked for
-    s_zero = gl.zeros([H, BLOCK_N], gl.float32, layout=s_layout)
-    for b in gl.static_range(L):
-        cp.wait_group(NUM_BUF - 2 - b)
-        fence_async_shared()
-        gl.thread_barrier()
-        s_b = warpgroup_mma(q_smem, kv_smem.index(b).permute((1, 0)), s_zero, use_acc=False)
-        own_smem.index(b).store(s_b)
-        gl.store(own_x + (b * SLOT + x_off), _tagged(s_b, b, R), mask=b < n_tiles)
-    v_now = gl.load(peer_x + x_off, cache_modifier=".cg")
-    v_next = gl.load(peer_x + ((1 % R) * SLOT + x_off), mask=1 < n_tiles, other=0,
-                     cache_modifier=".cg")  # fmt: skip
-
-    valid_next = _tile_idx(idx_row, 0, K, offs_sn) >= 0
-    m_i = gl.full([H], NEG, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([H], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([H, DH], gl.float32, layout=o_layout)
-    for k in range(n_tiles):
-        # tile k + L landed (visible to the async proxy and every thread); its buffer's last
-        # reader (tile k - 1's P V) was waited for last iteration
-        cp.wait_group(NUM_BUF - 2 - L)
-        fence_async_shared()
-        gl.thread_barrier()
-        nxt = k + NUM_BUF - 1
-        _gather(kv_smem.index(nxt % NUM_BUF), half_kv, stride_kn, idx_next, offs_gd)
-        idx_next = _tile_idx(idx_row, (nxt + 1) * BLOCK_N, K, offs_gn)
-        valid = valid_next
-        valid_next = _tile_idx(idx_row, (k + 1) * BLOCK_N, K, offs_sn) >= 0
-        # own S part of tile k + L (zeros past the end: never published)
-        j = k + L
-        s_new = warpgroup_mma(q_smem, kv_smem.index(j % NUM_BUF).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)  # fmt: skip
-        # tile k: own part + the peer's
-        s = own_smem.index(k % (L + 1)).load(s_layout)
-        tag = ((k // R) & 1) ^ 1
-        if XMODE == 0:
-            s = s + _peer_s(v_now, peer_x + ((k % R) * SLOT + x_off), tag)
-        elif XMODE == 1:  # probes: no exchange (S = 2 * own part)
-            s = s + s
-        elif XMODE == 2:  # probes: the exchange unchecked
-            s = s + v_now.to(gl.float32, bitcast=True)
-        else:  # the whole part checked at once, read again at once until every tag is right
-            stale = gl.max(gl.max(((v_now & 1) != tag).to(gl.int32), 1), 0)
-            while stale != 0:
-                v_now = gl.load(peer_x + ((k % R) * SLOT + x_off), volatile=True)
-                stale = gl.max(gl.max(((v_now & 1) != tag).to(gl.int32), 1), 0)
-            s = s + v_now.to(gl.float32, bitcast=True)
-        p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        pa = gl.convert_layout(p.to(gl.bfloat16), pa_layout)
-        acc = warpgroup_mma(pa, kv_smem.index(k % NUM_BUF), acc, is_async=True)
-        s_new = warpgroup_mma_wait(1, deps=[s_new])
-        own_smem.index(j % (L + 1)).store(s_new)
-        gl.store(own_x + ((j % R) * SLOT + x_off), _tagged(s_new, j, R), mask=j < n_tiles)
-        v_now = v_next
-        v_next = gl.load(peer_x + (((k + 2) % R) * SLOT + x_off), mask=k + 2 < n_tiles,
-                         other=0, cache_modifier=".cg")  # fmt: skip
-        acc, pa = warpgroup_mma_wait(0, deps=[acc, pa])
-    cp.wait_group(0)
-
-    # the peer's slots back to zero: it wrote its last tile into each (every element seen)
-    for r in gl.static_range(R):
-        gl.store(peer_x + (r * SLOT + x_off), gl.zeros_like(x_off))
-
-    # own 256 channels of o, sink-normalised (staged in the free kv buffers as fp32), with the
-    # inverse RoPE on side 1's last RD channels
-    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
-    gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
-    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    staged = kv_smem._reinterpret(gl.float32, [H, DH], st_layout)
-    staged.store(out)
-    gl.thread_barrier()
-    CH: gl.constexpr = 128
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-    rows = gl.arange(0, H, layout=gl.SliceLayout(1, c_layout))
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
-    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh + col0
-    gl.store(o_rows + cols[None, :], staged.slice(0, CH, dim=1).load(c_layout).to(gl.bfloat16))
-    last = staged.slice(CH, CH, dim=1).load(c_layout)
-    if RD > 0:
-        if side == 1:
-            _store_rope(last, 1, o_rows, cols, cos_ptr + t * stride_ct, sin_ptr + t * stride_st,
-                        CH, RD, c_layout)  # fmt: skip
-        else:
-            gl.store(o_rows + (CH + cols)[None, :], last.to(gl.bfloat16))
-    else:
-        gl.store(o_rows + (CH + cols)[None, :], last.to(gl.bfloat16))
-
-
 def supported(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
 ) -> bool:
@@ -659,7 +450,6 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
-    pair: bool | None = None,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
     `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
@@ -678,11 +468,6 @@ def sparse_attn_sm90(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or K == 0:
         return o.zero_()
-    if pair is None:
-        pair = PAIR and num_splits is None and 2 * T <= num_sms(q.device)
-    if pair:
-        assert not entries and mode == 0 and T <= PAIR_MAX_TOKENS
-        return _pair(q, src, attn_sink, topk_idxs, scale, o, inv_rope, block_n, num_buf)
     if num_splits is None:  # fill the SMs once (one program per SM: 200 KB of shared memory)
         num_splits = max(1, min(num_sms(q.device) // T, cdiv(K, 2 * block_n)))
     keys_per_split = cdiv(cdiv(K, num_splits), block_n) * block_n
@@ -718,24 +503,3 @@ def sparse_attn_sm90(
         return o
     # the Triton kernel's combine (launched early in the chain) or inverse RoPE
     return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
-
-
-def _pair(q, src, attn_sink, topk_idxs, scale, o, inv_rope, block_n, num_buf):  # noqa: ANN001, ANN202
-    # the channel pair's launch: programs (side, t), the exchange slots zero between launches
-    T, K = topk_idxs.shape
-    slots = arrival_counts(
-        f"sparse_attn_sm90.pair{block_n}", q.device, PAIR_MAX_TOKENS * 2 * PAIR_R * HEADS * block_n
-    )
-    cos, sin = inv_rope if inv_rope is not None else (slots, slots)
-    rd = check_rope(o, cos, sin) if inv_rope is not None else 0
-    assert rd in (0, ROPE), "sparse_attn_sm90: the pair undoes RoPE on 64 channels"
-    assert num_buf >= PAIR_L + 2, "sparse_attn_sm90: the pair needs num_buf >= L + 2"
-    launch = chain(q.device)
-    _pair_kernel[(2, T)](
-        q, src, topk_idxs, attn_sink, o, slots, cos, sin, K, scale * _triton.LOG2E,
-        q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
-        cos.stride(0), sin.stride(0),
-        BLOCK_N=block_n, NUM_BUF=num_buf, L=PAIR_L, R=PAIR_R, RD=rd, XMODE=PAIR_XMODE, num_warps=4,
-        **launch,
-    )  # fmt: skip
-    return o

@@ -335,37 +335,6 @@ def test_gpu_sm90_fixup(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5, 64, 100])
-@pytest.mark.parametrize("K", [635, 640, 70, 20])
-def test_gpu_sm90_pair(T: int, K: int) -> None:
-    # the channel pair (two programs a token on 256 channels each, S parts exchanged in L2):
-    # near the fp32 reference with -1 entries and key counts from one partial tile up, the
-    # inverse RoPE as a rotary launch's bit for bit, the same bits on every call, and the
-    # exchange slots zero again afterwards (the next launch and graph replays start from zero)
-    from dsv4.ops import device as dev_mod
-    from dsv4.ops import sparse_attn_sm90 as sm90
-
-    q, ring, pool, sink, idx = _one_source_inputs(T)
-    if not sm90.supported(q, (ring,)):
-        pytest.skip("not an sm_90 GPU")
-    both = torch.cat([ring, pool])
-    idx = idx[:, :K].contiguous()
-    idx[:, 3::11] = -1
-    want = _want(q, (both,), sink, idx, 512**-0.5)
-    kw = dict(pair=True, block_n=32, num_buf=10)
-    outs = [sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw) for _ in range(3)]
-    assert _rel(outs[0], want) < TOL[torch.bfloat16], _rel(outs[0], want)
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    cs = _cos_sin(T, 64, "cuda")
-    turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, inv_rope=cs, **kw)
-    assert torch.equal(turned, rotary(outs[0], *cs, inverse=True))
-    slots = dev_mod.arrival_counts(
-        "sparse_attn_sm90.pair32", q.device, sm90.PAIR_MAX_TOKENS * 2 * sm90.PAIR_R * 64 * 32
-    )
-    assert int(slots.count_nonzero()) == 0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4)])
 def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
