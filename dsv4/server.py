@@ -443,6 +443,8 @@ def build_app(server: Server) -> FastAPI:
         return error_response(500, "internal server error (logged on the server)")
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's liveness route, GET and POST)
+    @app.post("/ping")
     async def health() -> JSONResponse:
         if not server.ready:
             return error_response(
@@ -460,6 +462,7 @@ def build_app(server: Server) -> FastAPI:
         return Response(server.metrics.render(stats), media_type=CONTENT_TYPE)
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # SGLang's newer name
     async def server_info() -> dict:
         """SGLang's: the settings (no API key) and internal_states[0], where its benchmark reads
         avg_spec_accept_length (tokens a verification yields, with speculative decoding)."""

@@ -90,6 +90,12 @@ def sse_events(lines) -> list:  # noqa: ANN001
 def test_health_models_version(server, client):  # noqa: ANN001
     assert server.health[-1] == 200 and set(server.health) <= {200, 503}
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    # vLLM's /ping (GET and POST) and SGLang's /server_info answer as /health and /get_server_info
+    assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json()
+    assert httpx.get(server.url + "/ping").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/server_info").json() == httpx.get(
+        server.url + "/get_server_info"
+    ).json()
     (card,) = client.models.list().data
     assert card.id == MODEL and card.object == "model" and card.max_model_len == MAX_LEN
     assert httpx.get(server.url + "/version").json()["version"]
@@ -1056,9 +1062,11 @@ def test_health_503_while_loading():
                 await ac.post(C, json={"prompt": "hi"}, headers=auth),
                 await ac.get("/metrics"),
                 await ac.get("/get_server_info"),
+                await ac.post("/ping"),
             ]
 
-    health, completion, metrics, info = asyncio.run(go())
+    health, completion, metrics, info, ping = asyncio.run(go())
+    assert ping.status_code == 503  # vLLM's /ping is /health
     # SGLang's server info: the settings without the key; no engine state yet
     assert info.json()["internal_states"] == [{}] and "api_key" not in info.json()
     assert health.status_code == 503 and health.json()["error"]["message"] == "the model is loading"
