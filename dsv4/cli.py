@@ -186,6 +186,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
+        type=lambda v: {"fp8_e4m3": "fp8", "fp8_ds_mla": "fp8"}.get(v, v),  # vLLM's names
         choices=KV_CACHE_DTYPES,
         help="attention state: auto = the compute dtype; fp8 = FP8 entries (584 B at Flash "
         "width: e4m3 nope, bf16 rope, UE8M0 scales), as vLLM's fp8_ds_mla",

@@ -868,6 +868,9 @@ ACCEPTED = {
     "enable_auto_tool_choice": "accepted (vLLM): tool_choice 'auto' is always on",
     "enable_expert_parallel": "accepted (vLLM): the routed experts are always spread over the "
     "tensor-parallel ranks",
+    "enable_chunked_prefill": "accepted (vLLM): prefills are always chunked (--chunk-size)",
+    "enable_metrics": "accepted (SGLang): /metrics is always served",
+    "disable_log_requests": "accepted (vLLM): dsv4 does not log requests",
 }
 # SGLang's priority switches (`_apply_peer_flags` maps them onto the scheduling policy)
 SGLANG_PRIORITY = {
@@ -883,7 +886,18 @@ SGLANG_PRIORITY = {
 NO_EFFECT = {
     "moe_runner_backend": "dsv4 runs its own routed-expert kernels",
     "swa_full_tokens_ratio": "dsv4's sliding-window rings are one per sequence, the model's size",
+    "attention_backend": "dsv4 runs its own attention kernels",
+    "quantization": "dsv4 reads the formats the checkpoint's config names",
+    "cuda_graph_max_bs": "dsv4 captures a decode graph for every batch size up to --max-seqs",
+    "watchdog_timeout": "dsv4 has no step watchdog",
 }
+# and those naming what dsv4 cannot do: refused with the reason (not argparse's "unrecognized")
+REFUSED = {
+    "chat_template": "dsv4 formats chats with DeepSeek-V4's own encoder; a custom template is "
+    "not supported",
+    "revision": "dsv4 loads a local checkpoint directory (download the revision first)",
+}
+LOAD_FORMATS = ("auto", "safetensors")  # vLLM's --load-format values that name what dsv4 reads
 TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v4", "deepseek_v32")  # vLLM's, all one here
 SGLANG_MTP = ("EAGLE", "NEXTN")  # SGLang's --speculative-algorithm names for a DeepSeek MTP layer
 SGLANG_MTP_STEPS = 3  # its draft tokens for DeepSeek when --speculative-num-steps is not given
@@ -891,6 +905,9 @@ SGLANG_MTP_STEPS = 3  # its draft tokens for DeepSeek when --speculative-num-ste
 
 # the peers' flags that name something, each checked or mapped by `_apply_peer_flags`
 NAMED = {
+    "load_format": "vLLM's: auto or safetensors (the checkpoint's safetensors files)",
+    "tokenizer": "vLLM's / SGLang's (--tokenizer-path): only the checkpoint directory itself "
+    "(its tokenizer.json)",
     "tool_call_parser": "accepted when it names DeepSeek-V4's DSML tool calls (deepseek_v4, "
     "deepseekv4, deepseek_v32): the parser built in",
     "reasoning_parser": "accepted when it names a DeepSeek reasoning parser (deepseek_v4, "
@@ -920,6 +937,8 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag(name), default=None, help=why)
     for name, why in NO_EFFECT.items():
         p.add_argument(flag(name), default=None, help=f"accepted, no effect: {why}")
+    for name, why in REFUSED.items():
+        p.add_argument(flag(name), default=None, help=f"refused: {why}")
     for name, why in COUNTS.items():
         p.add_argument(flag(name), type=int, default=None, help=why)
     p.add_argument(
@@ -930,6 +949,13 @@ def _peer_flags(p: argparse.ArgumentParser) -> None:
         "--expert-parallel-size", "--ep-size", "--ep", type=int, default=None,
         help="SGLang's: the tensor-parallel size (the routed experts are spread over those ranks)",
     )  # fmt: skip
+    p.add_argument("-q", dest="quantization", default=None, help="vLLM's --quantization")
+    p.add_argument("--tokenizer-path", dest="tokenizer", default=None, help="SGLang's --tokenizer")
+    # SGLang's switches for what dsv4 turns off with its own flags
+    p.add_argument("--disable-radix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="SGLang's: --no-enable-prefix-caching")  # fmt: skip
+    p.add_argument("--disable-cuda-graph", dest="cuda_graphs", action="store_false",
+                   help="SGLang's: --enforce-eager")  # fmt: skip
 
 
 def _apply_peer_flags(ns: argparse.Namespace) -> None:
@@ -951,6 +977,14 @@ def _apply_peer_flags(ns: argparse.Namespace) -> None:
         raise ConfigError(
             f"--expert-parallel-size {ep}: dsv4 spreads the routed experts over the "
             f"--tensor-parallel-size ranks ({tp})"
+        )
+    for flag, why in REFUSED.items():
+        if getattr(ns, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(ns, flag)}: {why}")
+    if ns.load_format is not None and ns.load_format not in LOAD_FORMATS:
+        raise ConfigError(
+            f"--load-format {ns.load_format!r}: dsv4 reads the checkpoint's safetensors files "
+            f"({' / '.join(LOAD_FORMATS)} name it)"
         )
     for flag, why in NO_EFFECT.items():
         if getattr(ns, flag) is not None:
@@ -1005,6 +1039,18 @@ def _sglang_speculative(ns: argparse.Namespace) -> str:
     return json.dumps({"method": "mtp", "num_speculative_tokens": steps})
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """Long flags with underscores spelled with dashes, as vLLM accepts them (`--max_model_len
+    8192`, `--max_model_len=8192`); values are left as they are."""
+    out = []
+    for a in argv:
+        if a.startswith("--"):
+            name, eq, value = a.partition("=")
+            a = name.replace("_", "-") + eq + value
+        out.append(a)
+    return out
+
+
 def parse_args(argv: list[str]) -> ServerConfig:
     from dsv4.cli import _engine_flags
 
@@ -1022,7 +1068,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="require 'Authorization: Bearer KEY' on /v1/* and the native generating routes",
     )
     p.add_argument("--served-model-name", default=None, help="model id (default: directory name)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503s")
+    p.add_argument(
+        "--max-queue", "--max-queued-requests", type=int, default=None,
+        help="waiting requests before 503s (SGLang's --max-queued-requests)",
+    )  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     p.add_argument(
         "--profile-dir",
@@ -1031,6 +1080,7 @@ def parse_args(argv: list[str]) -> ServerConfig:
     )
     p.add_argument(
         "--no-warmup",
+        "--skip-server-warmup",
         dest="warmup",
         action="store_false",
         help="serve at once on a GPU: kernels compile and graphs capture on first use instead",
@@ -1041,12 +1091,19 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="no periodic engine line (throughputs, running / waiting, state use, cache hits)",
     )
     _peer_flags(p)
-    ns = p.parse_args(argv)
+    ns = p.parse_args(dashed(argv))
     _apply_peer_flags(ns)
     if ns.model_dir is not None:
         if ns.model is not None and ns.model != ns.model_dir:
             raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")
         ns.model = ns.model_dir
+    if ns.tokenizer is not None and (
+        ns.model is None or Path(ns.tokenizer).resolve() != Path(ns.model).resolve()
+    ):
+        raise ConfigError(
+            f"--tokenizer {ns.tokenizer}: dsv4 reads tokenizer.json from the checkpoint "
+            "directory (give the model's own directory, or leave it out)"
+        )
     # the engine flags' "auto" filled in now, so a bad --device fails before the server starts
     fields = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerConfig)}
     fields |= resolve_engine(**{k: fields[k] for k in AUTO_FLAGS})

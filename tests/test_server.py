@@ -93,9 +93,10 @@ def test_health_models_version(server, client):  # noqa: ANN001
     # vLLM's /ping (GET and POST) and SGLang's /server_info answer as /health and /get_server_info
     assert httpx.get(server.url + "/ping").json() == httpx.post(server.url + "/ping").json()
     assert httpx.get(server.url + "/ping").json() == {"status": "ok"}
-    assert httpx.get(server.url + "/server_info").json() == httpx.get(
-        server.url + "/get_server_info"
-    ).json()
+    assert (
+        httpx.get(server.url + "/server_info").json()
+        == httpx.get(server.url + "/get_server_info").json()
+    )
     (card,) = client.models.list().data
     assert card.id == MODEL and card.object == "model" and card.max_model_len == MAX_LEN
     assert httpx.get(server.url + "/version").json()["version"]
@@ -1690,6 +1691,31 @@ def test_serve_flags(capsys, caplog):  # noqa: ANN001
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "lifo"])
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
+    # underscore spellings, as vLLM accepts them (values untouched)
+    under = parse_args(
+        ["--max_model_len", "1024", "--max_num_seqs=3", "--served_model_name", "a_b"]
+    )
+    assert (under.max_seq_len, under.max_seqs, under.model_name) == (1024, 3, "a_b")
+    # more of the peers' names: aliases, switches naming what dsv4 always does, the no-effect ones
+    with caplog.at_level(logging.WARNING, logger="dsv4"):
+        more = parse_args(["--model-path", "/m/x", "--enable-metrics", "--enable-chunked-prefill",
+                           "--disable-log-requests", "--skip-server-warmup", "--max-queued-requests",
+                           "7", "--disable-radix-cache", "--disable-cuda-graph", "--kv-cache-dtype",
+                           "fp8_e4m3", "--attention-backend", "fa3", "-q", "fp8",
+                           "--load-format", "safetensors", "--tokenizer-path", "/m/x/"])  # fmt: skip
+    assert (more.warmup, more.max_queue, more.enable_prefix_caching, more.cuda_graphs) == (
+        False, 7, False, False,
+    )  # fmt: skip
+    assert more.kv_cache_dtype == "fp8" and parse_args([]).enable_prefix_caching
+    assert "--attention-backend fa3: accepted, no effect" in caplog.text
+    assert "--quantization fp8: accepted, no effect" in caplog.text
+    for bad, why in (
+        (["--chat-template", "t.jinja"], "DeepSeek-V4's own encoder"),
+        (["--revision", "main"], "local checkpoint directory"),
+        (["--load-format", "dummy"], "safetensors files"),
+        (["--model", "/m/x", "--tokenizer", "/m/y"], "tokenizer.json from the checkpoint"),
+    ):
+        assert main(bad) == 2 and why in capsys.readouterr().err, bad
 
 
 def test_priority_field(model_dir, client):  # noqa: ANN001
