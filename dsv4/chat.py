@@ -12,10 +12,14 @@ ASSISTANT = "<｜Assistant｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
+LATEST_REMINDER = "<｜latest_reminder｜>"
 CALLS_START = f"<{DSML}tool_calls>"
 CALLS_END = f"</{DSML}tool_calls>"
 
-ROLES = ("system", "user", "assistant", "tool")
+# (developer: a user turn that carries instructions, dropped from history before the last user
+# turn in thinking mode; latest_reminder: DeepSeek's reminder token and its text)
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+ASKING = ("user", "developer")  # the turns a generation prompt follows
 REASONING_EFFORTS = (None, "high", "max")
 
 # Fixed prompt text: must match the reference byte for byte, the model was trained on it.
@@ -95,12 +99,16 @@ def encode_messages(
         if turns[-1]["calls"]:
             raise ValueError("continue_final_message cannot continue a message with tool_calls")
     if functions:
-        # Request-level tools join the leading system prompt, or get an empty one of their own.
-        if turns[0]["role"] != "system":
+        # Request-level tools join the leading system (or developer) prompt, or get an empty
+        # system prompt of their own.
+        if turns[0]["role"] not in ("system", "developer"):
             turns.insert(0, {"role": "system", "text": ""})
         turns[0]["tools"] = functions
     drop = drop_thinking and not functions
-    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=-1)
+    last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
+    if thinking and drop:  # developer turns before the last user turn leave the history
+        turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last_user]
+        last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
 
     out = [BOS]
     if thinking and reasoning_effort == "max":
@@ -111,13 +119,18 @@ def encode_messages(
             out.append(turn["text"])
             if turn.get("tools"):
                 out.append("\n\n" + render_tools(turn["tools"]))
-        elif role == "user":
+        elif role in ASKING:
             out.append(USER + turn["text"])
+            if turn.get("tools"):
+                out.append("\n\n" + render_tools(turn["tools"]))
             nxt = turns[i + 1]["role"] if i + 1 < len(turns) else None
-            if nxt == "assistant" or (nxt is None and add_generation_prompt):
+            # (the reference opens the answer before a reminder that follows, too)
+            if nxt in ("assistant", "latest_reminder") or (nxt is None and add_generation_prompt):
                 # Earlier turns with dropped reasoning were answered in chat form.
                 open_think = thinking and (not drop or i >= last_user)
                 out.append(ASSISTANT + (THINK_START if open_think else THINK_END))
+        elif role == "latest_reminder":
+            out.append(LATEST_REMINDER + turn["text"])
         else:
             keep_reasoning = thinking and (not drop or i > last_user)
             if continue_final_message and i == len(turns) - 1:
@@ -252,6 +265,11 @@ def _to_turns(messages: list[dict]) -> list[dict]:
         if role == "system":
             text = _text(msg.get("content"), f"{where}.content", optional=True)
             turns.append({"role": "system", "text": text})
+        elif role in ("developer", "latest_reminder"):
+            text = _text(msg.get("content"), f"{where}.content", optional=False)
+            if not text:
+                raise ValueError(f"{where}.content must not be empty for role {role!r}")
+            turns.append({"role": role, "text": text})
         elif role == "assistant":
             reasoning = msg.get("reasoning_content")
             if reasoning is not None and not isinstance(reasoning, str):

@@ -130,6 +130,42 @@ def test_last_assistant_keeps_reasoning():
     assert encode_messages(msgs, thinking=True) == expected
 
 
+R = "<｜latest_reminder｜>"
+
+
+def dev(text):
+    return {"role": "developer", "content": text}
+
+
+def test_developer_turns():
+    # encoding_dsv4's developer role: a user-token turn; no answer opens before the user turn
+    # that follows it; as the last asking turn it opens the answer like a user turn
+    assert encode_messages([dev("Be brief"), user("Q")]) == f"{BOS}{U}Be brief{U}Q{A}</think>"
+    msgs = [user("Q"), {"role": "assistant", "content": "A"}, dev("D")]
+    assert encode_messages(msgs) == f"{BOS}{U}Q{A}</think>A{EOS}{U}D{A}</think>"
+    assert encode_messages(msgs, thinking=True) == f"{BOS}{U}Q{A}</think>A{EOS}{U}D{A}<think>"
+    # thinking mode drops developer turns before the last user turn with the old reasoning
+    history = [dev("D1"), *HISTORY]
+    assert encode_messages(history, thinking=True) == f"{BOS}{U}Q1{A}</think>A1{EOS}{U}Q2{A}<think>"
+    kept = f"{BOS}{U}D1{U}Q1{A}<think>R1</think>A1{EOS}{U}Q2{A}<think>"
+    assert encode_messages(history, thinking=True, drop_thinking=False) == kept
+    assert encode_messages(history) == f"{BOS}{U}D1{U}Q1{A}</think>A1{EOS}{U}Q2{A}</think>"
+    # request-level tools join a leading developer turn (as vLLM's deepseek_v4 tokenizer mode)
+    with_tools = encode_messages([dev("D"), user("Q")], tools=[WEATHER])
+    assert with_tools == f"{BOS}{U}D\n\n{TOOLS_SECTION}{U}Q{A}</think>"
+
+
+def test_latest_reminder():
+    # DeepSeek's reminder turn: its token and text; the answer opens before it, as the reference
+    msgs = [user("Q"), {"role": "latest_reminder", "content": "Rm"}]
+    assert encode_messages(msgs) == f"{BOS}{U}Q{A}</think>{R}Rm"
+    assert encode_messages(msgs, thinking=True) == f"{BOS}{U}Q{A}<think>{R}Rm"
+    with pytest.raises(ValueError, match="must not be empty for role 'latest_reminder'"):
+        encode_messages([user("Q"), {"role": "latest_reminder", "content": ""}])
+    with pytest.raises(ValueError, match="must not be empty for role 'developer'"):
+        encode_messages([dev(""), user("Q")])
+
+
 def test_continue_final_message():
     # vLLM's continue_final_message: the last assistant message stays open (no EOS) for the model
     # to go on with; in thinking mode its reasoning is closed before the content, or left open
@@ -286,7 +322,7 @@ def test_input_not_mutated():
         (
             [user("a"), {"role": "foo", "content": "x"}],
             {},
-            "messages[1].role 'foo' is not one of 'system', 'user', 'assistant', 'tool'",
+            "messages[1].role 'foo' is not one of 'system', 'developer', 'user', 'assistant', 'tool', 'latest_reminder'",
         ),
         ([{"content": "x"}], {}, "messages[0].role None is not one of"),
         ([{"role": "user"}], {}, "messages[0].content is required"),
