@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -788,6 +789,9 @@ class ServerConfig:
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)
     profile_dir: str | None = None  # where /start_profile writes traces unless it names one
+    # vLLM's --generation-config: "auto" (the checkpoint's generation_config.json gives the
+    # sampling defaults), "vllm" (the OpenAI defaults only) or a directory holding one
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -798,6 +802,13 @@ class ServerConfig:
             raise ConfigError("served_model_name must be non-empty when given")
         if self.max_queue is not None and self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
+            self.generation_config
+        ):
+            raise ConfigError(
+                f"generation_config must be auto, vllm or a directory, got "
+                f"{self.generation_config!r}"
+            )
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
         chunk = self.max_step_tokens if self.chunk_size is None else self.chunk_size

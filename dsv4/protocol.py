@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
 import uuid
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -187,19 +189,23 @@ class GenerationRequest(BaseModel):
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
         _ = self.structured
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; None fields take the OpenAI defaults."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """SamplingParams for this request; None fields take the model's `defaults` (its
+        generation_config.json's, `model_sampling_defaults`), then the OpenAI defaults."""
+        defaults = defaults or {}
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        def pick(value: Any, default: Any, name: str = "") -> Any:
+            return defaults.get(name, default) if value is None else value
 
         try:
             return SamplingParams(
-                temperature=pick(self.temperature, 1.0),
-                top_k=pick(self.top_k, -1),
-                top_p=pick(self.top_p, 1.0),
-                min_p=pick(self.min_p, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                temperature=pick(self.temperature, 1.0, "temperature"),
+                top_k=pick(self.top_k, -1, "top_k"),
+                top_p=pick(self.top_p, 1.0, "top_p"),
+                min_p=pick(self.min_p, 0.0, "min_p"),
+                repetition_penalty=pick(self.repetition_penalty, 1.0, "repetition_penalty"),
                 presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
                 seed=self.seed,
@@ -220,6 +226,39 @@ class GenerationRequest(BaseModel):
         except ValueError as e:  # SamplingParams messages start with the field name
             field = str(e).split(" ", 1)[0]
             raise ApiError(400, str(e), field if field in type(self).model_fields else None) from e
+
+
+# the sampling fields a checkpoint's generation_config.json may set as defaults (vLLM's and SGLang's
+# choice of keys; do_sample and the rest are not read)
+MODEL_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def model_sampling_defaults(directory: str | Path) -> dict:
+    """The sampling defaults in `directory`/generation_config.json ({} when there is none): what
+    a request leaves unset takes them before the OpenAI defaults, as vLLM's --generation-config
+    auto and SGLang's --sampling-defaults model. ValueError naming a malformed file or value."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    out = {}
+    for key in MODEL_DEFAULTS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{path}: {key} must be a number, got {value!r}")
+        out[key] = int(value) if key == "top_k" else float(value)
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return out
 
 
 class CompletionRequest(GenerationRequest):

@@ -47,6 +47,7 @@ from dsv4.protocol import (
     TokenizeRequest,
     UpdateWeightsRequest,
     error_body,
+    model_sampling_defaults,
 )
 from dsv4.responses import (
     ChatFormatter,
@@ -77,6 +78,7 @@ class Server:
         self.updating = False
         self.paused: str | None = None  # /pause_generation's mode until /continue_generation
         self._changed: asyncio.Condition | None = None
+        self.sampling_defaults: dict = {}  # the checkpoint's (`model_sampling_defaults`)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def load(self) -> None:
@@ -85,6 +87,17 @@ class Server:
         t0 = time.perf_counter()
         llm = build_llm(self.config)
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
+        where = self.config.generation_config
+        if where != "vllm":
+            self.sampling_defaults = model_sampling_defaults(
+                llm.model_dir if where == "auto" else where
+            )
+        if self.sampling_defaults:
+            log.info(
+                "sampling defaults from the model's generation_config.json: %s (unset request "
+                "fields take them; --generation-config vllm keeps the OpenAI defaults)",
+                self.sampling_defaults,
+            )
         if self.config.warmup and llm.config.device.startswith("cuda"):
             llm.warmup()  # kernels compiled and decode graphs captured before the first request
             # what the warm-up missed: logged, and counted on /metrics
@@ -511,7 +524,7 @@ def build_app(server: Server) -> FastAPI:
                     texts.append(text_of(ids))
             server.check_room(ids, body.max_tokens, "prompt")
             prompts.append(ids)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, server.sampling_defaults)
         n_prompt = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # the prompt tokens' logprobs too
             n_prompt = body.logprobs
@@ -551,8 +564,9 @@ def build_app(server: Server) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         server.check_room(ids, max_tokens, "messages")
         params = body.sampling_params(
-            max_tokens, (body.top_logprobs or 0) if body.logprobs else None
-        )
+            max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+            server.sampling_defaults,
+        )  # fmt: skip
         think_end = tokenizer.token_to_id(THINK_END)
         if tool_calls is not None:  # the forced call's arguments under the tools' schemas
             after = (
@@ -1086,6 +1100,19 @@ def parse_args(argv: list[str]) -> ServerConfig:
         help="serve at once on a GPU: kernels compile and graphs capture on first use instead",
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="vLLM's: auto (default) = the checkpoint's generation_config.json gives the "
+        "sampling defaults of fields a request leaves unset; vllm = the OpenAI defaults only; "
+        "or a directory holding a generation_config.json",
+    )
+    p.add_argument(
+        "--sampling-defaults",
+        choices=("model", "openai"),
+        default=None,
+        help="SGLang's: model = --generation-config auto, openai = --generation-config vllm",
+    )
+    p.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="no periodic engine line (throughputs, running / waiting, state use, cache hits)",
@@ -1093,6 +1120,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
     _peer_flags(p)
     ns = p.parse_args(dashed(argv))
     _apply_peer_flags(ns)
+    if ns.sampling_defaults is not None:
+        if ns.generation_config != "auto":
+            raise ConfigError("give --generation-config or --sampling-defaults, not both")
+        ns.generation_config = "auto" if ns.sampling_defaults == "model" else "vllm"
     if ns.model_dir is not None:
         if ns.model is not None and ns.model != ns.model_dir:
             raise ConfigError(f"two models given: {ns.model_dir!r} and --model {ns.model!r}")

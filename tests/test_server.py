@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from dsv4.chat import encode_messages, tool_call_prefix
-from dsv4.config import speculative_tokens
+from dsv4.config import ConfigError, speculative_tokens
 from dsv4.engine import RequestOutput
 from dsv4.metrics import Histogram
 from dsv4.responses import ChatFormatter
@@ -1754,3 +1754,62 @@ def test_priority_field(model_dir, client):  # noqa: ANN001
         server.shutdown()
     assert [r.status_code for r in replies] == [200, 200, 200, 200, 400], [r.text for r in replies]
     assert seen == [-3, 7, 2, 0]
+
+
+def test_generation_config_defaults(model_dir, tmp_path):  # noqa: ANN001
+    # the checkpoint's generation_config.json fills the sampling fields a request leaves unset
+    # (vLLM's --generation-config auto, SGLang's --sampling-defaults model); a request's own
+    # values win, temperature 0 stays greedy; --generation-config vllm keeps the OpenAI defaults
+    import shutil
+
+    from dsv4.protocol import model_sampling_defaults
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(model_dir, ckpt)
+    (ckpt / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "do_sample": True, "temperature": 0.6, "top_p": 0.95})
+    )
+    assert model_sampling_defaults(ckpt) == {"temperature": 0.6, "top_p": 0.95}
+    assert model_sampling_defaults(model_dir) == {}  # (none in the demo checkpoint)
+    for bad, why in (({"temperature": "hot"}, "temperature must be a number"),
+                     ({"top_p": 2}, "top_p"), ([1], "not a JSON object")):  # fmt: skip
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=why):
+            model_sampling_defaults(tmp_path)
+    assert parse_args(["--sampling-defaults", "openai"]).generation_config == "vllm"
+    assert parse_args(["--generation-config", str(ckpt)]).generation_config == str(ckpt)
+    with pytest.raises(ConfigError, match="auto, vllm or a directory"):
+        parse_args(["--generation-config", "/nowhere"])
+    with pytest.raises(ConfigError, match="not both"):
+        parse_args(["--generation-config", "vllm", "--sampling-defaults", "model"])
+
+    body = {"max_tokens": 2, "ignore_eos": True}
+    for flag, want in (("auto", [(0.6, 0.95), (0.0, 0.95), (1.0, 0.5)]),
+                       ("vllm", [(1.0, 1.0), (0.0, 1.0), (1.0, 0.5)])):  # fmt: skip
+        server, ac = in_process(ckpt, max_seqs=2, max_seq_len=256, generation_config=flag)
+        assert server.sampling_defaults == ({"temperature": 0.6, "top_p": 0.95} if flag == "auto"
+                                            else {})  # fmt: skip
+        seen = []
+        real = server.engine.generate
+
+        def spy(ids, params, rid=None, priority=0, real=real, seen=seen):  # noqa: ANN001, ANN202
+            seen.append((params.temperature, params.top_p))
+            return real(ids, params, rid, priority)
+
+        server.engine.generate = spy
+
+        async def go(ac=ac) -> list:
+            async with ac:
+                return [
+                    await ac.post(C, json=body | {"prompt": [0, 5, 6]}),
+                    await ac.post(CHAT, json=body | {"messages": HI, "temperature": 0}),
+                    await ac.post(C, json=body | {"prompt": [0, 5], "temperature": 1.0,
+                                                  "top_p": 0.5}),
+                ]  # fmt: skip
+
+        try:
+            replies = asyncio.run(go())
+        finally:
+            server.shutdown()
+        assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+        assert seen == want, (flag, seen)
