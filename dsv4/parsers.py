@@ -99,8 +99,10 @@ class ToolCallParser:
 
     feed/finish return OpenAI-style deltas: {"content": str} or {"tool_calls": [call]} where call is
     {"index", "id", "type": "function", "function": {"name", "arguments"}}. A call is emitted
-    whole once its `</invoke>` arrives, so its arguments are always complete JSON. Markup is
-    never emitted as content; an unfinished block at finish() is dropped.
+    whole once its `</invoke>` arrives, so its arguments are always complete JSON. Markup that
+    becomes a call is not content; markup that never does (an invoke with no name, a block
+    still open at finish(), as when the output hit max_tokens) comes back as content, as
+    written, so no output is lost.
     """
 
     def __init__(self, tools: list[dict] | None = None) -> None:
@@ -115,6 +117,7 @@ class ToolCallParser:
         self._in_block = False
         self._lstrip = False  # drop whitespace that follows a block
         self._call: dict | None = None  # the open invoke: name, args, loose text
+        self._raw: list[str] = []  # the block's text read since it opened or since the last call
 
     def feed(self, delta: str) -> list[dict]:
         self._buf += delta
@@ -125,12 +128,21 @@ class ToolCallParser:
 
     def finish(self) -> list[dict]:
         events = []
-        if not self._in_block:
+        if self._in_block:  # never closed: what did not become a call is text
+            rest = "".join(self._raw) + self._buf
+            if rest.strip():
+                events.append({"content": rest})
+        else:
             rest = self._buf.lstrip() if self._lstrip else self._buf
             if rest:
                 events.append({"content": rest})
-        self._buf, self._call = "", None
+        self._buf, self._call, self._raw = "", None, []
         return events
+
+    def _consume(self, n: int) -> None:
+        # n characters of the block read: kept until they become a call (`_emit_call`)
+        self._raw.append(self._buf[:n])
+        self._buf = self._buf[n:]
 
     def _step_content(self, events: list[dict]) -> bool:
         if self._lstrip:
@@ -151,7 +163,9 @@ class ToolCallParser:
         text = self._buf[:i].rstrip()
         if text:
             events.append({"content": text})
-        self._buf = self._buf[i + len(CALLS_START) :]
+        self._raw = [self._buf[len(text) : i]]  # (the blank line before the block)
+        self._buf = self._buf[i:]
+        self._consume(len(CALLS_START))
         self._in_block = True
         return True
 
@@ -160,19 +174,19 @@ class ToolCallParser:
         if self._call is None:
             i, marker = _find_first(buf, (INVOKE_START, CALLS_END))
             if marker is None:
-                # Text between invokes is ignored; keep only what may begin a tag.
-                self._buf = buf[len(buf) - _partial_len(buf, (INVOKE_START, CALLS_END)) :]
+                # Text between invokes is no call; keep only what may begin a tag.
+                self._consume(len(buf) - _partial_len(buf, (INVOKE_START, CALLS_END)))
                 return False
             if marker == CALLS_END:
                 self._close_block(i + len(CALLS_END))
                 return True
             j = buf.find(">", i)
             if j == -1:
-                self._buf = buf[i:]
+                self._consume(i)
                 return False
             name = _NAME.search(buf, i, j)
             self._call = {"name": name.group(1) if name else "", "args": {}, "loose": []}
-            self._buf = buf[j + 1 :]
+            self._consume(j + 1)
             return True
         i, marker = _find_first(buf, (PARAM_START, INVOKE_END, CALLS_END))
         if marker is None:
@@ -190,22 +204,27 @@ class ToolCallParser:
                     name.group(1), buf[j + 1 : k], string is None or string.group(1) == "true"
                 )
                 self._call["args"][name.group(1)] = value
-            self._buf = buf[k + len(PARAM_END) :]
+            self._consume(k + len(PARAM_END))
             return True
-        self._emit_call(events)
         if marker == INVOKE_END:
-            self._buf = buf[i + len(INVOKE_END) :]
+            self._consume(i + len(INVOKE_END))
+            self._emit_call(events)
         else:  # block closed without closing the invoke
-            self._close_block(i + len(CALLS_END))
+            self._consume(i)
+            self._emit_call(events)
+            self._close_block(len(CALLS_END))
         return True
 
     def _close_block(self, end: int) -> None:
         self._buf = self._buf[end:]
-        self._in_block, self._lstrip = False, True
+        self._in_block, self._lstrip, self._raw = False, True, []
 
     def _emit_call(self, events: list[dict]) -> None:
         call, self._call = self._call, None
-        if not call["name"]:
+        raw, self._raw = "".join(self._raw), []
+        if not call["name"]:  # no call to make of it: its text, as written
+            if raw.strip():
+                events.append({"content": raw})
             return
         args = call["args"]
         loose = "".join(call["loose"]).strip()
