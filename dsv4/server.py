@@ -136,6 +136,18 @@ class Server:
     def late_compiles(self) -> CompileWatch | None:
         return self.metrics.late_compiles
 
+    def attach(self, http) -> None:  # noqa: ANN001  (uvicorn.Server)
+        """Serve under uvicorn `http`: from SIGINT / SIGTERM on, new requests and /health get 503
+        while the ones in flight drain (the peers' graceful exit)."""
+        self.http = http
+        handle_exit = http.handle_exit
+
+        def on_exit(sig, frame) -> None:  # noqa: ANN001
+            self.stopping = True
+            handle_exit(sig, frame)
+
+        http.handle_exit = on_exit
+
     def shutdown(self) -> None:
         self.stopping = True
         if self.late_compiles is not None:
@@ -1161,7 +1173,7 @@ def main(argv: list[str]) -> int:
     http = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, timeout_graceful_shutdown=5)
     )
-    server.http = http
+    server.attach(http)
     log.info(
         "dsv4 %s: starting http://%s:%d; the model loads once it listens",
         __version__,

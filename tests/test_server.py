@@ -1052,6 +1052,36 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
 # ---- in process: loading, engine failures, crashes ------------------------------------------------
 
 
+def test_health_503_while_draining(model_dir):  # noqa: ANN001
+    # from the exit signal on (uvicorn's handle_exit), /health and new requests get 503 while
+    # the ones in flight drain; uvicorn's own handler still runs
+    server, ac = in_process(model_dir, max_seqs=2, max_seq_len=256)
+    seen = []
+
+    class Http:  # (uvicorn.Server's part the server reads)
+        started, servers = True, []
+
+        def handle_exit(self, sig, frame) -> None:  # noqa: ANN001
+            seen.append(sig)
+
+    http = Http()
+    server.attach(http)
+
+    async def go() -> list[httpx.Response]:
+        async with ac:
+            before = await ac.get("/health")
+            http.handle_exit(15, None)
+            return [before, await ac.get("/health"), await ac.post(C, json={"prompt": "hi"})]
+
+    try:
+        before, after, completion = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert before.status_code == 200 and seen == [15]
+    assert after.status_code == 503 and after.json()["error"]["message"] == "shutting down"
+    assert completion.status_code == 503
+
+
 def test_health_503_while_loading():
     _, ac = in_process(None, api_key="secret")
     auth = {"Authorization": "Bearer secret"}
