@@ -742,6 +742,10 @@ class AsyncEngine:
             self.engine.abort(rid)
             self._deliver(rid, failed)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is in flight (its id is taken)."""
+        return request_id in self._queues
+
     async def generate(
         self,
         prompt_ids: list[int],

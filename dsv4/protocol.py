@@ -107,6 +107,9 @@ class GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     allowed_token_ids: list[int] | None = None  # vLLM extension
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # vLLM's: keep the prompt's last k
+    # the response's id (and the engine's: /abort_request takes it), vLLM's and SGLang's names
+    request_id: str | None = Field(None, min_length=1)
+    rid: str | None = Field(None, min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM extension: token ids on each choice / chunk
@@ -177,6 +180,12 @@ class GenerationRequest(BaseModel):
         """The prompt's last truncate_prompt_tokens ids (all of them when unset)."""
         k = self.truncate_prompt_tokens
         return list(ids) if k is None else list(ids)[-k:]
+
+    def response_id(self, prefix: str) -> str:
+        """The id the client gave (request_id or rid), else prefix + a fresh one."""
+        if None not in (self.request_id, self.rid) and self.request_id != self.rid:
+            raise ApiError(400, "request_id and rid name two ids: give one", "rid")
+        return self.request_id or self.rid or f"{prefix}{uuid.uuid4().hex}"
 
     def check_common(self) -> None:
         """Refusals that pydantic's field types cannot express."""

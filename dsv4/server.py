@@ -18,7 +18,6 @@ import os
 import re
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -286,6 +285,9 @@ class Server:
         rids = [f.id for f in fmts]
         if len(set(rids)) < len(rids):
             rids = [f"{rid}-{i}" for i, rid in enumerate(rids)]
+        for rid in rids:  # (a client's own ids)
+            if engine.has_request(rid):
+                raise ApiError(400, f"request id {rid!r} is already in use", "rid")
         gens = [
             engine.generate(ids, params, rid, priority) for (ids, params), rid in zip(jobs, rids)
         ]
@@ -542,7 +544,7 @@ def build_app(server: Server) -> FastAPI:
             n_prompt = body.logprobs
         if n_prompt is not None:
             params = dataclasses.replace(params, prompt_logprobs=n_prompt)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = body.response_id("cmpl-")
         fmts = [
             CompletionFormatter(
                 rid,
@@ -588,7 +590,7 @@ def build_app(server: Server) -> FastAPI:
             params = dataclasses.replace(params, tool_calls=tool_calls, **after)
         elif opts["thinking"]:  # the reasoning free, a structured answer after `</think>`
             params = params.answer_after(think_end)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = body.response_id("chatcmpl-")
         fmts = [
             ChatFormatter(
                 rid,

@@ -1424,6 +1424,39 @@ def test_abort_request_ends_the_response(model_dir):  # noqa: ANN001
     assert meta["finish_reason"] == {"type": "abort"} and meta["completion_tokens"] < 200
 
 
+def test_client_request_ids(model_dir):  # noqa: ANN001
+    # vLLM's request_id / SGLang's rid on the OpenAI routes: the response's id, the id
+    # /abort_request takes; one in flight is refused with a 400, two different ones too
+    server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
+    long = {"prompt": [0, 5], "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+    async def go() -> tuple:
+        async with ac:
+            task = asyncio.create_task(ac.post(C, json=long | {"request_id": "mine"}))
+            await until(task, lambda: server.active > 0)
+            again = await ac.post(CHAT, json={"messages": HI, "max_tokens": 2, "rid": "mine"})
+            aborted = await ac.post("/abort_request", json={"rid": "mine"})
+            first = await asyncio.wait_for(task, 60)
+            chat = await ac.post(CHAT, json={"messages": HI, "max_tokens": 2, "rid": "c1"})
+            two = await ac.post(C, json={"prompt": "hi", "max_tokens": 2, "rid": "a",
+                                         "request_id": "b"})  # fmt: skip
+            empty = await ac.post(C, json={"prompt": "hi", "max_tokens": 2, "rid": ""})
+            return again, aborted, first, chat, two, empty
+
+    try:
+        again, aborted, first, chat, two, empty = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert again.status_code == 400 and "'mine' is already in use" in again.text
+    assert aborted.json() == {"rid": "mine"}
+    body = first.json()
+    assert body["id"] == "mine" and body["choices"][0]["finish_reason"] == "abort"
+    assert body["usage"]["completion_tokens"] < 200
+    assert chat.status_code == 200 and chat.json()["id"] == "c1"
+    assert two.status_code == 400 and "give one" in two.text
+    assert empty.status_code == 400
+
+
 def test_engine_failure_and_crash_stay_contained(model_dir, monkeypatch):  # noqa: ANN001
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)
     engine = server.llm.engine
