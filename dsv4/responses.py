@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import time
 
+from dsv4.chat import THINK_END
 from dsv4.engine import RequestOutput
 from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
 
 
-def usage_of(outs: list[RequestOutput], n: int = 1) -> dict:
+def usage_of(outs: list[RequestOutput], n: int = 1, fmts: list | None = None) -> dict:
     """Usage of one or several choices, n per prompt (in order): each prompt counted once, as
     vLLM; completion_tokens counts a stop token too (it was generated, as vLLM counts it);
-    prompt_tokens_details.cached_tokens where the prefix cache found some."""
+    prompt_tokens_details.cached_tokens where the prefix cache found some; with the choices'
+    formatters `fmts`, the reasoning's tokens of a thinking-mode chat as OpenAI's
+    completion_tokens_details.reasoning_tokens (and SGLang's reasoning_tokens)."""
     n_in = sum(len(o.prompt_token_ids) for o in outs[::n])
     n_out = sum(len(o.token_ids) for o in outs)
     usage = {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
     cached = sum(o.num_cached_tokens for o in outs[::n])
     if cached:  # prefix caching found some: OpenAI's field
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    counts = [f.reasoning_tokens(o) for f, o in zip(fmts or [], outs)]
+    if any(c is not None for c in counts):
+        reasoning = sum(c or 0 for c in counts)
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        usage["reasoning_tokens"] = reasoning
     return usage
 
 
@@ -68,8 +76,12 @@ class Formatter:
             "choices": choices,
         }
         if out is not None and (not chunk or self.continuous_usage):
-            body["usage"] = usage_of([out])
+            body["usage"] = usage_of([out], fmts=[self])
         return body
+
+    def reasoning_tokens(self, out: RequestOutput) -> int | None:
+        """The tokens of `out` spent reasoning; None where the output has no reasoning part."""
+        return None
 
     def usage_chunk(self, usage: dict) -> dict:
         """The final chunk of stream_options.include_usage: no choices, only usage."""
@@ -231,6 +243,16 @@ class ChatFormatter(Formatter):
         # SGLang's stream_reasoning=false: the reasoning is held back and sent in one delta when
         # the answer (content or a tool call) starts, or at the end
         self.stream_reasoning, self._held = stream_reasoning, ""
+        tok = self.tokenizer
+        end = tok.token_to_id(THINK_END) if thinking and tok is not None else None
+        self._think_end = end  # the token that closes the reasoning
+
+    def reasoning_tokens(self, out: RequestOutput) -> int | None:
+        # those before `</think>` (all of them while it has not come)
+        if self._think_end is None:
+            return None
+        ids = out.token_ids
+        return ids.index(self._think_end) if self._think_end in ids else len(ids)
 
     def _hold_reasoning(self, deltas: list[dict], finished: bool) -> list[dict]:
         kept = []

@@ -305,7 +305,7 @@ class Server:
                 body = fmts[0].envelope(
                     [f.final_choice(o) for f, o in zip(fmts, finals)], None, False
                 )
-                return JSONResponse(body | {"usage": usage_of(finals, n)})
+                return JSONResponse(body | {"usage": usage_of(finals, n, fmts)})
             first = await until_disconnect(request, anext(outs))
             streaming = True
         except ClientGone:
@@ -390,7 +390,7 @@ async def _events(
                 break
             i, out = await anext(outs)
         if include_usage:
-            yield sse(fmts[0].usage_chunk(usage_of(last, n)))
+            yield sse(fmts[0].usage_chunk(usage_of(last, n, fmts)))
     except EngineError:
         yield sse(error_body(500, "the engine failed while running this request"))
     finally:

@@ -455,9 +455,18 @@ def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
     msg = r.choices[0].message
     # the prompt ends inside <think>: a random model never closes it in 6 tokens
     assert msg.reasoning_content and msg.content is None
-    stream = client.chat.completions.create(stream=True, extra_body=thinking, **kw)
-    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in stream)
+    # its tokens all reasoning: OpenAI's completion_tokens_details, SGLang's reasoning_tokens
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6 == r.usage.reasoning_tokens
+    stream = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, extra_body=thinking, **kw
+    ))  # fmt: skip
+    streamed = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in stream if c.choices
+    )
     assert streamed == msg.reasoning_content
+    assert stream[-1].usage.completion_tokens_details.reasoning_tokens == 6
+    plain = client.chat.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert plain.usage.completion_tokens_details is None  # (no reasoning part)
     tok = httpx.post(
         server.url + "/tokenize", json={"messages": HI, "chat_template_kwargs": {"thinking": True}}
     ).json()["tokens"]
@@ -1422,6 +1431,25 @@ def test_abort_request_ends_the_response(model_dir):  # noqa: ANN001
     assert aborted.json() == {"rid": "x"}
     meta = r.json()["meta_info"]
     assert meta["finish_reason"] == {"type": "abort"} and meta["completion_tokens"] < 200
+
+
+def test_reasoning_tokens_stop_at_think_end():
+    # the tokens before `</think>`; all of them while it has not come
+    from dsv4.engine import RequestOutput
+    from dsv4.responses import usage_of
+
+    class Tok:
+        def token_to_id(self, text: str) -> int:
+            return {"</think>": 9}[text]
+
+    fmt = ChatFormatter("r", "m", Tok(), thinking=True)
+    done = RequestOutput("r", [1, 2], token_ids=[4, 5, 6, 9, 7, 8])
+    going = RequestOutput("r", [1, 2], token_ids=[4, 5])
+    assert fmt.reasoning_tokens(done) == 3 and fmt.reasoning_tokens(going) == 2
+    usage = usage_of([done, going], 2, [fmt, fmt])
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 5}
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == 2
+    assert "completion_tokens_details" not in usage_of([done])
 
 
 def test_client_request_ids(model_dir):  # noqa: ANN001
