@@ -719,7 +719,7 @@ class AsyncEngine:
                 self._deliver(rid, e)
 
     def profile(self, action: str, *args: object) -> concurrent.futures.Future:
-        """Start ("start", output_dir, num_steps, cuda) or stop ("stop") the torch profiler
+        """Start ("start", output_dir, num_steps, cuda[, start_step]) or stop ("stop") the torch profiler
         between engine steps; the future gives the trace's path or the ProfilerError."""
         p = self.profiler
         return self.call(lambda: p.start(*args) if action == "start" else p.stop())

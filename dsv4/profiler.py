@@ -28,15 +28,22 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._path: Path | None = None
         self._left: int | None = None  # steps until it stops by itself; None: until stop()
+        self._wait = 0  # steps still to run before it starts (SGLang's start_step)
+        self._acts: list = []
 
     @property
     def active(self) -> bool:
         return self._prof is not None
 
-    def start(self, output_dir: str | None, num_steps: int | None, cuda: bool) -> Path:
-        """Start recording; returns the trace's path (written at stop)."""
-        if self.active:
+    def start(
+        self, output_dir: str | None, num_steps: int | None, cuda: bool, start_step: int = 0
+    ) -> Path:
+        """Start recording (after start_step more engine steps); returns the trace's path
+        (written at stop)."""
+        if self.active or self._wait:
             raise ProfilerError("the profiler is already running; POST /stop_profile first")
+        if start_step < 0:
+            raise ProfilerError(f"start_step must be >= 0, got {start_step}")
         if not output_dir:
             raise ProfilerError(
                 "no directory for the trace: send output_dir, or start the server with "
@@ -45,24 +52,36 @@ class StepProfiler:
         if num_steps is not None and num_steps < 1:
             raise ProfilerError(f"num_steps must be >= 1, got {num_steps}")
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        acts = [torch.profiler.ProfilerActivity.CPU]
+        self._acts = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._path = Path(output_dir) / f"{int(time.time() * 1e3)}-TP-{self.rank}.trace.json.gz"
-        self._prof = torch.profiler.profile(activities=acts)
-        self._prof.start()
-        self._left = num_steps
+        self._left, self._wait = num_steps, start_step
+        if not start_step:
+            self._begin()
         return self._path
+
+    def _begin(self) -> None:
+        self._prof = torch.profiler.profile(activities=self._acts)
+        self._prof.start()
 
     def step(self) -> Path | None:
         """After an engine step: the trace's path if this step ended a num_steps run."""
-        if self._left is None:
+        if self._wait:
+            self._wait -= 1
+            if not self._wait:
+                self._begin()
+            return None
+        if self._left is None or not self.active:
             return None
         self._left -= 1
         return self.stop() if self._left == 0 else None
 
     def stop(self) -> Path:
         """Stop recording and write the trace; returns its path."""
+        if self._wait:  # not begun: nothing recorded
+            self._wait, self._path, self._left = 0, None, None
+            raise ProfilerError("the profiler had not started yet (start_step): cancelled")
         if not self.active:
             raise ProfilerError("the profiler is not running; POST /start_profile first")
         prof, path = self._prof, self._path

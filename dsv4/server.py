@@ -821,11 +821,15 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/start_profile")
     async def start_profile(body: dict | None = None) -> dict:
         """Body (all optional): output_dir (default --profile-dir), num_steps (default: until
-        /stop_profile), activities (["CPU", "GPU"], SGLang's; default both on a GPU)."""
+        /stop_profile), start_step (SGLang's: engine steps to let pass first; default 0),
+        activities (["CPU", "GPU"], SGLang's; default both on a GPU). SGLang's merge_profiles
+        changes nothing: rank 0 alone is traced."""
         body = body or {}
         steps, acts = body.get("num_steps"), body.get("activities") or ["CPU", "GPU"]
-        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)):
-            raise ApiError(400, f"num_steps must be an integer, got {steps!r}", "num_steps")
+        first = body.get("start_step", 0)
+        for name, value in (("num_steps", steps), ("start_step", first)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
         if not isinstance(acts, list) or not set(acts) <= {"CPU", "GPU", "CUDA"}:
             raise ApiError(
                 400, f"activities must be a list of CPU, GPU; got {acts!r}", "activities"
@@ -833,7 +837,7 @@ def build_app(server: Server) -> FastAPI:
         engine = server.require_engine()
         cuda = server.llm.config.device.startswith("cuda") and bool({"GPU", "CUDA"} & set(acts))
         out = body.get("output_dir") or server.config.profile_dir
-        path = await _profiled(engine.profile("start", out, steps, cuda))
+        path = await _profiled(engine.profile("start", out, steps, cuda, first or 0))
         return {"message": "profiling started", "trace": str(path)}
 
     @app.post("/stop_profile")
@@ -1103,8 +1107,11 @@ def parse_args(argv: list[str]) -> ServerConfig:
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     p.add_argument(
         "--profile-dir",
-        default=None,
-        help="where POST /start_profile writes torch profiler traces (unless it sends output_dir)",
+        default=os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        or os.environ.get("SGLANG_TORCH_PROFILER_DIR"),
+        help="where POST /start_profile writes torch profiler traces (unless it sends "
+        "output_dir); default: $VLLM_TORCH_PROFILER_DIR or $SGLANG_TORCH_PROFILER_DIR, as the "
+        "peers read it",
     )
     p.add_argument(
         "--no-warmup",

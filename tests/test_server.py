@@ -1168,10 +1168,16 @@ def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
             await ac.post(C, json=body)  # 4 steps: the trace is written after the second
             after = await ac.post("/stop_profile")
             bad = await ac.post("/start_profile", json={"num_steps": "two"})
-            return early, started, twice, stopped, counted, after, bad
+            # SGLang's start_step: it begins after that many steps (so a stop before: cancelled)
+            later = await ac.post("/start_profile", json={"start_step": 2, "num_steps": 1})
+            cancel = await ac.post("/stop_profile")
+            later = await ac.post("/start_profile", json={"start_step": 2, "num_steps": 1})
+            await ac.post(C, json=body)  # steps 1, 2 pass; step 3 is traced; then it stops
+            done = await ac.post("/stop_profile")
+            return early, started, twice, stopped, counted, after, bad, later, cancel, done
 
     try:
-        early, started, twice, stopped, counted, after, bad = asyncio.run(go())
+        early, started, twice, stopped, counted, after, bad, later, cancel, done = asyncio.run(go())
     finally:
         server.shutdown()
     assert early.status_code == 400 and "not running" in early.json()["error"]["message"]
@@ -1183,6 +1189,9 @@ def test_profiler_over_engine_steps(model_dir, tmp_path):  # noqa: ANN001
     assert counted.status_code == 200 and Path(counted.json()["trace"]).exists()
     assert after.status_code == 400  # it had stopped by itself after 2 steps
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_steps"
+    assert cancel.status_code == 400 and "cancelled" in cancel.json()["error"]["message"]
+    assert later.status_code == 200 and Path(later.json()["trace"]).exists()
+    assert done.status_code == 400  # (it had stopped by itself)
     server, ac = in_process(model_dir, max_seqs=4, max_seq_len=256)  # no --profile-dir
 
     async def nowhere() -> httpx.Response:
@@ -1664,6 +1673,14 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert 'x_bucket{model_name="a\\"b",le="1.0"} 3' in lines
     assert 'x_bucket{model_name="a\\"b",le="+Inf"} 4' in lines
     assert 'x_count{model_name="a\\"b"} 4' in lines
+
+
+def test_profile_dir_from_the_peers_variables(monkeypatch):  # noqa: ANN001
+    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", "/tmp/sg")
+    assert parse_args([]).profile_dir == "/tmp/sg"
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", "/tmp/vl")
+    assert parse_args([]).profile_dir == "/tmp/vl"
+    assert parse_args(["--profile-dir", "/x"]).profile_dir == "/x"
 
 
 def test_serve_flags(capsys, caplog):  # noqa: ANN001
