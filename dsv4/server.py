@@ -1162,6 +1162,17 @@ def parse_args(argv: list[str]) -> ServerConfig:
     return ServerConfig(**fields)
 
 
+def non_default_args(config: ServerConfig) -> dict:
+    """The settings that differ from `dsv4 serve`'s defaults (the API key masked)."""
+    out = {}
+    for f in dataclasses.fields(ServerConfig):
+        value = getattr(config, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if value != default:
+            out[f.name] = "***" if f.name == "api_key" else value
+    return out
+
+
 def main(argv: list[str]) -> int:
     import uvicorn
 
@@ -1177,6 +1188,7 @@ def main(argv: list[str]) -> int:
         build_llm(config)
         return 0
 
+    log.info("non-default args: %s", non_default_args(config))  # (as vLLM prints them)
     server = Server(config)
     app = build_app(server)
     http = uvicorn.Server(

@@ -1675,6 +1675,14 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert 'x_count{model_name="a\\"b"} 4' in lines
 
 
+def test_non_default_args():
+    from dsv4.server import non_default_args
+
+    c = parse_args(["--max-seqs", "3", "--api-key", "k", "--enforce-eager"])
+    shown = non_default_args(c)
+    assert shown["max_seqs"] == 3 and shown["api_key"] == "***" and "port" not in shown
+
+
 def test_profile_dir_from_the_peers_variables(monkeypatch):  # noqa: ANN001
     monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", "/tmp/sg")
     assert parse_args([]).profile_dir == "/tmp/sg"
