@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dsv4.chat import THINK_END
+from dsv4.chat import EOS, THINK_END
 from dsv4.engine import RequestOutput
 from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
 
@@ -83,6 +83,15 @@ class Formatter:
         """The tokens of `out` spent reasoning; None where the output has no reasoning part."""
         return None
 
+    def matched_stop(self, out: RequestOutput) -> int | str | None:
+        """SGLang's matched_stop: what ended a stopped output, the stop string or token id (the
+        end-of-sentence token's for EOS); None otherwise."""
+        if out.finish_reason != "stop":
+            return None
+        if out.stop_reason is not None:
+            return out.stop_reason
+        return self.tokenizer.token_to_id(EOS) if self.tokenizer is not None else None
+
     def usage_chunk(self, usage: dict) -> dict:
         """The final chunk of stream_options.include_usage: no choices, only usage."""
         return {**self.envelope([], None, chunk=True), "usage": usage}
@@ -140,6 +149,7 @@ class CompletionFormatter(Formatter):
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,  # vLLM's: the stop token id or string (None: EOS)
+            "matched_stop": self.matched_stop(out),
         }
         if self.return_token_ids:
             choice["token_ids"] = token_ids
@@ -307,6 +317,7 @@ class ChatFormatter(Formatter):
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, self._called) if out.finished else None,
             "stop_reason": out.stop_reason,
+            "matched_stop": self.matched_stop(out),
         }
         if self.return_token_ids:
             choice["token_ids"] = out.delta_token_ids
@@ -328,6 +339,7 @@ class ChatFormatter(Formatter):
             "logprobs": self.new_logprobs(out),
             "finish_reason": self._finish_reason(out, bool(parsed["tool_calls"])),
             "stop_reason": out.stop_reason,
+            "matched_stop": self.matched_stop(out),
         }
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids

@@ -277,6 +277,8 @@ def test_stop_strings_and_stop_token_ids(client):  # noqa: ANN001
     out = client.completions.create(max_tokens=12, stop=[stop], **kw).choices[0]
     assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop)]
     assert out.model_extra["stop_reason"] == stop  # vLLM's field: what stopped it
+    assert out.model_extra["matched_stop"] == stop  # SGLang's
+    assert free.model_extra["matched_stop"] is None  # (max_tokens)
     chat = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=12, stop=stop, **GREEDY
     )
@@ -301,6 +303,7 @@ def test_stop_strings_and_stop_token_ids(client):  # noqa: ANN001
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].token_ids == ids[: k + 1]
     assert r.choices[0].model_extra["stop_reason"] == ids[k]
+    assert r.choices[0].model_extra["matched_stop"] == ids[k]
     assert r.usage.completion_tokens == k + 1
 
 
@@ -1459,6 +1462,20 @@ def test_reasoning_tokens_stop_at_think_end():
     assert usage["completion_tokens_details"] == {"reasoning_tokens": 5}
     assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] == 2
     assert "completion_tokens_details" not in usage_of([done])
+
+
+def test_matched_stop_names_the_eos_token():
+    from dsv4.engine import RequestOutput
+
+    class Tok:
+        def token_to_id(self, text: str) -> int:
+            return {"<｜end▁of▁sentence｜>": 1}[text]
+
+    fmt = ChatFormatter("r", "m", Tok())
+    eos = RequestOutput("r", [5], token_ids=[7, 1], text="x", finish_reason="stop")
+    assert fmt.final_choice(eos)["matched_stop"] == 1
+    cut = RequestOutput("r", [5], token_ids=[7, 8], text="xy", finish_reason="length")
+    assert fmt.final_choice(cut)["matched_stop"] is None
 
 
 def test_client_request_ids(model_dir):  # noqa: ANN001
