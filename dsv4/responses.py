@@ -239,10 +239,13 @@ class ChatFormatter(Formatter):
         tools: list[dict] | None = None,
         stream_reasoning: bool = True,
         prefill: str = "",
+        parallel_tool_calls: bool = True,
         **kwargs,  # noqa: ANN003
     ) -> None:
         super().__init__(*args, **kwargs)
         self.thinking, self.tools = thinking, tools
+        # OpenAI's parallel_tool_calls=false: the first call only (as vLLM keeps it)
+        self.parallel = parallel_tool_calls
         # prefill: text the prompt made the reply begin with (a forced tool call's DSML start),
         # parsed ahead of the model's output
         self.prefill = prefill
@@ -303,6 +306,8 @@ class ChatFormatter(Formatter):
         deltas = self._stream.feed(out.delta_text)
         if out.finished:
             deltas += self._stream.finish()
+        if not self.parallel:
+            deltas = _first_call_only(deltas)
         if not self.stream_reasoning:
             deltas = self._hold_reasoning(deltas, out.finished)
         delta = _merge_into_one(deltas)
@@ -325,7 +330,8 @@ class ChatFormatter(Formatter):
 
     def final_choice(self, out: RequestOutput) -> dict:
         parser = _parser(self.thinking, self.tools)
-        parsed = merge_deltas(parser.feed(self.prefill + out.text) + parser.finish())
+        deltas = parser.feed(self.prefill + out.text) + parser.finish()
+        parsed = merge_deltas(deltas if self.parallel else _first_call_only(deltas))
         message = {
             "role": "assistant",
             "content": parsed["content"],
@@ -344,6 +350,19 @@ class ChatFormatter(Formatter):
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
         return choice
+
+
+def _first_call_only(deltas: list[dict]) -> list[dict]:
+    # the deltas without tool calls past the first (index > 0)
+    out = []
+    for d in deltas:
+        if "tool_calls" in d:
+            calls = [c for c in d["tool_calls"] if c["index"] == 0]
+            d = {**d, "tool_calls": calls} if calls else {k: v for k, v in d.items()
+                                                          if k != "tool_calls"}  # fmt: skip
+        if d:
+            out.append(d)
+    return out
 
 
 class NativeFormatter:

@@ -600,6 +600,7 @@ def build_app(server: Server) -> FastAPI:
                 stream_reasoning=body.stream_reasoning,
                 prefill=prefix,
                 tools=opts["tools"],
+                parallel_tool_calls=body.parallel_tool_calls is not False,
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,
                 index=i,

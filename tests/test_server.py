@@ -1621,6 +1621,28 @@ def test_chat_formatter_reasoning_and_tool_calls_at_every_split():
         )
 
 
+def test_chat_formatter_one_call_without_parallel_tool_calls():
+    # OpenAI's parallel_tool_calls=false in "auto": the first call only, whole and streamed
+    two = SCRIPT.replace("</｜DSML｜tool_calls>", "") + (
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Rome</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    both = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS).response(_outputs([two])[-1])
+    assert len(both["choices"][0]["message"]["tool_calls"]) == 2
+    one = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS, parallel_tool_calls=False)
+    (call,) = one.response(_outputs([two])[-1])["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    for size in (1, 7, len(two)):
+        pieces = [two[i : i + size] for i in range(0, len(two), size)]
+        fmt = ChatFormatter("r", "m", None, thinking=True, tools=TOOLS, parallel_tool_calls=False)
+        folded = _fold([fmt.chunk(out) for out in _outputs(pieces)])
+        assert (
+            folded["tool_calls"] == {0: call["function"]} and folded["content"] == "Let me check."
+        )
+        assert folded["finish_reason"] == "tool_calls"
+
+
 def test_chat_formatter_without_tools_and_on_length():
     # no tools requested: DSML is plain content; a length cut keeps finish_reason "length"
     fmt = ChatFormatter("r", "m", None, thinking=False, tools=None)
