@@ -792,6 +792,9 @@ class ServerConfig:
     # vLLM's --generation-config: "auto" (the checkpoint's generation_config.json gives the
     # sampling defaults), "vllm" (the OpenAI defaults only) or a directory holding one
     generation_config: str = "auto"
+    # vLLM's / SGLang's (--random-seed) global seed: the draws of requests without a seed of
+    # their own start from it (rank 0 draws); None: unseeded
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

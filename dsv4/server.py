@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -84,6 +85,8 @@ class Server:
         from dsv4.cli import build_llm
 
         t0 = time.perf_counter()
+        if self.config.seed is not None:  # (every device's default generator: unseeded draws)
+            torch.manual_seed(self.config.seed)
         llm = build_llm(self.config)
         log.info("weights loaded from %s in %.1f s", llm.model_dir, time.perf_counter() - t0)
         where = self.config.generation_config
@@ -1121,6 +1124,10 @@ def parse_args(argv: list[str]) -> ServerConfig:
         action="store_false",
         help="serve at once on a GPU: kernels compile and graphs capture on first use instead",
     )
+    p.add_argument(
+        "--seed", "--random-seed", type=int, default=None,
+        help="vLLM's / SGLang's: seed the draws of requests that bring no seed of their own",
+    )  # fmt: skip
     p.add_argument(
         "--generation-config",
         default="auto",

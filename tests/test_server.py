@@ -1968,3 +1968,24 @@ def test_generation_config_defaults(model_dir, tmp_path):  # noqa: ANN001
             server.shutdown()
         assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
         assert seen == want, (flag, seen)
+
+
+def test_global_seed(model_dir):  # noqa: ANN001
+    # vLLM's --seed / SGLang's --random-seed: a request without a seed of its own draws the same
+    # tokens from two servers started with the same seed
+    assert parse_args(["--random-seed", "7"]).seed == 7 and parse_args([]).seed is None
+    body = {"prompt": [0, 5, 6], "max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    texts = []
+    for _ in range(2):
+        server, ac = in_process(model_dir, max_seqs=2, max_seq_len=256, seed=7)
+
+        async def go(ac=ac) -> httpx.Response:
+            async with ac:
+                return await ac.post(C, json=body | {"return_token_ids": True})
+
+        try:
+            r = asyncio.run(go())
+        finally:
+            server.shutdown()
+        texts.append(r.json()["choices"][0]["token_ids"])
+    assert texts[0] == texts[1]
