@@ -345,3 +345,32 @@ def test_report_prints_the_prefill_breakdown(result, capsys):  # noqa: ANN001
     out = capsys.readouterr().out
     assert "breakdown: prefill of 24 tokens in chunks of 16" in out
     assert "breakdown: batch 2, context 200" in out
+
+
+def test_one_batch_prints_bench_one_batch_lines(tmp_path, capsys):  # noqa: ANN001
+    # SGLang's bench_one_batch lines, as the scripts that scrape them read them, and its JSON
+    import re
+
+    from dsv4.bench import main as bench_main
+
+    out = tmp_path / "r.jsonl"
+    argv = ["one-batch", "--batch-size", "2", "--input-len", "8", "12", "--output-len", "5",
+            "--json", str(out)]  # fmt: skip
+    assert bench_main(argv) == 0
+    text = capsys.readouterr().out
+    prefill = re.findall(r"Prefill\. latency:\s+([\d.]+) s, throughput:\s+([\d.]+) token/s", text)
+    decode = re.findall(
+        r"Decode\.  median latency:\s+([\d.]+) s, median throughput:\s+([\d.]+)", text
+    )
+    total = re.findall(r"Total\. latency:\s+([\d.]+) s, throughput:\s+([\d.]+) token/s", text)
+    assert len(prefill) == len(decode) == len(total) == 2
+    assert len(re.findall(r"Decode \d\. Batch size: 2, latency", text)) == 2 * 4
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch_size"], r["input_len"]) for r in rows] == [(2, 8), (2, 12)]
+    for r, (p_lat, p_tput) in zip(rows, prefill):
+        assert r["decode_steps"] == 4  # the batch's prefill in one step gave the first tokens
+        assert float(p_lat) == pytest.approx(r["prefill_latency"], abs=1e-5)
+        assert float(p_tput) == pytest.approx(2 * r["input_len"] / r["prefill_latency"], rel=1e-3)
+        assert r["total_latency"] >= r["prefill_latency"] + 4 * r["median_decode_latency"] * 0.5
+    with pytest.raises(SystemExit):
+        bench_main(["one-batch", "--output-len", "0"])

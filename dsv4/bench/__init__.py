@@ -1,5 +1,6 @@
-"""`dsv4 bench step` (one decode/prefill step at real width), `dsv4 bench ops` (kernel timings) and
-`dsv4 bench serve` (load on a running server: throughput, TTFT, TPOT)."""
+"""`dsv4 bench step` (one decode/prefill step at real width), `dsv4 bench ops` (kernel timings),
+`dsv4 bench serve` (load on a running server: throughput, TTFT, TPOT) and `dsv4 bench one-batch`
+(SGLang's bench_one_batch: one static batch through the engine)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("step", "ops", "serve"):
-        print("usage: dsv4 bench {step,ops,serve} [--help]", file=sys.stderr)
+    if not argv or argv[0] not in ("step", "ops", "serve", "one-batch", "one_batch"):
+        print("usage: dsv4 bench {step,ops,serve,one-batch} [--help]", file=sys.stderr)
         return 2
+    if argv[0] in ("one-batch", "one_batch"):
+        from dsv4.bench.one_batch import main as one_batch_main
+
+        return one_batch_main(argv[1:])
     if argv[0] == "step":
         from dsv4.bench.step import main as step_main
 
