@@ -97,12 +97,15 @@ class ReasoningParser:
 class ToolCallParser:
     """Turns DSML `tool_calls` blocks in content into OpenAI tool calls.
 
-    feed/finish return OpenAI-style deltas: {"content": str} or {"tool_calls": [call]} where call is
-    {"index", "id", "type": "function", "function": {"name", "arguments"}}. A call is emitted
-    whole once its `</invoke>` arrives, so its arguments are always complete JSON. Markup that
-    becomes a call is not content; markup that never does (an invoke with no name, a block
-    still open at finish(), as when the output hit max_tokens) comes back as content, as
-    written, so no output is lost.
+    feed/finish return OpenAI-style deltas: {"content": str} or {"tool_calls": [call]}. A call
+    streams as vLLM's and SGLang's do: its first delta {"index", "id", "type": "function",
+    "function": {"name", "arguments": ""}} once its invoke tag is read, then {"index",
+    "function": {"arguments": piece}} as each parameter closes, the pieces adding up to the
+    arguments' JSON (`json.dumps` of them) at `</invoke>`. A call still open at finish() (the
+    output hit max_tokens) is closed there, its unfinished parameter taken as text so far.
+    Markup that becomes a call is not content; markup that never does (an invoke with no name,
+    a block still open at finish() with no call in it) comes back as content, as written, so no
+    output is lost. `tool_calls` holds the calls made, whole.
     """
 
     def __init__(self, tools: list[dict] | None = None) -> None:
@@ -128,6 +131,14 @@ class ToolCallParser:
 
     def finish(self) -> list[dict]:
         events = []
+        if self._call is not None and self._call["name"]:  # cut short: close it, keep its text
+            buf = self._buf
+            i = buf.find(PARAM_START)
+            j = buf.find(">", i) if i != -1 else -1
+            if j != -1:
+                self._param(buf[i:j], buf[j + 1 :], events)
+            self._buf = ""
+            self._emit_call(events)
         if self._in_block:  # never closed: what did not become a call is text
             rest = "".join(self._raw) + self._buf
             if rest.strip():
@@ -187,6 +198,13 @@ class ToolCallParser:
             name = _NAME.search(buf, i, j)
             self._call = {"name": name.group(1) if name else "", "args": {}, "loose": []}
             self._consume(j + 1)
+            if self._call["name"]:  # the call starts: its id and name
+                self._call["index"] = len(self.tool_calls)
+                self._call["id"] = f"call_{secrets.token_hex(12)}"
+                fn = {"name": self._call["name"], "arguments": ""}
+                start = {"index": self._call["index"], "id": self._call["id"], "type": "function"}
+                events.append({"tool_calls": [start | {"function": fn}]})
+                self._raw = []  # (its text became a call)
             return True
         i, marker = _find_first(buf, (PARAM_START, INVOKE_END, CALLS_END))
         if marker is None:
@@ -198,12 +216,7 @@ class ToolCallParser:
             if k == -1:
                 self._call["loose"].pop()
                 return False
-            name, string = _NAME.search(buf, i, j), _STRING.search(buf, i, j)
-            if name and name.group(1) not in self._call["args"]:
-                value = self._typed(
-                    name.group(1), buf[j + 1 : k], string is None or string.group(1) == "true"
-                )
-                self._call["args"][name.group(1)] = value
+            self._param(buf[i:j], buf[j + 1 : k], events)
             self._consume(k + len(PARAM_END))
             return True
         if marker == INVOKE_END:
@@ -219,30 +232,48 @@ class ToolCallParser:
         self._buf = self._buf[end:]
         self._in_block, self._lstrip, self._raw = False, True, []
 
+    def _param(self, tag: str, raw: str, events: list[dict]) -> None:
+        # a parameter of the open call (`tag`: its opening tag up to `>`): typed, and its piece
+        # of the arguments' JSON streamed (the first opens the object; a repeated name is ignored)
+        call = self._call
+        name, string = _NAME.search(tag), _STRING.search(tag)
+        if not name or name.group(1) in call["args"] or not call["name"]:
+            return
+        key = name.group(1)
+        value = self._typed(key, raw, string is None or string.group(1) == "true")
+        piece = ("{" if not call["args"] else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        call["args"][key] = value
+        self._piece(piece + json.dumps(value, ensure_ascii=False), events)
+
+    def _piece(self, text: str, events: list[dict]) -> None:
+        events.append(
+            {"tool_calls": [{"index": self._call["index"], "function": {"arguments": text}}]}
+        )
+
     def _emit_call(self, events: list[dict]) -> None:
-        call, self._call = self._call, None
+        call = self._call
         raw, self._raw = "".join(self._raw), []
         if not call["name"]:  # no call to make of it: its text, as written
+            self._call = None
             if raw.strip():
                 events.append({"content": raw})
             return
         args = call["args"]
-        loose = "".join(call["loose"]).strip()
-        if not args and loose.startswith("{"):
-            # Some outputs put a JSON object directly inside the invoke.
-            try:
-                direct = json.loads(loose)
-                args = direct if isinstance(direct, dict) else args
-            except json.JSONDecodeError:
-                pass
-        index = len(self.tool_calls)
+        if args:
+            self._piece("}", events)
+        else:
+            loose = "".join(call["loose"]).strip()
+            if loose.startswith("{"):
+                # Some outputs put a JSON object directly inside the invoke.
+                try:
+                    direct = json.loads(loose)
+                    args = direct if isinstance(direct, dict) else args
+                except json.JSONDecodeError:
+                    pass
+            self._piece(json.dumps(args, ensure_ascii=False), events)
+        self._call = None
         fn = {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
-        self.tool_calls.append(
-            {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": fn}
-        )
-        events.append(
-            {"tool_calls": [{"index": index, **self.tool_calls[-1], "function": dict(fn)}]}
-        )
+        self.tool_calls.append({"id": call["id"], "type": "function", "function": fn})
 
     def _typed(self, param: str, raw: str, is_string: bool) -> Any:
         """DSML rule: string="true" is raw text, "false" is JSON (kept as text if it isn't)."""
@@ -280,14 +311,26 @@ class StreamParser:
         return deltas + self.tools.finish() if final else deltas
 
 
+def merge_calls(pieces: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas (`ToolCallParser`) folded by index as a client folds them: the
+    first gives id, type and name, the arguments add up. Keeps "index"."""
+    calls: dict[int, dict] = {}
+    for c in pieces:
+        if c["index"] not in calls:
+            calls[c["index"]] = {**c, "function": {"arguments": "", **c["function"]}}
+            continue
+        fn = calls[c["index"]]["function"]
+        fn["arguments"] += c["function"].get("arguments", "")
+    return list(calls.values())
+
+
 def merge_deltas(deltas: list[dict]) -> dict:
     """Fold chat deltas into a message: reasoning_content, content, tool_calls, finish_reason."""
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content", "") for d in deltas)
     calls = [
         {k: v for k, v in c.items() if k != "index"}
-        for d in deltas
-        for c in d.get("tool_calls", [])
+        for c in merge_calls([c for d in deltas for c in d.get("tool_calls", [])])
     ]
     return {
         "reasoning_content": reasoning or None,

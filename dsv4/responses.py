@@ -6,7 +6,7 @@ import time
 
 from dsv4.chat import EOS, THINK_END
 from dsv4.engine import RequestOutput
-from dsv4.parsers import ReasoningParser, StreamParser, merge_deltas
+from dsv4.parsers import ReasoningParser, StreamParser, merge_calls, merge_deltas
 
 
 def usage_of(outs: list[RequestOutput], n: int = 1, fmts: list | None = None) -> dict:
@@ -224,6 +224,8 @@ def _merge_into_one(deltas: list[dict]) -> dict:
                 merged[key] = merged.get(key, "") + d[key]
         if "tool_calls" in d:
             merged.setdefault("tool_calls", []).extend(d["tool_calls"])
+    if "tool_calls" in merged:  # one entry a call in a chunk, its pieces joined
+        merged["tool_calls"] = merge_calls(merged["tool_calls"])
     return merged
 
 
@@ -250,7 +252,8 @@ class ChatFormatter(Formatter):
         # parsed ahead of the model's output
         self.prefill = prefill
         self._stream = _parser(thinking, tools)
-        self._stream.feed(prefill)  # (an unfinished block: no deltas)
+        # (a named call's start: sent with the first chunk)
+        self._pending = self._stream.feed(prefill)
         self._first = True
         self._called = False  # a tool call was streamed
         # SGLang's stream_reasoning=false: the reasoning is held back and sent in one delta when
@@ -303,7 +306,7 @@ class ChatFormatter(Formatter):
         Text the parsers hold back (a possible `</think>` or DSML tag) leaves the delta empty;
         the chunk is still sent, so clients see one chunk per generated token.
         """
-        deltas = self._stream.feed(out.delta_text)
+        deltas, self._pending = self._pending + self._stream.feed(out.delta_text), []
         if out.finished:
             deltas += self._stream.finish()
         if not self.parallel:

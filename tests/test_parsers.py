@@ -124,11 +124,22 @@ CASES = {
         False,
         result(content="Text", calls=[call("get_weather", {"city": "Paris", "days": 3})]),
     ),
-    # markup that never becomes a call is text as written (max_tokens cut it; no name)
-    "unfinished_invoke_kept_as_text": (
+    # a call cut short (max_tokens) is closed: its parameters so far, an unfinished one as text
+    "unfinished_invoke_closed": (
         "Text" + block(PARIS)[:-30],
         False,
-        result(content="Text" + block(PARIS)[:-30]),
+        result(content="Text", calls=[call("get_weather", {"city": "Paris", "days": 3})]),
+    ),
+    "unfinished_parameter_as_text": (
+        "Text" + block(SEARCH)[: block(SEARCH).index("a\nb") + 2],
+        False,
+        result(content="Text", calls=[call("search", {"q": "a\n"})]),
+    ),
+    # markup that never becomes a call is text as written (cut before the name; no name)
+    "unnamed_cut_kept_as_text": (
+        "Text" + block(PARIS)[:40],
+        False,
+        result(content="Text" + block(PARIS)[:40]),
     ),
     "nameless_invoke_kept_as_text": (
         "T" + block(invoke("", ("city", "true", "Oslo")), PARIS),
@@ -188,23 +199,31 @@ def test_every_chunk_size_matches_one_shot(name):
 
 
 def test_tool_call_deltas_have_openai_shape():
+    # as vLLM and SGLang stream them: a call's first delta has its index, id, type and name (and
+    # arguments ""), the later ones its index and a piece of the arguments' JSON, one a parameter
     parser = ToolCallParser(TOOLS)
     events = parser.feed("x" + block(PARIS, SEARCH)) + parser.finish()
     assert events[0] == {"content": "x"}
-    (first,), (second,) = events[1]["tool_calls"], events[2]["tool_calls"]
-    assert [first["index"], second["index"]] == [0, 1]
-    assert first["type"] == "function" and first["id"] != second["id"]
+    calls = [c for e in events[1:] for c in e["tool_calls"]]
+    starts = [c for c in calls if "id" in c]
+    assert [c["index"] for c in starts] == [0, 1] and starts[0]["id"] != starts[1]["id"]
+    assert all(c["type"] == "function" and c["function"]["arguments"] == "" for c in starts)
+    pieces = [c["function"]["arguments"] for c in calls if c["index"] == 0 and "id" not in c]
+    assert pieces == ['{"city": "Paris"', ', "days": 3', "}"]
+    assert all(set(c) == {"index", "function"} for c in calls if "id" not in c)
     assert parser.tool_calls[1]["function"]["name"] == "search"
+    assert parser.tool_calls[0]["id"] == starts[0]["id"]
+    assert json.loads("".join(pieces)) == {"city": "Paris", "days": 3}
 
 
 def test_partial_markup_is_held_back():
     parser = ToolCallParser()
     assert parser.feed("Hi\n\n<｜DSML｜tool") == [{"content": "Hi"}]
-    assert parser.feed('_calls>\n<｜DSML｜invoke name="f">\n') == []
-    assert parser.feed("</｜DSML｜invoke>")[0]["tool_calls"][0]["function"] == {
-        "name": "f",
-        "arguments": "{}",
-    }
+    ((start,),) = [e["tool_calls"] for e in parser.feed('_calls>\n<｜DSML｜invoke name="f">\n')]
+    assert start["function"] == {"name": "f", "arguments": ""}
+    assert parser.feed("</｜DSML｜invoke>")[0]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": "{}"}}
+    ]
     assert parser.finish() == []
 
 

@@ -1585,8 +1585,10 @@ def _fold(chunks: list[dict]) -> dict:
         d = choice["delta"]
         msg["reasoning_content"] += d.get("reasoning_content", "")
         msg["content"] += d.get("content", "")
-        for call in d.get("tool_calls", []):
-            msg["tool_calls"][call["index"]] = call["function"]
+        for call in d.get("tool_calls", []):  # the first delta names it, the arguments add up
+            fn = msg["tool_calls"].setdefault(call["index"], {"name": None, "arguments": ""})
+            fn["name"] = call["function"].get("name", fn["name"])
+            fn["arguments"] += call["function"].get("arguments", "")
     msg["finish_reason"] = chunks[-1]["choices"][0]["finish_reason"]
     return msg
 
