@@ -25,7 +25,7 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:spec_decode_num_accepted_tokens_per_pos_total{position=j}
                                                     (MTP speculative decoding; acceptance rate =
                                                     accepted / draft tokens)
-Every series carries model_name. Updates happen on the event loop, so nothing is locked;
+Every series carries model_name and engine ("0": one engine), as vLLM's. Updates happen on the event loop, so nothing is locked;
 only vllm:iteration_tokens_total is observed on the engine thread (`Engine.on_step`), whose
 counts a scrape may read between two of its increments.
 """
@@ -87,7 +87,8 @@ class ServerMetrics:
     """Per-server latency histograms and token counters; engine gauges read at scrape time."""
 
     def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
+        # vLLM's labels: the model, and the engine (one here: "0")
+        self.labels = {"model_name": model_name, "engine": "0"}
         self.late_compiles = None  # the server's device.CompileWatch, once it warmed up
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS

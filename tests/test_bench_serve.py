@@ -56,8 +56,8 @@ def test_bench_serve_against_the_server(tmp_path, capsys):  # noqa: ANN001
     assert all(0 < r["ttft"] <= r["latency"] and len(r["itl"]) <= 3 for r in res["requests"])
     assert res["config"]["model_name"] == "m" and res["config"]["request_rate"] is None
     # the server saw exactly the prompts' and outputs' tokens (warm-up included: 8 requests)
-    assert m['vllm:prompt_tokens_total{model_name="m"}'] == 8 * 8
-    assert m['vllm:generation_tokens_total{model_name="m"}'] == 8 * 4
+    assert m['vllm:prompt_tokens_total{model_name="m",engine="0"}'] == 8 * 8
+    assert m['vllm:generation_tokens_total{model_name="m",engine="0"}'] == 8 * 4
     assert "output tokens/s" in table and "TTFT (ms)" in table
     sp = s["speculative"]
     assert sp["drafts"] > 0 and sp["draft_tokens"] <= 2 * sp["drafts"]

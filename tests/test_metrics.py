@@ -121,9 +121,9 @@ def test_request_phase_histograms(monkeypatch) -> None:  # noqa: ANN001
                  "request_time_per_output_token_seconds", "request_prompt_tokens",
                  "request_generation_tokens", "iteration_tokens_total"):  # fmt: skip
         assert f"# TYPE vllm:{name} histogram" in text
-    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="5.0"} 0' in text
-    assert 'vllm:request_prompt_tokens_bucket{model_name="m",le="10.0"} 1' in text
-    assert 'vllm:gpu_cache_usage_perc{model_name="m"} 0.4' in text
+    assert 'vllm:request_prompt_tokens_bucket{model_name="m",engine="0",le="5.0"} 0' in text
+    assert 'vllm:request_prompt_tokens_bucket{model_name="m",engine="0",le="10.0"} 1' in text
+    assert 'vllm:gpu_cache_usage_perc{model_name="m",engine="0"} 0.4' in text
     clock = iter([20.0, 20.5])
     m.track().close()  # aborted before a token
     assert m.phase["queue"].count == 1 and m.finished["abort"] == 1
@@ -162,4 +162,4 @@ def test_late_compiles_counter() -> None:
     m.late_compiles(fn=None, key="", repr="k")
     text = m.render(None)
     assert "# TYPE dsv4:late_compiles counter" in text
-    assert 'dsv4:late_compiles_total{model_name="m"} 1' in text
+    assert 'dsv4:late_compiles_total{model_name="m",engine="0"} 1' in text

@@ -59,7 +59,9 @@ def client(server) -> openai.OpenAI:  # noqa: ANN001
 
 
 def gauge(m: dict[str, float], name: str, **labels: str) -> float:
-    lb = ",".join([f'model_name="{MODEL}"'] + [f'{k}="{v}"' for k, v in labels.items()])
+    lb = ",".join(
+        [f'model_name="{MODEL}"', 'engine="0"'] + [f'{k}="{v}"' for k, v in labels.items()]
+    )
     return m[f"{name}{{{lb}}}"]
 
 
@@ -1038,7 +1040,7 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
                     waiting = asyncio.create_task(ac.post(C, json=long))
                     for _ in range(400):
                         m = await asyncio.to_thread(scrape, url)
-                        if m['vllm:num_requests_waiting{model_name="m"}'] == 1:
+                        if m['vllm:num_requests_waiting{model_name="m",engine="0"}'] == 1:
                             break
                         await asyncio.sleep(0.02)
                     refused = await ac.post(C, json={**long, "stream": False})
@@ -1051,12 +1053,12 @@ def test_api_key_and_queue_full(model_dir, tmp_path):  # noqa: ANN001
             refused.json()["error"]["code"] == 503 and "queue" in refused.json()["error"]["message"]
         )
         deadline = time.monotonic() + 20
-        while (m := scrape(url))['vllm:num_requests_running{model_name="m"}'] or m[
-            'vllm:num_requests_waiting{model_name="m"}'
+        while (m := scrape(url))['vllm:num_requests_running{model_name="m",engine="0"}'] or m[
+            'vllm:num_requests_waiting{model_name="m",engine="0"}'
         ]:
             assert time.monotonic() < deadline, m
             time.sleep(0.05)
-        assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 0
+        assert m['vllm:kv_cache_usage_perc{model_name="m",engine="0"}'] == 0
     finally:
         srv.stop()
 

@@ -55,10 +55,10 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
         server.shutdown()
     graphs = server.llm.engine.graphs
     assert graphs.graphs and not graphs.failed
-    key = 'vllm:generation_tokens_total{model_name="m"} '
+    key = 'vllm:generation_tokens_total{model_name="m",engine="0"} '
     assert [float(x[len(key) :]) for x in metrics.splitlines() if x.startswith(key)] == [48]
     # the compiles these steps met after the warm-up are counted (and logged, by name)
-    key = 'dsv4:late_compiles_total{model_name="m"} '
+    key = 'dsv4:late_compiles_total{model_name="m",engine="0"} '
     late = [float(x[len(key) :]) for x in metrics.splitlines() if x.startswith(key)]
     assert late == [server.late_compiles.count], late
     eager = LLM(d, max_seqs=4, max_seq_len=256, cuda_graphs=False, progress=False)
