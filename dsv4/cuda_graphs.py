@@ -193,5 +193,9 @@ class DecodeGraphs:
             return None
         self.pool = graph.pool()
         self.graphs[key] = graph
-        log.info("captured decode step: batch %d, positions < %d, %d token(s) each", *key)
+        free = torch.cuda.mem_get_info()[0] / 2**30
+        log.info(
+            "captured decode step: batch %d, positions < %d, %d token(s) each (%.2f GiB free)",
+            *key, free,
+        )  # fmt: skip
         return graph
