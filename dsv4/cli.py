@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from dsv4.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
+from dsv4.config import AUTO_SEQ_LEN, KV_CACHE_DTYPES, SCHEDULING_POLICIES
 
 ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "device",
@@ -41,6 +41,15 @@ def _chunk_size(text: str) -> int | None:
 
 
 _chunk_size.__name__ = "int"  # argparse's message for a bad value: "invalid int value"
+
+
+def _seq_len(text: str) -> int:
+    """--max-seq-len: tokens, or auto / -1 (vLLM's --max-model-len auto): the longest sequence
+    the state's budget holds, at most the model's own limit (`config.AUTO_SEQ_LEN`)."""
+    return AUTO_SEQ_LEN if text in ("auto", "-1") else int(text)
+
+
+_seq_len.__name__ = "int"
 
 
 def build_llm(source):  # noqa: ANN001, ANN201  (argparse.Namespace or ServerConfig)
@@ -125,8 +134,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     # (the peers' names for the same settings are aliases: vLLM's, then SGLang's)
     p.add_argument(
-        "--max-seq-len", "--max-model-len", "--context-length", type=int, default=4096,
-        help="tokens a sequence may hold, prompt and output",
+        "--max-seq-len", "--max-model-len", "--context-length", type=_seq_len, default=4096,
+        help="tokens a sequence may hold, prompt and output; auto: the longest the state's "
+        "budget holds (at most the model's limit), as vLLM's --max-model-len auto",
     )  # fmt: skip
     p.add_argument(
         "--max-seqs", "--max-num-seqs", "--max-running-requests", type=int, default=8,

@@ -553,6 +553,9 @@ def flash_args() -> ModelArgs:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+# max_seq_len "auto" (vLLM's --max-model-len auto): the longest sequence the state budget's pages
+# hold, at most the model's max_position_embeddings (resolved once the weights are loaded)
+AUTO_SEQ_LEN = -1
 # vLLM's --scheduling-policy, and SGLang's order under --enable-priority-scheduling (higher values
 # first unless --schedule-low-priority-values-first): `dsv4.scheduler`
 SCHEDULING_POLICIES = ("fcfs", "priority", "priority-high-first")
@@ -563,10 +566,11 @@ def check_memory_flags(
     memory_fraction: float | None,
     gpu_memory_utilization: float | None,
     max_total_tokens: int | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """The state's budget comes from one of max_memory, memory_fraction, gpu_memory_utilization
-    (fractions in (0, 1]); max_total_tokens, a cap on its pages' tokens, is > 0. ConfigError
-    naming what is wrong."""
+    (fractions in (0, 1]); max_total_tokens, a cap on its pages' tokens, is > 0; max_seq_len
+    AUTO_SEQ_LEN needs one of them. ConfigError naming what is wrong."""
     if max_total_tokens is not None and max_total_tokens <= 0:
         raise ConfigError(f"max_total_tokens must be > 0, got {max_total_tokens}")
     given = {
@@ -582,6 +586,11 @@ def check_memory_flags(
             raise ConfigError(f"{name} must be in (0, 1], got {given[name]}")
     if "max_memory" in given and given["max_memory"] <= 0:
         raise ConfigError(f"max_memory must be > 0, got {max_memory}")
+    if max_seq_len == AUTO_SEQ_LEN and not given and max_total_tokens is None:
+        raise ConfigError(
+            "max_seq_len auto (--max-model-len auto) is the longest sequence the state's budget "
+            "holds: give gpu_memory_utilization, memory_fraction, max_memory or max_total_tokens"
+        )
 
 
 def check_policy(policy: str, preemption_threshold: int | None = None) -> None:
@@ -687,7 +696,7 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         check_policy(self.scheduling_policy, self.priority_preemption_threshold)
-        if self.max_seqs <= 0 or self.max_seq_len <= 0:
+        if self.max_seqs <= 0 or (self.max_seq_len <= 0 and self.max_seq_len != AUTO_SEQ_LEN):
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
             )
@@ -815,14 +824,15 @@ class ServerConfig:
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
         chunk = self.max_step_tokens if self.chunk_size is None else self.chunk_size
-        if min(self.max_seqs, self.max_seq_len, chunk, self.max_step_tokens) <= 0:
+        seq_len = 1 if self.max_seq_len == AUTO_SEQ_LEN else self.max_seq_len
+        if min(self.max_seqs, seq_len, chunk, self.max_step_tokens) <= 0:
             raise ConfigError(
                 f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
                 f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"
             )
         check_memory_flags(
             self.max_memory, self.memory_fraction, self.gpu_memory_utilization,
-            self.max_total_tokens,
+            self.max_total_tokens, self.max_seq_len,
         )  # fmt: skip
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0, got {self.block_size}")

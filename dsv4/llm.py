@@ -18,6 +18,7 @@ from dsv4 import hf_names, parallel
 from dsv4 import ops as ops_pkg
 from dsv4.checkpoint import has_mtp, load_checkpoint, load_tensors
 from dsv4.config import (
+    AUTO_SEQ_LEN,
     EngineConfig,
     ModelArgs,
     check_memory_flags,
@@ -97,12 +98,15 @@ class LLM:
         # gives one prompt the whole max_num_batched_tokens (a 4096-token prompt at Flash width
         # on an H200: 2 steps of 2048 took 517 ms, 8 of 512 1221 ms; docs/PERF.md)
         chunk_size = max_step_tokens if chunk_size is None else chunk_size
-        if min(max_seqs, max_seq_len, chunk_size, max_step_tokens) < 1:
+        seq_len = 1 if max_seq_len == AUTO_SEQ_LEN else max_seq_len  # ("auto": resolved in _load)
+        if min(max_seqs, seq_len, chunk_size, max_step_tokens) < 1:
             raise ValueError(
                 f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
                 f"max_step_tokens={max_step_tokens} must be >= 1"
             )
-        check_memory_flags(max_memory, memory_fraction, gpu_memory_utilization, max_total_tokens)
+        check_memory_flags(
+            max_memory, memory_fraction, gpu_memory_utilization, max_total_tokens, max_seq_len
+        )
         self.model_dir = Path(model_dir) if model_dir is not None else demo_model_dir()
         flags = resolve_engine(device, dtype, ops, quantized, cuda_graphs)
         # tensor/expert parallel: one process a rank. Ranks 1.. are started here (they run this
@@ -193,7 +197,9 @@ class LLM:
             if not snapshots:
                 log.warning("prefix caching off: the memory budget leaves no room for a ring "
                             "snapshot (--prefix-snapshots N asks for N)")  # fmt: skip
-        if max_memory is None:  # every slot can reach max_seq_len
+        if max_memory is None and max_seq_len == AUTO_SEQ_LEN:  # (a page cap was given)
+            num_blocks = -(-max_total_tokens // block_size)
+        elif max_memory is None:  # every slot can reach max_seq_len
             num_blocks = max_seqs * -(-max_seq_len // block_size)
         else:
             num_blocks = DecodeState.blocks_for_budget(
@@ -204,6 +210,13 @@ class LLM:
         # every rank the same pages (free memory differs a little between GPUs): the ranks'
         # schedulers must make the same choices, preemptions included
         num_blocks = par.least(num_blocks)
+        if max_seq_len == AUTO_SEQ_LEN:  # the longest one sequence's pages can hold
+            max_seq_len = min(args.max_position_embeddings, num_blocks * block_size)
+            self.config = c = dataclasses.replace(c, max_seq_len=max_seq_len)
+            log.info(
+                "max_seq_len auto: %s tokens (the state's %d pages of %d; the model's limit %s)",
+                f"{max_seq_len:,}", num_blocks, block_size, f"{args.max_position_embeddings:,}",
+            )  # fmt: skip
         # the scheduler hands out these pages (block tables start empty)
         self.state = DecodeState(
             args,

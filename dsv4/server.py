@@ -248,8 +248,13 @@ class Server:
             raise ApiError(400, "the model has no tokenizer.json: send token ids", param)
         return self.llm.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """Tokens a sequence may hold: the engine's (--max-model-len auto resolved at load)."""
+        return self.llm.config.max_seq_len if self.llm is not None else self.config.max_seq_len
+
     def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
-        limit = self.config.max_seq_len
+        limit = self.max_model_len
         try:
             check_prompt(ids, self.llm.args.vocab_size, limit, generate=True)
         except ValueError as e:
@@ -514,7 +519,7 @@ def build_app(server: Server) -> FastAPI:
             "created": int(time.time()),
             "owned_by": "dsv4",
             "root": str(server.llm.model_dir) if server.llm is not None else c.model,
-            "max_model_len": c.max_seq_len,
+            "max_model_len": server.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
@@ -633,7 +638,7 @@ def build_app(server: Server) -> FastAPI:
             )
             opts = {**req.encoder_options(), "add_generation_prompt": body.add_generation_prompt}
             ids = _encode_chat(server.tokenizer("messages"), body.messages, opts)
-        return {"count": len(ids), "max_model_len": server.config.max_seq_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -311,6 +313,28 @@ def test_max_total_tokens_caps_the_pages(llm):  # noqa: ANN001
     assert LLM(d, max_memory=budget, max_total_tokens=40, **kw).state.num_blocks == 2
     with pytest.raises(ConfigError, match="max_total_tokens must be > 0, got 0"):
         LLM(d, max_total_tokens=0, **kw)
+
+
+def test_max_seq_len_auto(llm, caplog):  # noqa: ANN001
+    # vLLM's --max-model-len auto: the longest sequence the state's pages hold (at most the
+    # model's own limit), resolved once the budget is known; it needs a budget
+    from dsv4.config import AUTO_SEQ_LEN, ConfigError
+    from dsv4.state import bytes_per_seq, bytes_per_token
+
+    kw = dict(device="cpu", progress=False, max_seqs=2, block_size=16, enable_prefix_caching=False)
+    d = llm.model_dir
+    with caplog.at_level(logging.INFO, logger="dsv4"):
+        capped = LLM(d, max_seq_len=AUTO_SEQ_LEN, max_total_tokens=40, **kw)
+    assert capped.config.max_seq_len == 48 == capped.state.max_seq_len  # 3 pages of 16
+    assert "max_seq_len auto: 48 tokens" in caplog.text
+    page = bytes_per_token(llm.args, torch.float32) * 16
+    budget = int(2 * bytes_per_seq(llm.args, torch.float32) + 5.5 * page)
+    by_budget = LLM(d, max_seq_len=AUTO_SEQ_LEN, max_memory=budget, **kw)
+    assert by_budget.config.max_seq_len == 16 * by_budget.state.num_blocks == 80
+    out = by_budget.generate([list(range(3, 70))], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5  # a 67-token prompt fits in 80 now
+    with pytest.raises(ConfigError, match="give gpu_memory_utilization, memory_fraction"):
+        LLM(d, max_seq_len=AUTO_SEQ_LEN, **kw)
 
 
 def _a_and_b(tmp_path):  # noqa: ANN001, ANN202

@@ -1718,6 +1718,27 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert 'x_count{model_name="a\\"b"} 4' in lines
 
 
+def test_max_model_len_auto_in_the_routes(model_dir):  # noqa: ANN001
+    # the resolved length is what /v1/models reports and what requests are checked against
+    server, ac = in_process(model_dir, max_seqs=2, max_seq_len=-1, max_total_tokens=300)
+    limit = server.llm.config.max_seq_len
+    assert limit >= 300 and limit % server.llm.state.block_size == 0
+
+    async def go() -> tuple:
+        async with ac:
+            models = await ac.get("/v1/models")
+            long = await ac.post(C, json={"prompt": [5] * (limit - 1), "max_tokens": 2})
+            fits = await ac.post(C, json={"prompt": [5] * (limit - 2), "max_tokens": 2})
+            return models, long, fits
+
+    try:
+        models, long, fits = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert models.json()["data"][0]["max_model_len"] == limit
+    assert long.status_code == 400 and fits.status_code == 200
+
+
 def test_non_default_args():
     from dsv4.server import non_default_args
 
@@ -1850,6 +1871,10 @@ def test_serve_flags(capsys, caplog):  # noqa: ANN001
     with pytest.raises(SystemExit):
         parse_args(["--scheduling-policy", "lifo"])
     assert "invalid choice: 'lifo'" in capsys.readouterr().err
+    # vLLM's --max-model-len auto: the longest sequence the budget holds (it needs one)
+    assert parse_args(["--max-model-len", "auto", "--max-total-tokens", "512"]).max_seq_len == -1
+    assert main(["--max-model-len", "auto"]) == 2
+    assert "max_seq_len auto (--max-model-len auto)" in capsys.readouterr().err
     # underscore spellings, as vLLM accepts them (values untouched)
     under = parse_args(
         ["--max_model_len", "1024", "--max_num_seqs=3", "--served_model_name", "a_b"]
