@@ -719,10 +719,24 @@ class AsyncEngine:
                 self._deliver(rid, e)
 
     def profile(self, action: str, *args: object) -> concurrent.futures.Future:
-        """Start ("start", output_dir, num_steps, cuda[, start_step]) or stop ("stop") the torch profiler
-        between engine steps; the future gives the trace's path or the ProfilerError."""
-        p = self.profiler
-        return self.call(lambda: p.start(*args) if action == "start" else p.stop())
+        """Start ("start", output_dir, num_steps, cuda[, start_step]) or stop ("stop") the torch
+        profiler between engine steps, on every rank (rank 0 tells the others once its own
+        call is taken); the future gives rank 0's trace path or the ProfilerError."""
+        p, engine = self.profiler, self.engine
+
+        def run():  # noqa: ANN202
+            if action == "start":
+                path = p.start(*args)
+                if engine.leads:
+                    engine.tell("profile", "start", *args, p.trace_id)
+                return path
+            try:
+                return p.stop()
+            finally:  # (a cancelled or finished run: theirs end alike)
+                if engine.leads:
+                    engine.tell("profile", "stop")
+
+        return self.call(run)
 
     def flush_cache(self) -> concurrent.futures.Future:
         """Drop the unheld cached prefixes between engine steps; the future gives how many."""

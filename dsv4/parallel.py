@@ -153,7 +153,17 @@ _CONTROL = None
 
 
 # what rank 0 tells the other ranks to do
-COMMANDS = ("step", "score", "compile_graphs", "reload", "update", "sleep", "wake_up", "stop")
+COMMANDS = (
+    "step",
+    "score",
+    "compile_graphs",
+    "reload",
+    "update",
+    "sleep",
+    "wake_up",
+    "stop",
+    "profile",
+)
 
 
 def send(what: str, payload: object = None) -> None:

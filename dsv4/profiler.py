@@ -4,8 +4,9 @@ and SGLang serve them for their benchmarks' `--profile`).
 It lives on the engine thread: `AsyncEngine` hands it start and stop requests through its inbox
 and calls `step()` after every engine step. A trace is one gzipped Chrome trace per run, named
 `<id>-TP-<rank>.trace.json.gz` like SGLang's, under the directory the request or `dsv4 serve
---profile-dir` names. Opens in Perfetto or chrome://tracing. Rank 0 only: the other ranks of a
-tensor-parallel server are not profiled.
+--profile-dir` names. Opens in Perfetto or chrome://tracing. Under tensor parallelism every rank
+writes its own trace, with rank 0's id: rank 0 tells the others to start and stop
+(`Engine.tell("profile", ...)`), and they count the same steps (`LLM._follow`).
 """
 
 from __future__ import annotations
@@ -30,16 +31,28 @@ class StepProfiler:
         self._left: int | None = None  # steps until it stops by itself; None: until stop()
         self._wait = 0  # steps still to run before it starts (SGLang's start_step)
         self._acts: list = []
+        self.trace_id: int | None = None
 
     @property
     def active(self) -> bool:
         return self._prof is not None
 
+    @property
+    def pending(self) -> bool:
+        """Started with a start_step that has not come yet."""
+        return bool(self._wait)
+
     def start(
-        self, output_dir: str | None, num_steps: int | None, cuda: bool, start_step: int = 0
+        self,
+        output_dir: str | None,
+        num_steps: int | None,
+        cuda: bool,
+        start_step: int = 0,
+        trace_id: int | None = None,
     ) -> Path:
         """Start recording (after start_step more engine steps); returns the trace's path
-        (written at stop)."""
+        (written at stop). trace_id: the name's id (default: now in ms; the other ranks get
+        rank 0's, `self.trace_id`)."""
         if self.active or self._wait:
             raise ProfilerError("the profiler is already running; POST /stop_profile first")
         if start_step < 0:
@@ -55,7 +68,8 @@ class StepProfiler:
         self._acts = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             self._acts.append(torch.profiler.ProfilerActivity.CUDA)
-        self._path = Path(output_dir) / f"{int(time.time() * 1e3)}-TP-{self.rank}.trace.json.gz"
+        self.trace_id = int(time.time() * 1e3) if trace_id is None else trace_id
+        self._path = Path(output_dir) / f"{self.trace_id}-TP-{self.rank}.trace.json.gz"
         self._left, self._wait = num_steps, start_step
         if not start_step:
             self._begin()

@@ -284,6 +284,23 @@ def test_serve_two_ranks(model_dir: Path, tmp_path: Path) -> None:
         ) as r:
             next(r.iter_lines())  # cut after the first chunk: the request is aborted
         assert ask(PROMPTS[1])["choices"][0]["text"] == texts[1]
+        # /start_profile traces every rank, under rank 0's id: num_steps ends them together;
+        # /stop_profile ends a run with no count on both
+        traces = tmp_path / "traces"
+        r = httpx.post(srv.url + "/start_profile",
+                       json={"output_dir": str(traces), "num_steps": 2}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        trace0 = Path(r.json()["trace"])
+        ask(PROMPTS[2])
+        trace1 = trace0.with_name(trace0.name.replace("-TP-0.", "-TP-1."))
+        assert trace0.exists() and _eventually(trace1.exists), sorted(traces.iterdir())
+        r = httpx.post(srv.url + "/start_profile", json={"output_dir": str(traces)}, timeout=60)
+        ask(PROMPTS[0])
+        stopped = httpx.post(srv.url + "/stop_profile", timeout=60)
+        assert stopped.status_code == 200, stopped.text
+        other0 = Path(stopped.json()["trace"])
+        other1 = other0.with_name(other0.name.replace("-TP-0.", "-TP-1."))
+        assert other0.exists() and _eventually(other1.exists) and other0 != trace0
         r = httpx.post(srv.url + "/update_weights_from_disk", json={"model_path": str(other)},
                        timeout=60)  # fmt: skip
         assert r.status_code == 200 and r.json()["success"], r.text
@@ -293,6 +310,16 @@ def test_serve_two_ranks(model_dir: Path, tmp_path: Path) -> None:
     log = srv.log.read_text()
     assert "rank=1/2" in log and "rank=0/2" in log
     assert "rank 1: following rank 0" in log and "rank 1: stopped" in log  # stopped by rank 0
+
+
+def _eventually(ok, timeout: float = 20.0) -> bool:  # noqa: ANN001
+    """Poll ok() until it holds (another process writes what it checks) or time runs out."""
+    end = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 # ---- two GPUs (NCCL): the fast path (bf16, Triton kernels, packed weights, CUDA graphs) -------
