@@ -28,6 +28,7 @@ ENGINE_FIELDS = (  # the engine flags (_engine_flags) as LLM keyword arguments
     "speculative_config",
     "enable_prefix_caching",
     "prefix_snapshots",
+    "enable_layerwise_nvtx_marker",
     "scheduling_policy",
     "priority_preemption_threshold",
 )
@@ -233,6 +234,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with prefix caching: ring snapshots kept (each one slot's fixed state; default 4 "
         "per --max-seqs)",
+    )
+    p.add_argument(
+        "--enable-layerwise-nvtx-marker",
+        action="store_true",
+        help="SGLang's: NVTX ranges around each layer, its attention and its feed-forward, for "
+        "Nsight Systems (a CUDA device)",
     )
     p.add_argument(
         "--scheduling-policy",

@@ -795,6 +795,7 @@ class ServerConfig:
     # a waiting request preempts running ones it beats by more than this priority (None: never)
     priority_preemption_threshold: int | None = None
     prefix_snapshots: int | None = None  # ring snapshots kept; None = 4 per max_seqs
+    enable_layerwise_nvtx_marker: bool = False  # SGLang's: NVTX ranges a layer (`dsv4.nvtx`)
     warmup: bool = True  # on a GPU, compile and capture before serving (`LLM.warmup`)
     disable_log_stats: bool = False  # vLLM's flag: no periodic engine line (`StatsLogger`)
     profile_dir: str | None = None  # where /start_profile writes traces unless it names one

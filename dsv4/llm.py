@@ -27,6 +27,7 @@ from dsv4.config import (
 )
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
+from dsv4.nvtx import mark_layers
 from dsv4.profiler import ProfilerError, StepProfiler
 from dsv4.sampling import SamplingParams
 from dsv4.sleep import Released, check_tags, storages
@@ -93,6 +94,7 @@ class LLM:
         prefix_snapshots: int | None = None,
         scheduling_policy: str = "fcfs",
         priority_preemption_threshold: int | None = None,
+        enable_layerwise_nvtx_marker: bool = False,
     ) -> None:
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         # one sequence's prefill chunk: by default the step budget, as vLLM's chunked prefill
@@ -138,8 +140,12 @@ class LLM:
             snapshots = prefix_snapshots if enable_prefix_caching else 0
             budget = dict(max_memory=max_memory, memory_fraction=memory_fraction,
                           gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+            if enable_layerwise_nvtx_marker and not c.device.startswith("cuda"):
+                raise ValueError("enable_layerwise_nvtx_marker needs a CUDA device (NVTX)")
             self._load(c, progress, block_size, budget, max_step_tokens, chunk_size, snapshots,
                        max_total_tokens)  # fmt: skip
+            if enable_layerwise_nvtx_marker:  # (SGLang's: ranges a layer for nsys)
+                mark_layers(self.model)
         except BaseException:
             if self._followers:
                 parallel.stop(self._followers, timeout=10)
