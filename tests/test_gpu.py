@@ -281,3 +281,22 @@ def test_gpu_memory_utilization(tiny, monkeypatch):  # noqa: ANN001
     ]
     with pytest.raises(ValueError, match="leaves no room for the decode state"):
         LLM(tiny, gpu_memory_utilization=max(used / total / 2, 0.001), **kw)
+
+
+def test_gpu_max_seq_len_auto_and_nvtx_marker(tiny):  # noqa: ANN001
+    # --max-model-len auto under --gpu-memory-utilization: the longest sequence the state's
+    # pages hold, at most the model's limit; the NVTX ranges a layer on the GPU defaults (CUDA
+    # graphs, Triton kernels) change no token
+    from dsv4.config import AUTO_SEQ_LEN
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    auto = LLM(tiny, max_seq_len=AUTO_SEQ_LEN, gpu_memory_utilization=0.5, max_seqs=4,
+               progress=False, enable_layerwise_nvtx_marker=True)  # fmt: skip
+    s = auto.state
+    assert auto.config.max_seq_len == min(auto.args.max_position_embeddings,
+                                          s.num_blocks * s.block_size)  # fmt: skip
+    assert auto.config.max_seq_len > 4096
+    plain = LLM(tiny, max_seqs=4, progress=False)
+    assert [o.token_ids for o in auto.generate([[5, 6, 7]], sp)] == [
+        o.token_ids for o in plain.generate([[5, 6, 7]], sp)
+    ]
