@@ -193,7 +193,13 @@ class LLM:
         # ---- state pools: fixed part per slot, pages for the growing part
         tdt = self.config.torch_dtype
         block_size = block_size or default_block_size(args)
-        max_memory = state_budget(c.device, **budget)
+        # vLLM's profile run: under gpu_memory_utilization the activations' peak of the largest
+        # step stays out of the state's budget
+        self.activation_peak = 0
+        if budget["gpu_memory_utilization"] is not None and c.device.startswith("cuda"):
+            seq_limit = max_step_tokens if max_seq_len == AUTO_SEQ_LEN else max_seq_len - 1
+            self.activation_peak = self._profile_activations(min(max_step_tokens, seq_limit))
+        max_memory = state_budget(c.device, **budget, reserve=self.activation_peak)
         # speculative decoding: compressor rows for a verify step's own tokens
         k = c.num_speculative_tokens
         step_rows = max_seqs * (1 + k) if k else 0
@@ -551,6 +557,29 @@ class LLM:
             out.append(self.model.logits(h))
         return torch.cat(out)
 
+    def _profile_activations(self, tokens: int) -> int:
+        """The bytes one forward of `tokens` prompt tokens (the step budget as one sequence, the
+        logits of its last) allocates at its peak beyond what is held before it and its own
+        temporary state (vLLM's profile run). Every rank runs it, together."""
+        c, dev = self.config, torch.device(self.config.device)
+        torch.cuda.synchronize(dev)
+        state = DecodeState(self.args, 1, tokens + 1, c.torch_dtype, c.device,
+                            kv_format=c.kv_cache_dtype)  # fmt: skip
+        torch.cuda.reset_peak_memory_stats(dev)
+        held = torch.cuda.memory_allocated(dev)
+        with torch.inference_mode():
+            batch = Batch.build([0], [0], [tokens], state)
+            ids = torch.full((tokens,), min(5, self.args.vocab_size - 1), device=dev)
+            h = self.model(ids, batch, state)
+            self.model.logits(h[-1:])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - held
+        del state, batch, ids, h
+        torch.cuda.empty_cache()
+        log.info("activations: %.2f GiB at the peak of a %d-token step (profiled; kept out of "
+                 "the state's budget)", peak / 2**30, tokens)  # fmt: skip
+        return peak
+
     def score_state(self) -> DecodeState:
         """Static-paged state used by score() (apart from the engine's pools)."""
         if self._score_state is None:
@@ -764,10 +793,12 @@ def state_budget(
     max_memory: int | None,
     memory_fraction: float | None,
     gpu_memory_utilization: float | None,
+    reserve: int = 0,
 ) -> int | None:
     """The decode state's bytes from the one budget given (`config.check_memory_flags`), read
     after the weights are loaded: max_memory as it is, memory_fraction of what the device has
-    free, gpu_memory_utilization by `utilization_budget`; None: no budget."""
+    free, gpu_memory_utilization by `utilization_budget` less `reserve` (the activations'
+    profiled peak); None: no budget."""
     if memory_fraction is None and gpu_memory_utilization is None:
         return max_memory
     name = "memory_fraction" if memory_fraction is not None else "gpu_memory_utilization"
@@ -776,19 +807,20 @@ def state_budget(
     free, total = torch.cuda.mem_get_info(torch.device(device))
     if memory_fraction is not None:
         return int(free * memory_fraction)
-    return utilization_budget(gpu_memory_utilization, free, total)
+    return utilization_budget(gpu_memory_utilization, free, total, reserve)
 
 
-def utilization_budget(utilization: float, free: int, total: int) -> int:
+def utilization_budget(utilization: float, free: int, total: int, reserve: int = 0) -> int:
     """The state's bytes under gpu_memory_utilization: that fraction of the device's `total`
-    less what it holds now (`total - free`: the weights, the CUDA context, other processes).
-    ValueError when nothing is left."""
-    budget = int(utilization * total) - (total - free)
+    less what it holds now (`total - free`: the weights, the CUDA context, other processes) and
+    `reserve` (the activations' peak). ValueError when nothing is left."""
+    budget = int(utilization * total) - (total - free) - reserve
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization {utilization} of {total / 2**30:.1f} GiB leaves no room for "
             f"the decode state: {(total - free) / 2**30:.1f} GiB are in use once the weights "
-            "are loaded; raise it, or give memory_fraction / max_memory"
+            f"are loaded and a step's activations take {reserve / 2**30:.1f} GiB; raise it, or "
+            "give memory_fraction / max_memory"
         )
     return budget
 

@@ -255,9 +255,9 @@ def test_gpu_memory_utilization(tiny, monkeypatch):  # noqa: ANN001
     seen = []
     real = llm_mod.utilization_budget
 
-    def spy(u, free, total):  # noqa: ANN001, ANN202
-        seen.append((u, free, total))
-        return real(u, free, total)
+    def spy(u, free, total, reserve=0):  # noqa: ANN001, ANN202
+        seen.append((u, free, total, reserve))
+        return real(u, free, total, reserve)
 
     monkeypatch.setattr(llm_mod, "utilization_budget", spy)
     kw = dict(progress=False, max_seqs=4, max_seq_len=256, cuda_graphs=False)
@@ -266,12 +266,14 @@ def test_gpu_memory_utilization(tiny, monkeypatch):  # noqa: ANN001
     gc.collect()  # (earlier tests' engines freed now, not while this one loads)
     torch.cuda.empty_cache()
     total = torch.cuda.mem_get_info()[1]
-    # ~64 MiB past what the device holds now, less what the weights take
+    # ~256 MiB past what the device holds now, less what the weights and a step take
     used = total - torch.cuda.mem_get_info()[0]
-    small = (used + (64 << 20)) / total
+    small = (used + (256 << 20)) / total
     llm = LLM(tiny, gpu_memory_utilization=small, **kw)
-    ((u, free, t),) = seen
-    budget = int(u * t) - (t - free)
+    ((u, free, t, reserve),) = seen
+    # (vLLM's profile run: the activations' peak of a step stays out of the budget)
+    assert reserve == llm.activation_peak > 0
+    budget = int(u * t) - (t - free) - reserve
     assert 0 < budget and llm.state.nbytes() <= budget, (budget, llm.state.nbytes())
     same = LLM(tiny, max_memory=budget, **kw)  # the same budget given in bytes: the same pages
     assert same.state.num_blocks == llm.state.num_blocks

@@ -249,6 +249,12 @@ def test_state_budget_flags(llm):  # noqa: ANN001
     )
     with pytest.raises(ValueError, match=r"0.5 of 140.0 GiB leaves no room .* 80.0 GiB are in use"):
         utilization_budget(0.5, free=60 * gib, total=140 * gib)
+    # the activations' profiled peak stays out of it
+    assert utilization_budget(0.9, free=60 * gib, total=140 * gib, reserve=2 * gib) == (
+        int(0.9 * 140 * gib) - 82 * gib
+    )
+    with pytest.raises(ValueError, match="a step's activations take 50.0 GiB"):
+        utilization_budget(0.9, free=60 * gib, total=140 * gib, reserve=50 * gib)
     d = llm.model_dir
     with pytest.raises(ValueError, match="gpu_memory_utilization needs a CUDA device"):
         LLM(d, device="cpu", progress=False, gpu_memory_utilization=0.5)
