@@ -177,9 +177,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--mem-fraction-static",
         type=float,
         default=None,
-        help="fraction of the GPU's total memory for the weights and the state together, as "
-        "vLLM's / SGLang's flag: the state gets it less what the GPU holds once the weights are "
-        "loaded; the rest is left for activations and graphs",
+        help="fraction of the GPU's total memory for the weights, a step's activations and the "
+        "state together, as vLLM's / SGLang's flag: the state gets it less what the GPU holds "
+        "once the weights are loaded and the activations' peak of a profiled step",
     )
     p.add_argument(
         "--cuda-graphs",
