@@ -13,6 +13,16 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
 LATEST_REMINDER = "<｜latest_reminder｜>"
+# DeepSeek-V4's quick-instruction tasks (SGLang's request `task`): a token after the last user
+# turn asks for that classification instead of an answer ("action": after the answer's prefix)
+TASKS = {
+    "action": "<｜action｜>",
+    "query": "<｜query｜>",
+    "authority": "<｜authority｜>",
+    "domain": "<｜domain｜>",
+    "title": "<｜title｜>",
+    "read_url": "<｜read_url｜>",
+}
 CALLS_START = f"<{DSML}tool_calls>"
 CALLS_END = f"</{DSML}tool_calls>"
 
@@ -75,6 +85,7 @@ def encode_messages(
     drop_thinking: bool = True,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    task: str | None = None,
 ) -> str:
     """Render OpenAI chat messages as a DeepSeek-V4 prompt; raises ValueError on bad input.
 
@@ -84,6 +95,9 @@ def encode_messages(
     continue_final_message (vLLM's): the last message is an assistant's, left open for the model
     to continue: its content without the end-of-sentence token, or, in thinking mode with
     reasoning and no content yet, its reasoning without `</think>` (`continues_reasoning`).
+    task (SGLang's, one of TASKS): the last user (or developer) turn ends with the task's token
+    instead of the answer's prefix ("action": after it), and an assistant turn after it has
+    no reasoning part, as encoding_dsv4 renders a message's task.
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort {reasoning_effort!r} is not one of {REASONING_EFFORTS}")
@@ -106,6 +120,14 @@ def encode_messages(
         turns[0]["tools"] = functions
     drop = drop_thinking and not functions
     last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
+        if last_user < 0:
+            raise ValueError("task needs a user or developer message")
+        if continue_final_message:
+            raise ValueError("task cannot be combined with continue_final_message")
+        turns[last_user]["task"] = task
     if thinking and drop:  # developer turns before the last user turn leave the history
         turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last_user]
         last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
@@ -128,11 +150,16 @@ def encode_messages(
             if nxt in ("assistant", "latest_reminder") or (nxt is None and add_generation_prompt):
                 # Earlier turns with dropped reasoning were answered in chat form.
                 open_think = thinking and (not drop or i >= last_user)
-                out.append(ASSISTANT + (THINK_START if open_think else THINK_END))
+                if turn.get("task") in (None, "action"):
+                    out.append(ASSISTANT + (THINK_START if open_think else THINK_END))
+                if turn.get("task") is not None:
+                    out.append(TASKS[turn["task"]])
         elif role == "latest_reminder":
             out.append(LATEST_REMINDER + turn["text"])
         else:
-            keep_reasoning = thinking and (not drop or i > last_user)
+            # (an answer to a task has no reasoning part)
+            after_task = i > 0 and turns[i - 1].get("task") is not None
+            keep_reasoning = thinking and (not drop or i > last_user) and not after_task
             if continue_final_message and i == len(turns) - 1:
                 if keep_reasoning and turn["reasoning"] and not turn["text"]:
                     out.append(turn["reasoning"])  # the reasoning goes on

@@ -77,6 +77,10 @@ class ChatTemplateKwargs(BaseModel):
     drop_thinking: bool = True
 
 
+# SGLang's `task` field for DeepSeek-V4 (`dsv4.chat.TASKS`)
+TaskName = Literal["action", "query", "authority", "domain", "title", "read_url"]
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI plus vLLM extensions).
 
@@ -326,6 +330,9 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     separate_reasoning: bool = True  # SGLang's: false leaves the reasoning inline in content
     stream_reasoning: bool = True  # SGLang's: false sends the reasoning in one delta at its end
+    # SGLang's DeepSeek-V4 quick-instruction task (`dsv4.chat.TASKS`): a classification of the
+    # last user turn instead of an answer
+    task: TaskName | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -349,6 +356,7 @@ class ChatCompletionRequest(GenerationRequest):
             "drop_thinking": kw.drop_thinking,
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
+            "task": self.task,
         }
 
     def check_structured(self, opts: dict, prefix: str) -> None:
@@ -415,6 +423,8 @@ class ChatCompletionRequest(GenerationRequest):
             return False
         if self.continue_final_message:
             return continues_reasoning(self.messages, opts["thinking"])
+        if self.task not in (None, "action"):  # (no answer's prefix: the task's token)
+            return False
         return opts["thinking"] and self.add_generation_prompt
 
 
@@ -429,6 +439,7 @@ class TokenizeRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     add_generation_prompt: bool = True
+    task: TaskName | None = None
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -634,7 +634,7 @@ def build_app(server: Server) -> FastAPI:
         else:
             kw = body.chat_template_kwargs
             req = ChatCompletionRequest(
-                messages=body.messages, tools=body.tools, chat_template_kwargs=kw
+                messages=body.messages, tools=body.tools, chat_template_kwargs=kw, task=body.task
             )
             opts = {**req.encoder_options(), "add_generation_prompt": body.add_generation_prompt}
             ids = _encode_chat(server.tokenizer("messages"), body.messages, opts)
@@ -875,6 +875,7 @@ def _encode_chat(tokenizer, messages: list[dict], opts: dict, prefix: str = "") 
             "tools": "tools",
             "reasoning_effort": "chat_template_kwargs",
             "continue_final_message": "continue_final_message",
+            "task": "task",
         }.get(field, "messages")
         raise ApiError(400, str(e), param) from e
     return tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -166,6 +166,26 @@ def test_latest_reminder():
         encode_messages([dev(""), user("Q")])
 
 
+def test_tasks():
+    # SGLang's request `task` (encoding_dsv4's quick-instruction tasks): the last user turn ends
+    # with the task's token instead of the answer's prefix; "action" comes after the prefix; an
+    # answer to a task has no reasoning part
+    assert encode_messages([user("classify me")], task="query") == f"{BOS}{U}classify me<｜query｜>"
+    assert encode_messages([user("Q")], task="action") == f"{BOS}{U}Q{A}</think><｜action｜>"
+    assert encode_messages([user("Q")], task="action", thinking=True) == (
+        f"{BOS}{U}Q{A}<think><｜action｜>"
+    )
+    assert encode_messages(HISTORY, task="domain", thinking=True) == (
+        f"{BOS}{U}Q1{A}</think>A1{EOS}{U}Q2<｜domain｜>"
+    )
+    answered = [user("Q"), {"role": "assistant", "reasoning_content": "R", "content": "T"}]
+    assert encode_messages(answered, task="title", thinking=True) == f"{BOS}{U}Q<｜title｜>T{EOS}"
+    with pytest.raises(ValueError, match="task 'summary' is not one of action, query"):
+        encode_messages([user("Q")], task="summary")
+    with pytest.raises(ValueError, match="task needs a user or developer message"):
+        encode_messages([{"role": "system", "content": "S"}], task="query")
+
+
 def test_continue_final_message():
     # vLLM's continue_final_message: the last assistant message stays open (no EOS) for the model
     # to go on with; in thinking mode its reasoning is closed before the content, or left open

@@ -483,6 +483,25 @@ def test_thinking_mode_gives_reasoning_content(server, client):  # noqa: ANN001
     assert r2.choices[0].message.reasoning_content == msg.reasoning_content
 
 
+def test_task_field(server, client):  # noqa: ANN001
+    # SGLang's DeepSeek-V4 `task`: the prompt ends with the task's token (no answer's prefix),
+    # and the output is content even in thinking mode; "action" comes after the prefix
+    url = server.url + "/tokenize"
+    tok = httpx.post(url, json={"messages": HI, "task": "query"}).json()["tokens"]
+    assert tok[-1] == 128830 and 128804 not in tok[-2:]  # <｜query｜>, not <｜Assistant｜>
+    act = httpx.post(url, json={"messages": HI, "task": "action",
+                                "chat_template_kwargs": {"thinking": True}}).json()["tokens"]  # fmt: skip
+    assert act[-3:] == [128804, 128821, 128829]  # <｜Assistant｜> <think> <｜action｜>
+    r = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=4, temperature=0,
+        extra_body={"task": "domain", "ignore_eos": True, "chat_template_kwargs": {"thinking": True}},
+    )  # fmt: skip
+    msg = r.choices[0].message
+    assert msg.reasoning_content is None and msg.content
+    bad = httpx.post(server.url + CHAT, json={"model": MODEL, "messages": HI, "task": "summary"})
+    assert bad.status_code == 400
+
+
 def test_response_format_json_object(server, client):  # noqa: ANN001
     # JSON mode: the reply is kept a JSON-object prefix (a random model rarely closes it in 24
     # tokens: only the prefix is checked; the closing and EOS: tests/test_grammar.py)
