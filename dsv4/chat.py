@@ -119,7 +119,7 @@ def encode_messages(
             turns.insert(0, {"role": "system", "text": ""})
         turns[0]["tools"] = functions
     drop = drop_thinking and not functions
-    last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
+    last_user = _last_asking(turns)
     if task is not None:
         if task not in TASKS:
             raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
@@ -130,7 +130,7 @@ def encode_messages(
         turns[last_user]["task"] = task
     if thinking and drop:  # developer turns before the last user turn leave the history
         turns = [t for i, t in enumerate(turns) if t["role"] != "developer" or i >= last_user]
-        last_user = max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
+        last_user = _last_asking(turns)
 
     out = [BOS]
     if thinking and reasoning_effort == "max":
@@ -171,6 +171,11 @@ def encode_messages(
             reasoning = turn["reasoning"] + THINK_END if keep_reasoning else ""
             out.append(reasoning + turn["text"] + render_tool_calls(turn["calls"]) + EOS)
     return "".join(out)
+
+
+def _last_asking(turns: list[dict]) -> int:
+    # the index of the last user / developer turn (-1: none)
+    return max((i for i, t in enumerate(turns) if t["role"] in ASKING), default=-1)
 
 
 def continues_reasoning(messages: list[dict], thinking: bool) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -815,8 +814,9 @@ class ServerConfig:
             raise ConfigError("served_model_name must be non-empty when given")
         if self.max_queue is not None and self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
-        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(
-            self.generation_config
+        if (
+            self.generation_config not in ("auto", "vllm")
+            and not Path(self.generation_config).is_dir()
         ):
             raise ConfigError(
                 f"generation_config must be auto, vllm or a directory, got "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -12,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -31,7 +33,7 @@ from dsv4.grammar import (
 from dsv4.model import Transformer
 from dsv4.piecewise import PIECEWISE_MAX_TOKENS, PiecewiseGraphs
 from dsv4.prefix_cache import PrefixCache
-from dsv4.profiler import StepProfiler
+from dsv4.profiler import ProfilerError, StepProfiler
 from dsv4.sampling import SampleOutput, Sampler, SamplingParams, StopChecker, make_generator
 from dsv4.scheduler import Request, Scheduler, Work
 from dsv4.state import Batch, DecodeState
@@ -178,6 +180,8 @@ class Engine:
         # the same state gives the same schedule
         self.par = model.par
         self.leads = self.par.world_size > 1 and self.par.rank == 0
+        # /start_profile's torch profiler, ticked by each step on every rank (`profile`)
+        self.profiler = StepProfiler(self.par.rank)
         self._outbox: list[tuple] = []
         self.closed = False
 
@@ -301,10 +305,45 @@ class Engine:
             tuple(self.num_accepted_per_pos),
         )
 
+    def profile(
+        self,
+        action: str,
+        output_dir: str | None = None,
+        num_steps: int | None = None,
+        cuda: bool = False,
+        start_step: int = 0,
+    ) -> Path:
+        """Start ("start", with `StepProfiler.start`'s arguments) or stop ("stop") the torch
+        profiler between steps; rank 0 of several tells the other ranks once its own call is
+        taken (`follow_profile`), so every rank writes a trace under rank 0's id. Returns this
+        rank's trace path; ProfilerError when refused."""
+        p = self.profiler
+        if action == "start":
+            path = p.start(output_dir, num_steps, cuda, start_step)
+            if self.leads:
+                self.tell("profile", "start", output_dir, num_steps, cuda, start_step, p.trace_id)
+            return path
+        try:
+            return p.stop()
+        finally:  # (a cancelled or finished run: theirs end alike)
+            if self.leads:
+                self.tell("profile", "stop")
+
+    def follow_profile(self, action: str, *args: object) -> None:
+        """Ranks > 0: rank 0's `profile` on this rank (a stop finds it stopped when num_steps
+        ended it, or cancels one not begun: nothing to write)."""
+        if action == "start":
+            self.profiler.start(*args)
+        elif self.profiler.active:
+            log.info("rank %d: profile written to %s", self.par.rank, self.profiler.stop())
+        elif self.profiler.pending:
+            with contextlib.suppress(ProfilerError):
+                self.profiler.stop()
+
     def tell(self, what: str, *args: object) -> None:
         """Rank 0: send the other ranks the adds and aborts since the last call, then `what`
         ("step", "score" with its arguments, "compile_graphs", "reload" with a checkpoint's path,
-        "update", "sleep" / "wake_up" with theirs, or "stop")."""
+        "update", "sleep" / "wake_up" with theirs, "profile" with `profile`'s, or "stop")."""
         if self.closed:
             raise EngineError("the tensor-parallel engine is closed")
         self.closed = what == "stop"  # (a failed "stop" leaves it closed too)
@@ -360,6 +399,13 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        outs = self._schedule_and_run()
+        trace = self.profiler.step()  # (every rank steps alike: they count the same steps)
+        if trace is not None:
+            log.info("rank %d: profile of the asked-for steps written to %s", self.par.rank, trace)
+        return outs
+
+    def _schedule_and_run(self) -> list[RequestOutput]:
         if self.asleep and self.scheduler.has_work():  # (the weights or the state are gone)
             raise EngineError(self.asleep)
         if self.leads:
@@ -654,7 +700,6 @@ class AsyncEngine:
         self.engine = engine
         # ("add", rid, ids, params) | ("abort", rid) | ("call", fn, future): fn() on this thread
         self._inbox: deque[tuple] = deque()
-        self.profiler = StepProfiler(engine.par.rank)  # used on the engine thread only
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -679,9 +724,6 @@ class AsyncEngine:
                 self._wake.wait(0.05)  # a set() racing with clear() is harmless: we drain next
                 self._wake.clear()
                 continue
-            trace = self.profiler.step()
-            if trace is not None:
-                log.info("profile of the asked-for steps written to %s", trace)
             for out in outs:
                 # the engine rebinds token_ids / delta lists every step and never touches the
                 # prompt: only logprobs grows in place (no O(prompt) copy per token)
@@ -719,24 +761,9 @@ class AsyncEngine:
                 self._deliver(rid, e)
 
     def profile(self, action: str, *args: object) -> concurrent.futures.Future:
-        """Start ("start", output_dir, num_steps, cuda[, start_step]) or stop ("stop") the torch
-        profiler between engine steps, on every rank (rank 0 tells the others once its own
-        call is taken); the future gives rank 0's trace path or the ProfilerError."""
-        p, engine = self.profiler, self.engine
-
-        def run():  # noqa: ANN202
-            if action == "start":
-                path = p.start(*args)
-                if engine.leads:
-                    engine.tell("profile", "start", *args, p.trace_id)
-                return path
-            try:
-                return p.stop()
-            finally:  # (a cancelled or finished run: theirs end alike)
-                if engine.leads:
-                    engine.tell("profile", "stop")
-
-        return self.call(run)
+        """`Engine.profile` between steps, on the engine thread; the future gives rank 0's trace
+        path or the ProfilerError."""
+        return self.call(lambda: self.engine.profile(action, *args))
 
     def flush_cache(self) -> concurrent.futures.Future:
         """Drop the unheld cached prefixes between engine steps; the future gives how many."""

@@ -28,7 +28,6 @@ from dsv4.config import (
 from dsv4.engine import Engine, RequestOutput, check_prompt
 from dsv4.model import Transformer
 from dsv4.nvtx import mark_layers
-from dsv4.profiler import ProfilerError, StepProfiler
 from dsv4.sampling import SamplingParams
 from dsv4.sleep import Released, check_tags, storages
 from dsv4.state import (
@@ -475,7 +474,6 @@ class LLM:
         reload or update, sleep and wake-up, in its order (`Engine.tell`), until it stops.
         Outputs stay here: rank 0 returns them."""
         log.info("rank %d: following rank 0", self.config.parallel.rank)
-        profiler = None  # this rank's StepProfiler once rank 0 starts one
         while True:
             what, payload = parallel.receive()
             cmds, args = payload or ([], ())
@@ -496,10 +494,8 @@ class LLM:
             try:
                 if what == "step":
                     self.engine.step()
-                    if profiler is not None:
-                        profiler.step()  # (rank 0's steps: the same count)
                 elif what == "profile":
-                    profiler = self._profile(profiler, *args)
+                    self.engine.follow_profile(*args)
                 elif what == "compile_graphs":
                     self.engine.compile_graphs()
                 elif what == "reload":
@@ -515,22 +511,6 @@ class LLM:
                     self.score(*args)
             except Exception:  # rank 0 fails the same call and aborts what it ran
                 log.exception("rank %d: %s failed", self.config.parallel.rank, what)
-
-    def _profile(self, profiler, action: str, *args: object):  # noqa: ANN001, ANN202
-        """A follower's part of rank 0's /start_profile or /stop_profile: its own trace, with
-        rank 0's id (a stop finds it stopped when num_steps ended it: nothing to do)."""
-        if profiler is None:
-            profiler = StepProfiler(self.config.parallel.rank)
-        if action == "start":
-            output_dir, num_steps, cuda, start_step, trace_id = args
-            profiler.start(output_dir, num_steps, cuda, start_step, trace_id)
-        elif profiler.active or profiler.pending:
-            try:
-                log.info("rank %d: profile written to %s", self.config.parallel.rank,
-                         profiler.stop())  # fmt: skip
-            except ProfilerError:  # (cancelled before it began)
-                pass
-        return profiler
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (tensor parallel; idempotent)."""

@@ -25,9 +25,9 @@ One scheme, vLLM's, because dashboards, routers and benchmark tools read it:
               vllm:spec_decode_num_accepted_tokens_per_pos_total{position=j}
                                                     (MTP speculative decoding; acceptance rate =
                                                     accepted / draft tokens)
-Every series carries model_name and engine ("0": one engine), as vLLM's. Updates happen on the event loop, so nothing is locked;
-only vllm:iteration_tokens_total is observed on the engine thread (`Engine.on_step`), whose
-counts a scrape may read between two of its increments.
+Every series carries model_name and engine ("0": one engine), as vLLM's. Updates happen on the
+event loop, so nothing is locked; only vllm:iteration_tokens_total is observed on the engine
+thread (`Engine.on_step`), whose counts a scrape may read between two of its increments.
 """
 
 from __future__ import annotations

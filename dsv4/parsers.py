@@ -259,9 +259,7 @@ class ToolCallParser:
                 events.append({"content": raw})
             return
         args = call["args"]
-        if args:
-            self._piece("}", events)
-        else:
+        if not args:
             loose = "".join(call["loose"]).strip()
             if loose.startswith("{"):
                 # Some outputs put a JSON object directly inside the invoke.
@@ -270,9 +268,10 @@ class ToolCallParser:
                     args = direct if isinstance(direct, dict) else args
                 except json.JSONDecodeError:
                     pass
-            self._piece(json.dumps(args, ensure_ascii=False), events)
+        text = json.dumps(args, ensure_ascii=False)  # (what the pieces add up to)
+        self._piece("}" if call["args"] else text, events)
         self._call = None
-        fn = {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+        fn = {"name": call["name"], "arguments": text}
         self.tool_calls.append({"id": call["id"], "type": "function", "function": fn})
 
     def _typed(self, param: str, raw: str, is_string: bool) -> Any:

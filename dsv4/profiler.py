@@ -1,12 +1,12 @@
 """The server's torch profiler over engine steps (`POST /start_profile`, `/stop_profile`, as vLLM
 and SGLang serve them for their benchmarks' `--profile`).
 
-It lives on the engine thread: `AsyncEngine` hands it start and stop requests through its inbox
-and calls `step()` after every engine step. A trace is one gzipped Chrome trace per run, named
-`<id>-TP-<rank>.trace.json.gz` like SGLang's, under the directory the request or `dsv4 serve
---profile-dir` names. Opens in Perfetto or chrome://tracing. Under tensor parallelism every rank
-writes its own trace, with rank 0's id: rank 0 tells the others to start and stop
-(`Engine.tell("profile", ...)`), and they count the same steps (`LLM._follow`).
+Each Engine owns one (`Engine.profile`), on the engine thread: `AsyncEngine` hands it start and
+stop requests through its inbox, and every `Engine.step` calls `step()`. A trace is one gzipped
+Chrome trace per run, named `<id>-TP-<rank>.trace.json.gz` like SGLang's, under the directory
+the request or `dsv4 serve --profile-dir` names. Opens in Perfetto or chrome://tracing. Under
+tensor parallelism every rank writes its own trace, with rank 0's id: rank 0 tells the others to
+start and stop (`Engine.follow_profile`), and they step alike, so they count the same steps.
 """
 
 from __future__ import annotations

@@ -262,13 +262,27 @@ class ChatFormatter(Formatter):
         tok = self.tokenizer
         end = tok.token_to_id(THINK_END) if thinking and tok is not None else None
         self._think_end = end  # the token that closes the reasoning
+        # where it came (None: not yet, the ids before `_scanned` hold none): each call scans
+        # only the new ids (usage on every chunk stays O(new tokens))
+        self._end_at: int | None = None
+        self._scanned = 0
 
     def reasoning_tokens(self, out: RequestOutput) -> int | None:
         # those before `</think>` (all of them while it has not come)
         if self._think_end is None:
             return None
-        ids = out.token_ids
-        return ids.index(self._think_end) if self._think_end in ids else len(ids)
+        ids, end = out.token_ids, self._think_end
+        at = self._end_at
+        if at is not None and at < len(ids) and ids[at] == end:
+            return at
+        # (from the ids scanned last time when they can be the same output's)
+        start = self._scanned if at is None and self._scanned <= len(ids) else 0
+        try:
+            self._end_at = ids.index(end, start)
+        except ValueError:
+            self._end_at, self._scanned = None, len(ids)
+            return len(ids)
+        return self._end_at
 
     def _hold_reasoning(self, deltas: list[dict], finished: bool) -> list[dict]:
         kept = []
@@ -359,10 +373,10 @@ def _first_call_only(deltas: list[dict]) -> list[dict]:
     # the deltas without tool calls past the first (index > 0)
     out = []
     for d in deltas:
-        if "tool_calls" in d:
-            calls = [c for c in d["tool_calls"] if c["index"] == 0]
-            d = {**d, "tool_calls": calls} if calls else {k: v for k, v in d.items()
-                                                          if k != "tool_calls"}  # fmt: skip
+        calls = [c for c in d.get("tool_calls", []) if c["index"] == 0]
+        d = {k: v for k, v in d.items() if k != "tool_calls"} | (
+            {"tool_calls": calls} if calls else {}
+        )
         if d:
             out.append(d)
     return out

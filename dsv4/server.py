@@ -831,8 +831,8 @@ def build_app(server: Server) -> FastAPI:
     async def start_profile(body: dict | None = None) -> dict:
         """Body (all optional): output_dir (default --profile-dir), num_steps (default: until
         /stop_profile), start_step (SGLang's: engine steps to let pass first; default 0),
-        activities (["CPU", "GPU"], SGLang's; default both on a GPU). SGLang's merge_profiles
-        changes nothing: rank 0 alone is traced."""
+        activities (["CPU", "GPU"], SGLang's; default both on a GPU). Every rank writes its own
+        trace; SGLang's merge_profiles (one merged file) is not built."""
         body = body or {}
         steps, acts = body.get("num_steps"), body.get("activities") or ["CPU", "GPU"]
         first = body.get("start_step", 0)
