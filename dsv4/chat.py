@@ -74,6 +74,10 @@ TOOLS_FOOTER = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
     "tool calls.\n"
 )
+# a system or developer message's own `response_format` (encoding_dsv4's message key)
+RESPONSE_FORMAT = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
 
 
 def encode_messages(
@@ -117,8 +121,13 @@ def encode_messages(
         # system prompt of their own.
         if turns[0]["role"] not in ("system", "developer"):
             turns.insert(0, {"role": "system", "text": ""})
+        if turns[0].get("tools"):
+            raise ValueError(
+                "tools are given both in the request and in messages[0].tools: give them once"
+            )
         turns[0]["tools"] = functions
-    drop = drop_thinking and not functions
+    # (encoding_dsv4 keeps the reasoning whenever any message carries tools)
+    drop = drop_thinking and not any(t.get("tools") for t in turns)
     last_user = _last_asking(turns)
     if task is not None:
         if task not in TASKS:
@@ -137,17 +146,22 @@ def encode_messages(
         out.append(REASONING_EFFORT_MAX)
     for i, turn in enumerate(turns):
         role = turn["role"]
-        if role == "system":
-            out.append(turn["text"])
+        if role == "system" or role in ASKING:
+            out.append(turn["text"] if role == "system" else USER + turn["text"])
             if turn.get("tools"):
                 out.append("\n\n" + render_tools(turn["tools"]))
-        elif role in ASKING:
-            out.append(USER + turn["text"])
-            if turn.get("tools"):
-                out.append("\n\n" + render_tools(turn["tools"]))
+            if turn.get("response_format") is not None:
+                out.append(
+                    "\n\n"
+                    + RESPONSE_FORMAT
+                    + json.dumps(turn["response_format"], ensure_ascii=False)
+                )
             nxt = turns[i + 1]["role"] if i + 1 < len(turns) else None
             # (the reference opens the answer before a reminder that follows, too)
-            if nxt in ("assistant", "latest_reminder") or (nxt is None and add_generation_prompt):
+            opens = nxt in ("assistant", "latest_reminder") or (
+                nxt is None and add_generation_prompt
+            )
+            if role in ASKING and opens:
                 # Earlier turns with dropped reasoning were answered in chat form.
                 open_think = thinking and (not drop or i >= last_user)
                 if turn.get("task") in (None, "action"):
@@ -237,6 +251,33 @@ def _check_tools(tools: list[dict] | None) -> list[dict]:
     return functions
 
 
+def _instructions(msg: dict, where: str) -> dict:
+    # a system or developer message's own `tools` (OpenAI tool objects) and `response_format`
+    # (a JSON object rendered as its schema), encoding_dsv4's message keys
+    out: dict = {}
+    if msg.get("tools") is not None:
+        try:
+            out["tools"] = _check_tools(msg["tools"])
+        except ValueError as e:
+            raise ValueError(f"{where}.{e}") from None
+    fmt = msg.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise ValueError(f"{where}.response_format must be an object")
+        out["response_format"] = fmt
+    return out
+
+
+def message_tools(messages: list[dict]) -> list[dict]:
+    """The OpenAI tool objects that system and developer messages carry themselves (their
+    `tools` key): the model may call them as it may call a request's tools."""
+    return [
+        tool
+        for m in messages if isinstance(m, dict) and m.get("role") in ("system", "developer")
+        for tool in (m.get("tools") or [])
+    ]  # fmt: skip
+
+
 def _text(content: Any, where: str, *, optional: bool) -> str:
     if content is None:
         if optional:
@@ -296,16 +337,19 @@ def _to_turns(messages: list[dict]) -> list[dict]:
             raise ValueError(f"{where}.role {role!r} is not one of {', '.join(map(repr, ROLES))}")
         if role == "system":
             text = _text(msg.get("content"), f"{where}.content", optional=True)
-            turns.append({"role": "system", "text": text})
+            turns.append({"role": "system", "text": text, **_instructions(msg, where)})
         elif role in ("developer", "latest_reminder"):
             text = _text(msg.get("content"), f"{where}.content", optional=False)
             if not text:
                 raise ValueError(f"{where}.content must not be empty for role {role!r}")
-            turns.append({"role": role, "text": text})
+            extra = _instructions(msg, where) if role == "developer" else {}
+            turns.append({"role": role, "text": text, **extra})
         elif role == "assistant":
-            reasoning = msg.get("reasoning_content")
+            # (vLLM's newer `reasoning` field, or `reasoning_content`)
+            key = "reasoning_content" if msg.get("reasoning_content") is not None else "reasoning"
+            reasoning = msg.get(key)
             if reasoning is not None and not isinstance(reasoning, str):
-                raise ValueError(f"{where}.reasoning_content must be a string")
+                raise ValueError(f"{where}.{key} must be a string")
             calls = _check_calls(msg.get("tool_calls"), f"{where}.tool_calls")
             if calls:
                 call_order = {cid: k for k, (_, _, cid) in enumerate(calls) if cid}

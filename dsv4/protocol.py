@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsv4.chat import continues_reasoning, tool_call_prefix
+from dsv4.chat import continues_reasoning, message_tools, tool_call_prefix
 from dsv4.sampling import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -358,6 +358,13 @@ class ChatCompletionRequest(GenerationRequest):
             "continue_final_message": self.continue_final_message,
             "task": self.task,
         }
+
+    def callable_tools(self, opts: dict) -> list[dict] | None:
+        """The tools whose calls the reply is parsed for: the request's, else those its system
+        and developer messages carry (`chat.message_tools`); none under tool_choice "none"."""
+        if self.tool_choice == "none":
+            return None
+        return opts["tools"] or message_tools(self.messages) or None
 
     def check_structured(self, opts: dict, prefix: str) -> None:
         """Structured output (JSON mode, a schema, a regex, a grammar, a choice) constrains the

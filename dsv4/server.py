@@ -607,7 +607,7 @@ def build_app(server: Server) -> FastAPI:
                 thinking=body.output_in_reasoning(opts),
                 stream_reasoning=body.stream_reasoning,
                 prefill=prefix,
-                tools=opts["tools"],
+                tools=body.callable_tools(opts),
                 parallel_tool_calls=body.parallel_tool_calls is not False,
                 continuous_usage=body.continuous_usage,
                 return_token_ids=body.return_token_ids,

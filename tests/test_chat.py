@@ -241,6 +241,70 @@ def test_tools_section_joins_system():
     assert encode_messages(msgs, tools=[WEATHER], thinking=True) == expected
 
 
+RESPONSE_FORMAT = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+
+
+def test_system_message_tools_and_response_format():
+    # encoding_dsv4's message keys: content, then the tools section, then the response format
+    msgs = [
+        {"role": "system", "content": "Be brief.", "tools": [WEATHER], "response_format": SCHEMA},
+        user("Hi"),
+    ]
+    schema = (
+        '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
+    )
+    expected = f"{BOS}Be brief.\n\n{TOOLS_SECTION}\n\n{RESPONSE_FORMAT}{schema}{U}Hi{A}</think>"
+    assert encode_messages(msgs) == expected
+
+
+def test_developer_message_response_format():
+    msgs = [{"role": "developer", "content": "Reply in JSON.", "response_format": {"type": "ä"}}]
+    expected = f'{BOS}{U}Reply in JSON.\n\n{RESPONSE_FORMAT}{{"type": "ä"}}{A}</think>'
+    assert encode_messages(msgs) == expected
+
+
+def test_message_tools_keep_reasoning():
+    # a message's own tools switch drop_thinking off, as request tools do
+    history = [
+        user("a"),
+        {"role": "assistant", "content": "b", "reasoning_content": "r"},
+        user("c"),
+    ]
+    plain = encode_messages(history, thinking=True)
+    assert "r</think>" not in plain
+    with_tools = encode_messages([{"role": "system", "tools": [WEATHER]}, *history], thinking=True)
+    assert f"{A}<think>r</think>b{EOS}" in with_tools
+
+
+def test_assistant_reasoning_alias():
+    # vLLM's newer `reasoning` field renders as reasoning_content does
+    history = [user("a"), {"role": "assistant", "content": "b"}]
+    a = encode_messages(
+        [*history[:1], {**history[1], "reasoning": "r"}], thinking=True, add_generation_prompt=False
+    )
+    b = encode_messages(
+        [*history[:1], {**history[1], "reasoning_content": "r"}],
+        thinking=True,
+        add_generation_prompt=False,
+    )
+    assert a == b and "<think>r</think>b" in a
+
+
+def test_message_tools_listed():
+    from dsv4.chat import message_tools
+
+    msgs = [
+        {"role": "system", "tools": [WEATHER]},
+        {"role": "developer", "content": "x"},
+        user("y"),
+    ]
+    assert message_tools(msgs) == [WEATHER]
+    assert message_tools([user("y")]) == []
+
+
 TOOL_TURN = [
     user("Weather in Paris and Rome?"),
     {
@@ -392,6 +456,26 @@ def test_input_not_mutated():
         ([user("a")], {"reasoning_effort": "extreme"}, "reasoning_effort 'extreme' is not one of"),
         ([user("a")], {"tools": [{"type": "function"}]}, "tools[0].function must be an object"),
         ([user("a")], {"tools": {"name": "f"}}, "tools must be a list"),
+        (
+            [{"role": "system", "tools": [WEATHER]}, user("a")],
+            {"tools": [WEATHER]},
+            "tools are given both in the request and in messages[0].tools",
+        ),
+        (
+            [{"role": "system", "tools": [{"type": "function"}]}, user("a")],
+            {},
+            "messages[0].tools[0].function must be an object",
+        ),
+        (
+            [{"role": "developer", "content": "d", "response_format": "json"}],
+            {},
+            "messages[0].response_format must be an object",
+        ),
+        (
+            [user("a"), {"role": "assistant", "reasoning": 2}],
+            {},
+            "messages[1].reasoning must be a string",
+        ),
     ],
 )
 def test_invalid_messages(messages, kwargs, error):

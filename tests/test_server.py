@@ -232,6 +232,36 @@ def test_chat_uses_the_deepseek_v4_prompt(server, client):  # noqa: ANN001
     )
 
 
+def test_message_level_tools_and_response_format(server):  # noqa: ANN001
+    # encoding_dsv4's system-message keys render in the prompt, and such tools are the ones the
+    # reply's calls are parsed for; given twice (request and message) is a 400 naming tools
+    schema = {"type": "object"}
+    msgs = [{"role": "system", "content": "S", "tools": TOOLS, "response_format": schema}, *HI]
+    tok = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    prompt = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert prompt["prompt"] == encode_messages(msgs) and "## Response Format:" in prompt["prompt"]
+    r = httpx.post(server.url + CHAT, json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + CHAT, json={"messages": msgs, "tools": TOOLS, "max_tokens": 2})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tools" and "given both" in err["message"]
+
+
+def test_callable_tools():
+    from dsv4.protocol import ChatCompletionRequest
+
+    own = [{"role": "system", "tools": TOOLS}, *HI]
+    for body, want in (
+        ({"messages": HI}, None),
+        ({"messages": HI, "tools": TOOLS}, TOOLS),
+        ({"messages": own}, TOOLS),
+        ({"messages": own, "tool_choice": "none"}, None),
+        ({"messages": HI, "tools": TOOLS, "tool_choice": "none"}, None),
+    ):
+        req = ChatCompletionRequest(**body)
+        assert req.callable_tools(req.encoder_options()) == want, body
+
+
 def test_streaming_one_token_per_chunk_with_usage(server, client):  # noqa: ANN001
     extra = {"ignore_eos": True, "return_token_ids": True}
     kw = {"model": MODEL, "max_tokens": 7, "temperature": 0, "extra_body": extra}
