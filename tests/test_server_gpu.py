@@ -64,3 +64,30 @@ def test_default_server_on_the_gpu(tmp_path):  # noqa: ANN001
     eager = LLM(d, max_seqs=4, max_seq_len=256, cuda_graphs=False, progress=False)
     want = eager.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert texts == [o.text for o in want]
+
+
+def test_profiler_on_the_gpu(tmp_path):  # noqa: ANN001
+    # /start_profile .. /stop_profile over replayed decode graphs: the trace (rank 0's, named
+    # <id>-TP-0) holds the GPU's kernels, not only the host's ops
+    import gzip
+    from pathlib import Path
+
+    d = make_tiny(tmp_path / "m", tiny_args(vocab_size=300), seed=2, tokenizer="bytes")
+    server, client = in_process(d, max_seqs=4, max_seq_len=256, profile_dir=str(tmp_path / "p"))
+    body = {"model": "m", "prompt": "Once upon", "max_tokens": 8, "ignore_eos": True}
+
+    async def go() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with client as ac:
+            started = await ac.post("/start_profile", json={})
+            done = await ac.post("/v1/completions", json=body)
+            return started, done, await ac.post("/stop_profile")
+
+    try:
+        started, done, stopped = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert started.status_code == 200 and done.status_code == 200, (started.text, done.text)
+    trace = Path(stopped.json()["trace"])
+    assert trace.name.endswith("-TP-0.trace.json.gz"), trace
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events), {e.get("cat") for e in events}
