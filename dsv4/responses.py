@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dsv4.chat import EOS, THINK_END
+from dsv4.chat import THINK_END
 from dsv4.engine import RequestOutput
 from dsv4.parsers import ReasoningParser, StreamParser, merge_calls, merge_deltas
 
@@ -40,11 +40,13 @@ class Formatter:
         model: str,
         tokenizer,  # noqa: ANN001 - tokenizers.Tokenizer or None
         *,
+        eos_token_id: int | None = None,
         continuous_usage: bool = False,
         return_token_ids: bool = False,
         index: int = 0,
     ) -> None:
         self.id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.eos_token_id = eos_token_id  # the model's, which ends an output (matched_stop)
         self.index = index  # of this formatter's choice (n > 1 or several prompts: one each)
         self.created = int(time.time())
         self.continuous_usage = continuous_usage
@@ -85,12 +87,10 @@ class Formatter:
 
     def matched_stop(self, out: RequestOutput) -> int | str | None:
         """SGLang's matched_stop: what ended a stopped output, the stop string or token id (the
-        end-of-sentence token's for EOS); None otherwise."""
+        model's eos_token_id for EOS, as the stop rule reads it); None otherwise."""
         if out.finish_reason != "stop":
             return None
-        if out.stop_reason is not None:
-            return out.stop_reason
-        return self.tokenizer.token_to_id(EOS) if self.tokenizer is not None else None
+        return self.eos_token_id if out.stop_reason is None else out.stop_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         """The final chunk of stream_options.include_usage: no choices, only usage."""
