@@ -560,6 +560,18 @@ AUTO_SEQ_LEN = -1
 SCHEDULING_POLICIES = ("fcfs", "priority", "priority-high-first")
 
 
+def check_sizes(**sizes: int | None) -> None:
+    """The engine's sizes (max_seqs, max_seq_len, chunk_size, max_step_tokens, ...) are >= 1;
+    max_seq_len may be AUTO_SEQ_LEN, None leaves one unchecked. ConfigError naming them all."""
+    bad = [
+        k for k, v in sizes.items()
+        if v is not None and v < 1 and not (k == "max_seq_len" and v == AUTO_SEQ_LEN)
+    ]  # fmt: skip
+    if bad:
+        given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v is not None)
+        raise ConfigError(f"{given}: {', '.join(bad)} must be >= 1")
+
+
 def check_memory_flags(
     max_memory: int | None,
     memory_fraction: float | None,
@@ -695,10 +707,7 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
         check_policy(self.scheduling_policy, self.priority_preemption_threshold)
-        if self.max_seqs <= 0 or (self.max_seq_len <= 0 and self.max_seq_len != AUTO_SEQ_LEN):
-            raise ConfigError(
-                f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len} must be > 0"
-            )
+        check_sizes(max_seqs=self.max_seqs, max_seq_len=self.max_seq_len)
 
     @property
     def torch_dtype(self):  # noqa: ANN201 - torch imported lazily
@@ -824,13 +833,10 @@ class ServerConfig:
             )
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
-        chunk = self.max_step_tokens if self.chunk_size is None else self.chunk_size
-        seq_len = 1 if self.max_seq_len == AUTO_SEQ_LEN else self.max_seq_len
-        if min(self.max_seqs, seq_len, chunk, self.max_step_tokens) <= 0:
-            raise ConfigError(
-                f"max_seqs={self.max_seqs}, max_seq_len={self.max_seq_len}, "
-                f"chunk_size={self.chunk_size}, max_step_tokens={self.max_step_tokens} must be > 0"
-            )
+        check_sizes(
+            max_seqs=self.max_seqs, max_seq_len=self.max_seq_len, chunk_size=self.chunk_size,
+            max_step_tokens=self.max_step_tokens,
+        )  # fmt: skip
         check_memory_flags(
             self.max_memory, self.memory_fraction, self.gpu_memory_utilization,
             self.max_total_tokens, self.max_seq_len,

@@ -22,6 +22,7 @@ from dsv4.config import (
     EngineConfig,
     ModelArgs,
     check_memory_flags,
+    check_sizes,
     resolve_engine,
     speculative_tokens,
 )
@@ -100,12 +101,10 @@ class LLM:
         # gives one prompt the whole max_num_batched_tokens (a 4096-token prompt at Flash width
         # on an H200: 2 steps of 2048 took 517 ms, 8 of 512 1221 ms; docs/PERF.md)
         chunk_size = max_step_tokens if chunk_size is None else chunk_size
-        seq_len = 1 if max_seq_len == AUTO_SEQ_LEN else max_seq_len  # ("auto": resolved in _load)
-        if min(max_seqs, seq_len, chunk_size, max_step_tokens) < 1:
-            raise ValueError(
-                f"max_seqs={max_seqs}, max_seq_len={max_seq_len}, chunk_size={chunk_size}, "
-                f"max_step_tokens={max_step_tokens} must be >= 1"
-            )
+        check_sizes(  # (max_seq_len "auto": resolved in _load)
+            max_seqs=max_seqs, max_seq_len=max_seq_len, chunk_size=chunk_size,
+            max_step_tokens=max_step_tokens,
+        )  # fmt: skip
         check_memory_flags(
             max_memory, memory_fraction, gpu_memory_utilization, max_total_tokens, max_seq_len
         )

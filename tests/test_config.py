@@ -143,3 +143,15 @@ def test_engine_bad_device(monkeypatch):  # noqa: ANN001
         resolve_engine(device="cuda")
     with pytest.raises(ConfigError, match="'gpu0' is not a torch device"):
         resolve_engine(device="gpu0")
+
+
+def test_check_sizes_names_every_bad_size():
+    from dsv4.config import AUTO_SEQ_LEN, ConfigError, check_sizes
+
+    check_sizes(max_seqs=1, max_seq_len=AUTO_SEQ_LEN, chunk_size=None)
+    with pytest.raises(
+        ConfigError, match=r"max_seqs=0, max_seq_len=-2: max_seqs, max_seq_len must"
+    ):
+        check_sizes(max_seqs=0, max_seq_len=-2)
+    with pytest.raises(ConfigError, match="chunk_size must be >= 1"):
+        check_sizes(max_seqs=1, max_seq_len=AUTO_SEQ_LEN, chunk_size=0)

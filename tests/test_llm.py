@@ -232,7 +232,7 @@ def test_step_and_page_flags_reach_the_engine(llm):  # noqa: ANN001
     assert build_llm(c).engine.scheduler.chunk_size == 16
     with pytest.raises(ValueError, match="block_size=12 must be a multiple of ratio"):
         LLM(llm.model_dir, device="cpu", progress=False, block_size=12)
-    with pytest.raises(ValueError, match="max_step_tokens=0 must be >= 1"):
+    with pytest.raises(ValueError, match="max_step_tokens must be >= 1"):
         LLM(llm.model_dir, device="cpu", progress=False, max_step_tokens=0)
 
 
