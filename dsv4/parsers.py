@@ -292,11 +292,15 @@ class ToolCallParser:
 
 
 class StreamParser:
-    """Reasoning split plus tool-call parsing; feed/finish return OpenAI chat deltas."""
+    """Reasoning split plus tool-call parsing; feed/finish return OpenAI chat deltas.
+    parallel=False (OpenAI's parallel_tool_calls=false): the first call only, as vLLM keeps it."""
 
-    def __init__(self, thinking: bool, tools: list[dict] | None = None) -> None:
+    def __init__(
+        self, thinking: bool, tools: list[dict] | None = None, parallel: bool = True
+    ) -> None:
         self.reasoning = ReasoningParser(thinking)
         self.tools = ToolCallParser(tools)
+        self.parallel = parallel
 
     def feed(self, delta: str) -> list[dict]:
         return self._route(*self.reasoning.feed(delta), final=False)
@@ -307,7 +311,21 @@ class StreamParser:
     def _route(self, reasoning: str, content: str, *, final: bool) -> list[dict]:
         deltas = [{"reasoning_content": reasoning}] if reasoning else []
         deltas += self.tools.feed(content) if content else []
-        return deltas + self.tools.finish() if final else deltas
+        deltas += self.tools.finish() if final else []
+        return deltas if self.parallel else _first_call_only(deltas)
+
+
+def _first_call_only(deltas: list[dict]) -> list[dict]:
+    # the deltas without tool calls past the first (index > 0)
+    out = []
+    for d in deltas:
+        calls = [c for c in d.get("tool_calls", []) if c["index"] == 0]
+        d = {k: v for k, v in d.items() if k != "tool_calls"} | (
+            {"tool_calls": calls} if calls else {}
+        )
+        if d:
+            out.append(d)
+    return out
 
 
 def merge_calls(pieces: list[dict]) -> list[dict]:
@@ -339,8 +357,10 @@ def merge_deltas(deltas: list[dict]) -> dict:
     }
 
 
-def parse_completion(text: str, thinking: bool = False, tools: list[dict] | None = None) -> dict:
+def parse_completion(
+    text: str, thinking: bool = False, tools: list[dict] | None = None, parallel: bool = True
+) -> dict:
     """Parse a whole completion; finish_reason is "tool_calls" or "stop" (the caller knows
     about "length")."""
-    parser = StreamParser(thinking, tools)
+    parser = StreamParser(thinking, tools, parallel)
     return merge_deltas(parser.feed(text) + parser.finish())

@@ -211,8 +211,10 @@ class _ReasoningOnly:
         return self._deltas(*self.reasoning.finish())
 
 
-def _parser(thinking: bool, tools: list[dict] | None) -> StreamParser | _ReasoningOnly:
-    return StreamParser(thinking, tools) if tools else _ReasoningOnly(thinking)
+def _parser(
+    thinking: bool, tools: list[dict] | None, parallel: bool
+) -> StreamParser | _ReasoningOnly:
+    return StreamParser(thinking, tools, parallel) if tools else _ReasoningOnly(thinking)
 
 
 def _merge_into_one(deltas: list[dict]) -> dict:
@@ -251,7 +253,7 @@ class ChatFormatter(Formatter):
         # prefill: text the prompt made the reply begin with (a forced tool call's DSML start),
         # parsed ahead of the model's output
         self.prefill = prefill
-        self._stream = _parser(thinking, tools)
+        self._stream = _parser(thinking, tools, parallel_tool_calls)
         # (a named call's start: sent with the first chunk)
         self._pending = self._stream.feed(prefill)
         self._first = True
@@ -323,8 +325,6 @@ class ChatFormatter(Formatter):
         deltas, self._pending = self._pending + self._stream.feed(out.delta_text), []
         if out.finished:
             deltas += self._stream.finish()
-        if not self.parallel:
-            deltas = _first_call_only(deltas)
         if not self.stream_reasoning:
             deltas = self._hold_reasoning(deltas, out.finished)
         delta = _merge_into_one(deltas)
@@ -346,9 +346,8 @@ class ChatFormatter(Formatter):
         return self.envelope([choice], out, True)
 
     def final_choice(self, out: RequestOutput) -> dict:
-        parser = _parser(self.thinking, self.tools)
-        deltas = parser.feed(self.prefill + out.text) + parser.finish()
-        parsed = merge_deltas(deltas if self.parallel else _first_call_only(deltas))
+        parser = _parser(self.thinking, self.tools, self.parallel)
+        parsed = merge_deltas(parser.feed(self.prefill + out.text) + parser.finish())
         message = {
             "role": "assistant",
             "content": parsed["content"],
@@ -367,19 +366,6 @@ class ChatFormatter(Formatter):
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
         return choice
-
-
-def _first_call_only(deltas: list[dict]) -> list[dict]:
-    # the deltas without tool calls past the first (index > 0)
-    out = []
-    for d in deltas:
-        calls = [c for c in d.get("tool_calls", []) if c["index"] == 0]
-        d = {k: v for k, v in d.items() if k != "tool_calls"} | (
-            {"tool_calls": calls} if calls else {}
-        )
-        if d:
-            out.append(d)
-    return out
 
 
 class NativeFormatter:

@@ -216,6 +216,26 @@ def test_tool_call_deltas_have_openai_shape():
     assert json.loads("".join(pieces)) == {"city": "Paris", "days": 3}
 
 
+def test_one_call_without_parallel_tool_calls():
+    # parallel_tool_calls=false: the first call only, whole and streamed at any chunk size
+    text = "x" + block(PARIS, SEARCH)
+    both = parse_completion(text, False, TOOLS)
+    one = parse_completion(text, False, TOOLS, parallel=False)
+    assert len(both["tool_calls"]) == 2 and len(one["tool_calls"]) == 1
+    assert one["tool_calls"][0]["function"] == both["tool_calls"][0]["function"]
+    assert one["content"] == "x"
+    for size in (1, 5, len(text)):
+        parser, deltas = StreamParser(False, TOOLS, parallel=False), []
+        for i in range(0, len(text), size):
+            deltas += parser.feed(text[i : i + size])
+        deltas += parser.finish()
+        assert all(c["index"] == 0 for d in deltas for c in d.get("tool_calls", []))
+        merged = merge_deltas(deltas)
+        assert [c["function"] for c in merged["tool_calls"]] == [
+            c["function"] for c in one["tool_calls"]
+        ]
+
+
 def test_partial_markup_is_held_back():
     parser = ToolCallParser()
     assert parser.feed("Hi\n\n<｜DSML｜tool") == [{"content": "Hi"}]
