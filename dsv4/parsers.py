@@ -151,8 +151,11 @@ class ToolCallParser:
         return events
 
     def _consume(self, n: int) -> None:
-        # n characters of the block read: kept until they become a call (`_emit_call`)
-        self._raw.append(self._buf[:n])
+        # n characters of the block read: kept until they become a call (`_emit_call`), or
+        # given back as content if they never do; a named call's own text is not kept (it is a
+        # call from its invoke tag on: memory does not grow with its arguments)
+        if self._call is None or not self._call["name"]:
+            self._raw.append(self._buf[:n])
         self._buf = self._buf[n:]
 
     def _step_content(self, events: list[dict]) -> bool:
@@ -204,7 +207,7 @@ class ToolCallParser:
                 fn = {"name": self._call["name"], "arguments": ""}
                 start = {"index": self._call["index"], "id": self._call["id"], "type": "function"}
                 events.append({"tool_calls": [start | {"function": fn}]})
-                self._raw = []  # (its text became a call)
+                self._raw = []  # (the block's text before it: no content)
             return True
         i, marker = _find_first(buf, (PARAM_START, INVOKE_END, CALLS_END))
         if marker is None:

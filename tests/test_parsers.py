@@ -236,6 +236,20 @@ def test_one_call_without_parallel_tool_calls():
         ]
 
 
+def test_a_named_calls_text_is_not_kept():
+    # a named call's markup is a call from its invoke tag on: the parser does not keep a copy of
+    # its arguments' text (only text that may yet come back as content is kept)
+    parser = ToolCallParser(TOOLS)
+    parser.feed('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">\n')
+    for _ in range(50):
+        parser.feed(
+            '<｜DSML｜parameter name="q" string="true">' + "y" * 1000 + "</｜DSML｜parameter>\n"
+        )
+    assert sum(map(len, parser._raw)) == 0
+    parser.feed("</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+    assert [c["function"]["name"] for c in parser.tool_calls] == ["search"]
+
+
 def test_partial_markup_is_held_back():
     parser = ToolCallParser()
     assert parser.feed("Hi\n\n<｜DSML｜tool") == [{"content": "Hi"}]
