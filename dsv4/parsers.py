@@ -242,11 +242,28 @@ class ToolCallParser:
         name, string = _NAME.search(tag), _STRING.search(tag)
         if not name or name.group(1) in call["args"] or not call["name"]:
             return
-        key = name.group(1)
-        value = self._typed(key, raw, string is None or string.group(1) == "true")
-        piece = ("{" if not call["args"] else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-        call["args"][key] = value
-        self._piece(piece + json.dumps(value, ensure_ascii=False), events)
+        given = self._typed(name.group(1), raw, string is None or string.group(1) == "true")
+        for key, value in self._unwrapped(name.group(1), given):
+            piece = ("{" if not call["args"] else ", ") + json.dumps(key, ensure_ascii=False)
+            call["args"][key] = value
+            self._piece(piece + ": " + json.dumps(value, ensure_ascii=False), events)
+
+    def _unwrapped(self, key: str, value: Any) -> list[tuple[str, Any]]:
+        # A call's arguments wrapped in one "arguments" or "input" parameter that its schema does
+        # not have (an object, or its JSON text): its own parameters, when the schema has them
+        # all, as vLLM's DeepSeek-V4 parser repairs them; otherwise the parameter as given.
+        props = self._params.get(self._call["name"])
+        if self._call["args"] or key not in ("arguments", "input") or not props or key in props:
+            return [(key, value)]
+        inner = value
+        if isinstance(inner, str):
+            try:
+                inner = json.loads(inner)
+            except json.JSONDecodeError:
+                return [(key, value)]
+        if isinstance(inner, dict) and inner and set(inner) <= set(props):
+            return list(inner.items())
+        return [(key, value)]
 
     def _piece(self, text: str, events: list[dict]) -> None:
         events.append(

@@ -149,6 +149,36 @@ CASES = {
             calls=[call("get_weather", {"city": "Paris", "days": 3})],
         ),
     ),
+    # arguments wrapped in one "arguments" / "input" parameter the schema lacks: unwrapped when
+    # the schema has every inner key (vLLM's repair); kept as given otherwise
+    "wrapped_arguments_unwrapped": (
+        block(
+            invoke("get_weather", ("arguments", "false", '{"city": "Oslo", "days": 2}')),
+            invoke("get_weather", ("input", "true", '{"city": "Rome"}')),
+        ),
+        False,
+        result(
+            calls=[
+                call("get_weather", {"city": "Oslo", "days": 2}),
+                call("get_weather", {"city": "Rome"}),
+            ]
+        ),  # fmt: skip
+    ),
+    "wrapped_arguments_kept": (
+        block(
+            invoke("get_weather", ("arguments", "false", '{"town": "Oslo"}')),
+            invoke("get_weather", ("city", "true", "Oslo"), ("input", "false", '{"days": 1}')),
+            invoke("search", ("arguments", "false", '{"q": "x"}')),
+        ),
+        False,
+        result(
+            calls=[
+                call("get_weather", {"arguments": {"town": "Oslo"}}),
+                call("get_weather", {"city": "Oslo", "input": {"days": 1}}),
+                call("search", {"arguments": {"q": "x"}}),
+            ]
+        ),  # fmt: skip
+    ),
     "direct_json_and_text_after": (
         'A\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="search">{"q": "x"}</｜DSML｜invoke>\n'
         "</｜DSML｜tool_calls>\n\nB",
