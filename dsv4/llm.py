@@ -36,6 +36,7 @@ from dsv4.state import (
     DecodeState,
     bytes_per_seq,
     bytes_per_token,
+    context_table_bytes,
     default_block_size,
 )
 
@@ -196,7 +197,13 @@ class LLM:
         self.activation_peak = 0
         if budget["gpu_memory_utilization"] is not None and c.device.startswith("cuda"):
             seq_limit = max_step_tokens if max_seq_len == AUTO_SEQ_LEN else max_seq_len - 1
-            self.activation_peak = self._profile_activations(min(max_step_tokens, seq_limit))
+            tokens = min(max_step_tokens, seq_limit)
+            # (the profile runs at a fresh context; a chunk near max_seq_len also holds its
+            # index tables: their estimate joins the reserve)
+            longest = args.max_position_embeddings if max_seq_len == AUTO_SEQ_LEN else max_seq_len
+            self.activation_peak = self._profile_activations(tokens) + context_table_bytes(
+                args, tokens, longest
+            )
         max_memory = state_budget(c.device, **budget, reserve=self.activation_peak)
         # speculative decoding: compressor rows for a verify step's own tokens
         k = c.num_speculative_tokens

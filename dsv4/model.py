@@ -329,11 +329,26 @@ class Indexer(nn.Module):
         # returns [T, k] compressed entry ids (0..), -1 = none ; proj: `project`'s, if computed
         kv, gate, q, weights = self.project(x, qr, rope) if proj is None else proj
         self.compressor(x, batch, ls.indexer, inv_freq, (kv, gate))
-        cand, _ = batch.visible_entries(self.compressor.ratio)
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
         scale = self.softmax_scale * self.n_heads**-0.5
-        # attention takes the entries as a set: no sort by score
-        return self.ops.index_topk(q, weights, keys, cand, self.topk, key_scale, scale, sort=False)
+        ratio, T = self.compressor.ratio, q.shape[0]
+        step = batch.entry_slice(ratio)
+        if step >= T:
+            cand, _ = batch.visible_entries(ratio)
+            # attention takes the entries as a set: no sort by score
+            return self.ops.index_topk(
+                q, weights, keys, cand, self.topk, key_scale, scale, sort=False
+            )
+        # a long chunk at long context: its tokens in slices (the [tokens x entries] candidates
+        # and scores of the whole chunk would not fit beside the state)
+        picks = []
+        for t0 in range(0, T, step):
+            cand, _ = batch.visible_rows(ratio, t0, min(T, t0 + step))
+            q_s, w_s = q[t0 : t0 + step], weights[t0 : t0 + step]
+            picks.append(
+                self.ops.index_topk(q_s, w_s, keys, cand, self.topk, key_scale, scale, sort=False)
+            )
+        return torch.cat(picks)
 
 
 class Attention(nn.Module):

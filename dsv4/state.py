@@ -27,6 +27,27 @@ from dsv4.quant import cdiv, index_key_bytes, kv_entry_layout
 # this: Triton specializes lengths and row strides on divisibility by 16, so widths that take every
 # value would compile the indexer's kernels again in the middle of a request
 ENTRY_ALIGN = 16
+# a step whose [tokens x visible entries] table of a compressed kind would exceed this many
+# elements (a long prefill chunk at long context: 2048 tokens at 1M context see 2^29 CSA entries,
+# 4 GiB as int64) never builds it whole: the indexer takes its tokens in slices of at most this
+# many elements (`Batch.entry_slice`, `Batch.visible_rows`) and a CSA layer's picks map to their
+# rows directly (`Batch.selected_idxs`)
+ENTRY_TABLE_ELEMENTS = 1 << 24
+
+
+def context_table_bytes(args: ModelArgs, tokens: int, max_seq_len: int) -> int:
+    """An estimate of what a step of `tokens` tokens at positions up to max_seq_len allocates for
+    its index tables beyond the same step at a fresh context (what an activation profile run
+    measures): the CSA candidates of a slice (at most ENTRY_TABLE_ELEMENTS: rows, mask, their
+    gather, scores; 24 B an element) and the HCA tables whole (entries, the attention list and
+    their build; 32 B an element). H200, 2048 tokens at 1M: 0.77 GiB measured
+    (bench/probe_long_chunk.py), 0.94 GiB by this."""
+    n = 0
+    if CSA in args.layer_types:
+        n += min(tokens * (max_seq_len // args.csa_ratio), ENTRY_TABLE_ELEMENTS) * 24
+    if HCA in args.layer_types:
+        n += tokens * (max_seq_len // args.hca_ratio) * 32
+    return n
 
 
 @dataclass
@@ -499,6 +520,8 @@ class Batch:
             if self.decode:
                 self.closing_ring_rows(m, overlap)
             self.ring_writes(2 * m if overlap else m)
+            if overlap and self.entry_slice(m) < self.num_tokens:  # (built in slices, not kept)
+                continue
             self.visible_entries(m)
             if overlap:  # CSA: the rows its layers pick their entries from
                 self.entry_idxs(m, base)
@@ -657,8 +680,11 @@ class Batch:
         """[T, W + k] key rows of a CSA layer: the window rows, then the rows of the entries its
         indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) taken from
         `entry_idxs`; -1 picks its last column (ent mod C+1): one remainder, gather and cat."""
-        t = self.entry_idxs(ratio, base)
         win = self.window_idxs(window, ring_only=self.decode)
+        if self.entry_slice(ratio) < self.num_tokens:  # no whole table: the picks' own rows
+            rows = self.entry_rows(self.token_seq[:, None].expand_as(ent), ent, ratio)
+            return torch.cat([win, torch.where(rows >= 0, rows + base, -1)], dim=1)
+        t = self.entry_idxs(ratio, base)
         if decode_lists.FUSED and ent.is_cuda:  # one launch (ops.decode_lists)
             return decode_lists.selected_rows(win, t, ent)
         picked = t.gather(1, ent.remainder(t.shape[1]))
@@ -761,15 +787,50 @@ class Batch:
         Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.
         """
 
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
-            count = (self.positions + 1) // ratio
-            # positions < bound: count.max() itself, or for a static step all it can be
-            bound = self.graph_len or max(st + n for st, n in self.host_seqs)
-            C = max(bound // ratio, 1)
-            if not self.graph_len:  # an eager step's width takes every value: a multiple of 16
-                C = cdiv(C, ENTRY_ALIGN) * ENTRY_ALIGN
-            w = torch.arange(C, device=count.device)[None, :].expand(self.num_tokens, C)
-            w = torch.where(w < count[:, None], w, -1)
-            return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count
+        return self._memo(("vis", ratio), lambda: self.visible_rows(ratio, 0, self.num_tokens))
 
-        return self._memo(("vis", ratio), build)
+    def entry_width(self, ratio: int) -> int:
+        """C of `visible_entries`: every entry a token of the step may see (a static step: all
+        its positions bound allows; an eager step: rounded up to ENTRY_ALIGN)."""
+        # positions < bound: count.max() itself, or for a static step all it can be
+        bound = self.graph_len or max(st + n for st, n in self.host_seqs)
+        C = max(bound // ratio, 1)
+        if not self.graph_len:  # an eager step's width takes every value: a multiple of 16
+            C = cdiv(C, ENTRY_ALIGN) * ENTRY_ALIGN
+        return C
+
+    def entry_slice(self, ratio: int) -> int:
+        """Tokens whose `visible_entries` rows stay within ENTRY_TABLE_ELEMENTS (>= 1): the step's
+        own count or more when its table is built whole, as a static (CUDA-graph) step's always
+        is (its lists keep their shapes; at most max_seqs tokens)."""
+        if self.graph_len:
+            return self.num_tokens
+        return max(1, ENTRY_TABLE_ELEMENTS // self.entry_width(ratio))
+
+    def visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`visible_entries` of tokens t0 .. t1 - 1 alone, built afresh (not kept): their
+        sequences' rows (`sequence_entry_rows`), -1 past each token's count."""
+        C = self.entry_width(ratio)
+        count = (self.positions[t0:t1] + 1) // ratio
+        visible = torch.arange(C, device=count.device)[None, :] < count[:, None]
+        seq = self.token_seq[t0:t1]
+        rows = self.sequence_entry_rows(ratio)
+        if rows is None:  # (more sequences than one table holds: the tokens' own rows)
+            w = torch.arange(C, device=count.device)[None, :].expand(t1 - t0, C)
+            rows = self.entry_rows(seq[:, None].expand_as(w), w, ratio)
+            return torch.where(visible, rows, -1), count
+        return torch.where(visible, rows[seq], -1), count
+
+    def sequence_entry_rows(self, ratio: int) -> torch.Tensor | None:
+        """[B, C] pool rows of each sequence's entries 0 .. C-1 (`entry_width`; -1 where no page
+        holds one), once per step; None when B x C passes ENTRY_TABLE_ELEMENTS."""
+
+        def build() -> torch.Tensor | None:
+            B, C = self.block_table.shape[0], self.entry_width(ratio)
+            if B * C > ENTRY_TABLE_ELEMENTS and not self.graph_len:
+                return None
+            w = torch.arange(C, device=self.block_table.device)[None, :].expand(B, C)
+            seq = torch.arange(B, device=w.device)[:, None].expand(B, C)
+            return self.entry_rows(seq, w, ratio)
+
+        return self._memo(("seq_rows", ratio), build)

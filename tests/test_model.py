@@ -138,6 +138,29 @@ def test_short_steps_equal_chunks(case, monkeypatch):  # noqa: ANN001
         llm._score_state = None
 
 
+def test_entry_tables_in_slices_equal_whole(case, monkeypatch):  # noqa: ANN001
+    # a step whose [tokens x visible entries] table exceeds state.ENTRY_TABLE_ELEMENTS (a long
+    # chunk at long context) runs its indexer in token slices and maps a CSA layer's picks to
+    # their rows directly: the same logits as the whole tables, and the sliced path ran
+    from dsv4 import state
+    from dsv4.state import Batch
+
+    _, llm, _, _ = case
+    if CSA not in llm.args.layer_types:
+        pytest.skip("no CSA layer")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, llm.args.vocab_size, (max(boundary_lengths(llm.args)),), generator=g)
+    full = llm.score(ids.tolist())
+    slices = []
+    real = Batch.visible_rows
+    monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 3 * state.ENTRY_ALIGN)  # 3 tokens a slice
+    monkeypatch.setattr(Batch, "visible_rows", lambda b, *a: slices.append(a) or real(b, *a))
+    for chunk in (None, 7):
+        got = llm.score(ids.tolist(), chunk_size=chunk)
+        assert float((got - full).abs().max() / full.abs().max()) <= 1e-5, chunk
+    assert any(t1 - t0 == 3 for _, t0, t1 in slices), slices
+
+
 def test_ragged_batch_equals_single(case):  # noqa: ANN001
     # sequences of different lengths and phases in one step give their single-sequence logits
     _, llm, _, _ = case

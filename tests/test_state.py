@@ -270,3 +270,18 @@ def test_fp8_state_triton_equals_ref(tmp_path):  # noqa: ANN001
     assert [o.token_ids for o in tri.generate(prompts, sp)] == [
         o.token_ids for o in ref_llm.generate(prompts, sp)
     ]
+
+
+def test_context_table_bytes():
+    # the index tables a step holds at long context beyond a fresh one: the CSA part capped at
+    # one slice (ENTRY_TABLE_ELEMENTS), the HCA part growing with the context
+    from dsv4.config import CSA, HCA, SLIDING
+    from dsv4.state import ENTRY_TABLE_ELEMENTS, context_table_bytes
+
+    a = tiny_args(layer_types=(SLIDING, CSA, HCA), csa_ratio=4, hca_ratio=128)
+    small = context_table_bytes(a, 16, 4096)
+    assert small == 16 * 1024 * 24 + 16 * 32 * 32
+    big, bigger = (context_table_bytes(a, 2048, n) for n in (1 << 20, 1 << 21))
+    assert big == ENTRY_TABLE_ELEMENTS * 24 + 2048 * 8192 * 32
+    assert bigger - big == 2048 * 8192 * 32  # (the CSA part stays one slice)
+    assert context_table_bytes(tiny_args(layer_types=(SLIDING,)), 2048, 1 << 20) == 0
