@@ -1,0 +1,49 @@
+"""The indexer on a causal prefill chunk at Flash's shapes (64 heads x 128, top-512): the score
+kernel alone and scores + top-k, device µs (CUDA-graph replays, L2 cleared) and the tensor
+FLOP rate of the scores (token-key pairs x 64 x 128 x 2). One sequence: a chunk of T tokens at
+positions P .. P + T - 1 sees (p + 1) // 4 of the C = (P + T) // 4 entries. Is the prefill
+indexer worth a kernel that shares key tiles between tokens?"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from dsv4.bench.ops import _graph_us
+from dsv4.ops import indexer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="512@131072,2048@131072,64@1048576,2048@8192")
+    ns = p.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, d, k = 64, 128, 512
+    for spec in ns.shapes.split(","):
+        T, P = (int(x) for x in spec.split("@"))
+        C = (P + T) // 4
+        keys = torch.randn(C * 5 // 4, d, generator=g, device="cuda").to(torch.bfloat16)
+        rows = torch.randperm(keys.shape[0], generator=g, device="cuda")[:C]
+        count = (torch.arange(P, P + T, device="cuda") + 1) // 4
+        w = torch.arange(C, device="cuda")[None, :]
+        cand = torch.where(w < count[:, None], rows[None, :], -1)
+        q = torch.randn(T, H, d, generator=g, device="cuda").to(torch.bfloat16)
+        weights = torch.randn(T, H, generator=g, device="cuda") * H**-0.5
+        pairs = int(count.sum())
+        flop = pairs * H * d * 2
+        for name, fn in (
+            ("scores", lambda: indexer._scores(q, weights, keys, cand)),
+            ("index_topk", lambda: indexer.index_topk(q, weights, keys, cand, k, sort=False)),
+        ):
+            us = statistics.median(_graph_us(fn, 3) or [float("nan")])
+            print(
+                f"T={T:5d} at {P:8d} (C={C:6d}): {name:<10} {us:10.1f} us, "
+                f"{flop / us / 1e6:7.1f} TFLOP/s of scores, {pairs / us / 1e3:8.2f} G pairs/s",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
