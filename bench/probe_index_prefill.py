@@ -33,13 +33,26 @@ def main() -> None:
         weights = torch.randn(T, H, generator=g, device="cuda") * H**-0.5
         pairs = int(count.sum())
         flop = pairs * H * d * 2
-        for name, fn in (
+        cfg = indexer.ScoreConfig()
+        runs = [
             ("scores", lambda: indexer._scores(q, weights, keys, cand)),
             ("index_topk", lambda: indexer.index_topk(q, weights, keys, cand, k, sort=False)),
-        ):
+        ]
+        for tb in (2, 4):
+            runs.append((f"scores, {tb} tokens a tile", lambda tb=tb: indexer._scores(
+                q, weights, keys, cand, cfg, None, None, 1.0, tb)))  # fmt: skip
+        runs.append(("index_topk one_sequence", lambda: indexer.index_topk(
+            q, weights, keys, cand, k, sort=False, one_sequence=True)))  # fmt: skip
+        base = indexer._scores(q, weights, keys, cand)
+        for tb in (2, 4):
+            same = torch.equal(
+                base, indexer._scores(q, weights, keys, cand, cfg, None, None, 1.0, tb)
+            )
+            print(f"T={T} at {P}: {tb} tokens a tile gives the same scores: {same}", flush=True)
+        for name, fn in runs:
             us = statistics.median(_graph_us(fn, 3) or [float("nan")])
             print(
-                f"T={T:5d} at {P:8d} (C={C:6d}): {name:<10} {us:10.1f} us, "
+                f"T={T:5d} at {P:8d} (C={C:6d}): {name:<26} {us:10.1f} us, "
                 f"{flop / us / 1e6:7.1f} TFLOP/s of scores, {pairs / us / 1e3:8.2f} G pairs/s",
                 flush=True,
             )

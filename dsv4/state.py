@@ -821,6 +821,18 @@ class Batch:
             return torch.where(visible, rows, -1), count
         return torch.where(visible, rows[seq], -1), count
 
+    def one_sequence(self, t0: int, t1: int) -> bool:
+        """Whether tokens t0 .. t1 - 1 of an eager step are all of one sequence (whose visible
+        entries are then one list's prefixes, growing with the position)."""
+        if self.graph_len:
+            return False
+        end = 0
+        for _, n in self.host_seqs:
+            end += n
+            if t0 < end:
+                return t1 <= end
+        return False
+
     def sequence_entry_rows(self, ratio: int) -> torch.Tensor | None:
         """[B, C] pool rows of each sequence's entries 0 .. C-1 (`entry_width`; -1 where no page
         holds one), once per step; None when B x C passes ENTRY_TABLE_ELEMENTS."""

@@ -76,7 +76,7 @@ SORT_ALWAYS = False  # serve sort=False sorted as well (the A/B switch of the un
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["tiles"])
+@triton.jit(do_not_specialize=["tiles", "T"])
 def _index_score_kernel(
     q_ptr,  # [T, Hi, d] bf16/fp32 (d contiguous)
     w_ptr,  # [T, Hi] any float dtype, times w_scale in fp32
@@ -108,9 +108,17 @@ def _index_score_kernel(
     PDL: tl.constexpr,  # chained launch (device.chain); the first select may launch early
     KEY_FP8: tl.constexpr = False,  # FP8 indexer keys: codes decoded exactly, scale after the sum
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
+    T=1,  # tokens (TB > 1: the last block's tokens past T are masked)
+    TB: tl.constexpr = 1,  # tokens a program scores over each key tile it gathers (`_shared_scores`)
 ):
     # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
+    if TB > 1:
+        _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stride_qt,
+                       stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles, T,
+                       UPCAST, PRECISION, BLOCK_H, BLOCK_D, BLOCK_N, SCAN, PDL, KEY_FP8, DECODE,
+                       TB)  # fmt: skip
+        return
     chain_start(PDL)
     pid_c = tl.program_id(0)
     t = tl.program_id(1)
@@ -186,6 +194,91 @@ def _index_score_kernel(
         offs_b = tl.arange(0, COARSE_BINS)
         coarse_row = coarse_ptr + row_t * COARSE_BINS
         tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem="relaxed")
+
+
+@triton.jit
+def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stride_qt, stride_qh,
+                   stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles, T,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
+                   PDL: tl.constexpr, KEY_FP8: tl.constexpr, DECODE: tl.constexpr,
+                   TB: tl.constexpr):  # fmt: skip
+    # TB consecutive tokens whose candidate rows are one list, each seeing a prefix of it (one
+    # sequence's causal chunk: a row visible to a token is visible to the later ones, at the same
+    # position): the last token's row is gathered once a tile and scored for all TB tokens in one
+    # dot, S^T = K . [Q_t0; Q_t1; ...]^T [BLOCK_N, TB * BLOCK_H]; each token masks its own -1s
+    chain_start(PDL)
+    pid_c = tl.program_id(0)
+    t0 = tl.program_id(1) * TB
+    c0 = pid_c * tiles * BLOCK_N
+    t_last = tl.minimum(t0 + TB, T) - 1
+    last_row = idx_ptr + t_last.to(tl.int64) * stride_it
+
+    offs_chunk = c0 + tl.arange(0, SCAN * BLOCK_N)
+    in_chunk = (offs_chunk < C) & (offs_chunk < c0 + tiles * BLOCK_N)
+    idx_chunk = tl.load(last_row + offs_chunk, mask=in_chunk, other=-1)
+    last = tl.max(tl.where(idx_chunk >= 0, offs_chunk, -1))
+    n_live = (tl.maximum(last + 1 - c0, 0) + BLOCK_N - 1) // BLOCK_N
+
+    # ---- q of the block's tokens: [TB * BLOCK_H, BLOCK_D], row r = token t0 + r // BLOCK_H,
+    # head r % BLOCK_H ; w likewise [TB * BLOCK_H] (rows past T or Hi are 0)
+    offs_r = tl.arange(0, TB * BLOCK_H)
+    r_tok = t0 + offs_r // BLOCK_H
+    r_h = offs_r % BLOCK_H
+    r_ok = (r_tok < T) & (r_h < Hi)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d
+    q = tl.load(
+        q_ptr
+        + r_tok.to(tl.int64)[:, None] * stride_qt
+        + r_h[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=r_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    w = tl.load(w_ptr + r_tok.to(tl.int64) * stride_wt + r_h, mask=r_ok, other=0.0).to(tl.float32)
+    w = w * w_scale
+    offs_tb = t0 + tl.arange(0, TB)
+    tb_ok = offs_tb < T
+
+    for i in range(0, n_live):
+        offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_c = offs_n < C
+        idx = tl.load(last_row + offs_n, mask=in_c, other=-1)
+        vis = idx >= 0
+        k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
+        if KEY_FP8:
+            kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
+            kt = kt.to(q.dtype)
+        else:
+            kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(kt, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, TB * BLOCK_H]
+        p = tl.maximum(s, 0.0) * w[None, :]
+        score = tl.sum(tl.reshape(p, [BLOCK_N, TB, BLOCK_H]), axis=2)  # [BLOCK_N, TB]
+        if KEY_FP8:
+            score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)[:, None]
+        score = tl.where(score == 0.0, 0.0, score)
+        bits = score.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        # each token's own visibility (its row: the same entries, a prefix of them)
+        own = tl.load(
+            idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
+            mask=in_c[:, None] & tb_ok[None, :],
+            other=-1,
+        )
+        key = tl.where(own >= 0, key, INT32_MIN)
+        out_at = out_ptr + offs_tb.to(tl.int64)[None, :] * stride_ot + offs_n[:, None]
+        tl.store(out_at, key, mask=in_c[:, None] & tb_ok[None, :])
+
+    for i in range(n_live, tiles):
+        offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_at = out_ptr + offs_tb.to(tl.int64)[None, :] * stride_ot + offs_n[:, None]
+        none = tl.full([BLOCK_N, TB], INT32_MIN, tl.int32)
+        tl.store(out_at, none, mask=(offs_n < C)[:, None] & tb_ok[None, :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,6 +683,7 @@ def _hist_select(
 
 
 MAX_SCORE_TILES = 16  # candidate tiles a score program takes at most (q is re-read per program)
+SHARED_TOKENS = 2  # tokens of one sequence's chunk a score program takes together (one_sequence)
 
 
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
@@ -618,19 +712,24 @@ def _scores(
     hist: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_scale: torch.Tensor | None = None,
     weight_scale: float = 1.0,
+    shared: int = 1,
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
     coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys.
-    `weight_scale`: the head weights are weights.float() * weight_scale."""
+    `weight_scale`: the head weights are weights.float() * weight_scale. shared > 1: the tokens'
+    rows are one list, each token seeing a prefix of it (`index_topk`'s one_sequence): that many
+    tokens a program share each key tile (not with hist)."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
+    assert shared == 1 or (hist is None and cfg.keys_on_m), "shared tokens: keys on M, no hist"
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     key_fp8 = key_scale is not None
     same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype
     tensor_core = q.is_cuda and same and q.dtype != torch.float32
     block_n = cfg.block_n if C >= 64 else max(16, next_power_of_2(C))
     n_tiles = cdiv(C, block_n)
-    tiles = _score_tiles(T, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
-    _index_score_kernel[(cdiv(n_tiles, tiles), T)](
+    blocks = cdiv(T, shared)
+    tiles = _score_tiles(blocks, n_tiles, cfg.programs_per_sm * num_sms(q.device, 1))
+    _index_score_kernel[(cdiv(n_tiles, tiles), blocks)](
         q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
         *(hist or (skey, skey)),
         C, Hi, d,
@@ -646,7 +745,9 @@ def _scores(
         HIST=hist is not None,
         KEY_FP8=key_fp8,
         DECODE=decode_mode(q.device),
-        num_warps=cfg.num_warps,
+        T=T,
+        TB=shared,
+        num_warps=cfg.num_warps if shared == 1 else max(cfg.num_warps, 4 * shared // 2),
         num_stages=cfg.num_stages,
         **chain(q.device),
     )  # fmt: skip
@@ -667,6 +768,7 @@ def index_topk(
     select: str | None = None,
     select_warps: int | None = None,
     score_config: ScoreConfig | None = None,
+    one_sequence: bool = False,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order (sort), -1 = none
@@ -677,7 +779,9 @@ def index_topk(
     # SORT_ALWAYS ; segment: keys per select program ; select: "hist" or "levels", default hist for
     # rows longer than one segment ;
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
-    # for bench/probe_pieces.py and the tests)
+    # for bench/probe_pieces.py and the tests ; one_sequence: every token's visible rows are the
+    # same list's prefix, later tokens seeing at least as many (one sequence's causal chunk): a
+    # chunk of more than HIST_MAX_TOKENS tokens shares key tiles, SHARED_TOKENS a program)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     sort = sort or SORT_ALWAYS
@@ -733,9 +837,9 @@ def index_topk(
         _hist_select(skey, out, segment, select_warps or 16, sort=sort)
         return out
 
-    skey = _scores(
-        q, weights, keys, cand_idxs, score_config or ScoreConfig(), None, key_scale, weight_scale
-    )
+    cfg = score_config or ScoreConfig()
+    shared = SHARED_TOKENS if one_sequence and T > HIST_MAX_TOKENS and cfg.keys_on_m else 1
+    skey = _scores(q, weights, keys, cand_idxs, cfg, None, key_scale, weight_scale, shared)
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     x, L = skey, C

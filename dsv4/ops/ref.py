@@ -313,7 +313,10 @@ def index_topk(
     weight_scale: float = 1.0,
     *,
     sort: bool = True,
+    one_sequence: bool = False,
 ) -> torch.Tensor:
+    # (one_sequence: the kernel's hint that the rows are one sequence's causal prefixes; the
+    # result does not depend on it)
     # q: [T, H, d] ; weights: [T, H] ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 = not visible.
     # score(t, c) = sum_h w_th * relu(q_th . k_c) with w = weights.float() * weight_scale; returns
     # [T, min(topk, C)] positions in 0..C-1 (the compressed entry ids), -1 where fewer than topk

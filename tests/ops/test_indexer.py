@@ -154,14 +154,43 @@ def test_index_topk_hidden_rows(select: str) -> None:
 
 
 @pytest.mark.parametrize("integer", [False, True])
-def test_index_topk_causal_prefill(integer: bool) -> None:
+@pytest.mark.parametrize("one_sequence", [False, True])
+def test_index_topk_causal_prefill(integer: bool, one_sequence: bool) -> None:
     # one sequence: token t sees compressed entries 0..(t+1)//4-1 of the same key rows
+    # (one_sequence: the score kernel shares each key tile between SHARED_TOKENS tokens)
     T, C = 24, 6
     q, weights, keys, cand = _inputs(T, 16, 32, C, torch.bfloat16, p_hidden=0.0, integer=integer)
     cand[:] = cand[0]
     t = torch.arange(T)[:, None]
     cand[torch.arange(C)[None, :] >= (t + 1) // 4] = -1
-    _check(q, weights, keys, cand, 4)
+    _check(q, weights, keys, cand, 4, one_sequence=one_sequence)
+
+
+@pytest.mark.parametrize("shared", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_shared_token_scores(shared: int, dtype: torch.dtype, fp8: bool, monkeypatch) -> None:  # noqa: ANN001
+    # one sequence's rows, each token a longer prefix (40 .. 300 entries: several key tiles), the
+    # last token block partial (T = 21): the shared-tile scores equal the one-token-a-program scores bit for bit, and the
+    # top-k matches the reference
+    from dsv4.quant import quant_index_keys
+
+    monkeypatch.setattr(indexer, "SHARED_TOKENS", shared)
+    T, C = 21, 300
+    q, weights, keys, cand = _inputs(T, 16, 32, C, dtype, p_hidden=0.0, integer=True)
+    cand[:] = cand[0]
+    count = (40 + 13 * torch.arange(T))[:, None]  # (a prefix a token, 40 .. 300 entries)
+    cand[torch.arange(C)[None, :] >= count] = -1
+    key_scale = None
+    if fp8:
+        keys, key_scale = quant_index_keys(keys.float())
+    cfg = indexer.ScoreConfig()
+    one = indexer._scores(q, weights, keys, cand, cfg, None, key_scale, 0.5)
+    both = indexer._scores(q, weights, keys, cand, cfg, None, key_scale, 0.5, shared=shared)
+    assert torch.equal(one, both)
+    want = ref.index_topk(q, weights, keys, cand, 16, key_scale, 0.5)
+    got = indexer.index_topk(q, weights, keys, cand, 16, key_scale, 0.5, one_sequence=True)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("select", SELECTS)
@@ -326,8 +355,10 @@ def test_index_topk_gpu_random(T: int, C: int) -> None:
 
 
 @pytest.mark.gpu
-def test_index_topk_gpu_prefill() -> None:
+@pytest.mark.parametrize("one_sequence", [False, True])
+def test_index_topk_gpu_prefill(one_sequence: bool) -> None:
     # causal prefill of one sequence: token t sees entries 0..(t+1)//4-1, exact on integer inputs
+    # (one_sequence: key tiles shared between tokens)
     T = 1024
     C = T // 4
     q, weights, keys, cand = _inputs(
@@ -336,7 +367,7 @@ def test_index_topk_gpu_prefill() -> None:
     cand[:] = cand[0]
     t = torch.arange(T, device="cuda")[:, None]
     cand[torch.arange(C, device="cuda")[None, :] >= (t + 1) // 4] = -1
-    _check(q, weights, keys, cand, 512)
+    _check(q, weights, keys, cand, 512, one_sequence=one_sequence)
 
 
 @pytest.mark.gpu
