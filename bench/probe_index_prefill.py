@@ -18,8 +18,10 @@ from dsv4.ops import indexer
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="512@131072,2048@131072,64@1048576,2048@8192")
+    p.add_argument("--tokens", default="2,4", help="tokens a score program shares a tile between")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    tbs = [int(x) for x in ns.tokens.split(",")]
     H, d, k = 64, 128, 512
     for spec in ns.shapes.split(","):
         T, P = (int(x) for x in spec.split("@"))
@@ -38,13 +40,13 @@ def main() -> None:
             ("scores", lambda: indexer._scores(q, weights, keys, cand)),
             ("index_topk", lambda: indexer.index_topk(q, weights, keys, cand, k, sort=False)),
         ]
-        for tb in (2, 4):
+        for tb in tbs:
             runs.append((f"scores, {tb} tokens a tile", lambda tb=tb: indexer._scores(
                 q, weights, keys, cand, cfg, None, None, 1.0, tb)))  # fmt: skip
         runs.append(("index_topk one_sequence", lambda: indexer.index_topk(
             q, weights, keys, cand, k, sort=False, one_sequence=True)))  # fmt: skip
         base = indexer._scores(q, weights, keys, cand)
-        for tb in (2, 4):
+        for tb in tbs:
             same = torch.equal(
                 base, indexer._scores(q, weights, keys, cand, cfg, None, None, 1.0, tb)
             )

@@ -683,7 +683,9 @@ def _hist_select(
 
 
 MAX_SCORE_TILES = 16  # candidate tiles a score program takes at most (q is re-read per program)
-SHARED_TOKENS = 2  # tokens of one sequence's chunk a score program takes together (one_sequence)
+# tokens of one sequence's chunk a score program takes together (one_sequence). H200, 128K, T=2048,
+# the scores alone: 3536 us one token a program, 2877 two, 2461 four (docs/PERF.md)
+SHARED_TOKENS = 4
 
 
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
