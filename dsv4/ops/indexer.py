@@ -156,16 +156,9 @@ def _index_score_kernel(
         in_c = offs_n < C
         idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
         vis = idx >= 0
-        k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
-        if KEY_FP8:  # e4m3 codes are exact in bf16 / fp16 (the scale, 2^e, comes after the sum)
-            kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
-            kt = kt.to(q.dtype)
-        else:
-            kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
+        kt = _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, q.dtype, UPCAST, KEY_FP8, DECODE)
         # ---- S^T = K . Q^T: [BLOCK_N, BLOCK_H] fp32 ; score = sum_h w_h relu(S_h). Keys on M
         # put the head sum along the accumulator's rows: a reduction inside each warp
-        if UPCAST:
-            kt = kt.to(tl.float32)
         if KEYS_ON_M:
             s = tl.dot(kt, tl.trans(q), input_precision=PRECISION)
             score = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)  # [BLOCK_N] fp32
@@ -174,11 +167,7 @@ def _index_score_kernel(
             score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
         if KEY_FP8:  # relu(2^e x) = 2^e relu(x): the same fp32 values as the dequantized keys'
             score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)
-        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (they tie in the reference)
-        # ---- order-preserving int32: flip the magnitude bits of negatives
-        bits = score.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = tl.where(vis, key, INT32_MIN)
+        key = tl.where(vis, _order_key(score), INT32_MIN)
         tl.store(out_row + offs_n, key, mask=in_c)
         if HIST:  # (tile by tile: T=16 +6.3 us over the scores alone; one pass after the loop +14)
             u = key.to(tl.uint32, bitcast=True) ^ 0x80000000  # unsigned order
@@ -194,6 +183,32 @@ def _index_score_kernel(
         offs_b = tl.arange(0, COARSE_BINS)
         coarse_row = coarse_ptr + row_t * COARSE_BINS
         tl.atomic_add(coarse_row + offs_b, coarse, mask=coarse != 0, sem="relaxed")
+
+
+@triton.jit
+def _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, dtype: tl.constexpr, UPCAST: tl.constexpr,
+              KEY_FP8: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
+    # the key rows idx [BLOCK_N] (-1: zeros) gathered as a [BLOCK_N, BLOCK_D] tile of `dtype`
+    # (fp32 when UPCAST); FP8 codes are exact in bf16 / fp16 (the scale, 2^e, comes after the sum)
+    vis = idx >= 0
+    k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
+    if KEY_FP8:
+        kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
+        kt = kt.to(dtype)
+    else:
+        kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    return kt
+
+
+@triton.jit
+def _order_key(score):
+    # fp32 scores -> order-preserving int32 keys: -0.0 folded into +0.0 (they tie in the
+    # reference), then the magnitude bits of negatives flipped
+    score = tl.where(score == 0.0, 0.0, score)
+    bits = score.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -248,22 +263,13 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stri
         in_c = offs_n < C
         idx = tl.load(last_row + offs_n, mask=in_c, other=-1)
         vis = idx >= 0
-        k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
-        if KEY_FP8:
-            kt = decode_codes(tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0), DECODE)
-            kt = kt.to(q.dtype)
-        else:
-            kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            kt = kt.to(tl.float32)
+        kt = _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, q.dtype, UPCAST, KEY_FP8, DECODE)
         s = tl.dot(kt, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, TB * BLOCK_H]
         p = tl.maximum(s, 0.0) * w[None, :]
         score = tl.sum(tl.reshape(p, [BLOCK_N, TB, BLOCK_H]), axis=2)  # [BLOCK_N, TB]
         if KEY_FP8:
             score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)[:, None]
-        score = tl.where(score == 0.0, 0.0, score)
-        bits = score.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = _order_key(score)
         # each token's own visibility (its row: the same entries, a prefix of them)
         own = tl.load(
             idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
