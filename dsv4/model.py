@@ -332,26 +332,20 @@ class Indexer(nn.Module):
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
         scale = self.softmax_scale * self.n_heads**-0.5
         ratio, T = self.compressor.ratio, q.shape[0]
+        # a long chunk at long context takes its tokens in slices (the [tokens x entries]
+        # candidates and scores of the whole chunk would not fit beside the state); one
+        # sequence's tokens share the score kernel's key tiles
         step = batch.entry_slice(ratio)
-        # (one sequence's tokens: the score kernel shares key tiles between them)
-        if step >= T:
-            cand, _ = batch.visible_entries(ratio)
-            # attention takes the entries as a set: no sort by score
-            return self.ops.index_topk(
-                q, weights, keys, cand, self.topk, key_scale, scale, sort=False,
-                one_sequence=batch.one_sequence(0, T),
-            )  # fmt: skip
-        # a long chunk at long context: its tokens in slices (the [tokens x entries] candidates
-        # and scores of the whole chunk would not fit beside the state)
         picks = []
         for t0 in range(0, T, step):
-            cand, _ = batch.visible_rows(ratio, t0, min(T, t0 + step))
-            q_s, w_s = q[t0 : t0 + step], weights[t0 : t0 + step]
-            one = batch.one_sequence(t0, min(T, t0 + step))
+            t1 = min(T, t0 + step)
+            cand, _ = batch.visible_rows(ratio, t0, t1)
+            # attention takes the entries as a set: no sort by score
             picks.append(self.ops.index_topk(
-                q_s, w_s, keys, cand, self.topk, key_scale, scale, sort=False, one_sequence=one
+                q[t0:t1], weights[t0:t1], keys, cand, self.topk, key_scale, scale, sort=False,
+                one_sequence=batch.one_sequence(t0, t1),
             ))  # fmt: skip
-        return torch.cat(picks)
+        return picks[0] if len(picks) == 1 else torch.cat(picks)
 
 
 class Attention(nn.Module):

@@ -787,7 +787,7 @@ class Batch:
         Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.
         """
 
-        return self._memo(("vis", ratio), lambda: self.visible_rows(ratio, 0, self.num_tokens))
+        return self._memo(("vis", ratio), lambda: self._visible_rows(ratio, 0, self.num_tokens))
 
     def entry_width(self, ratio: int) -> int:
         """C of `visible_entries`: every entry a token of the step may see (a static step: all
@@ -808,8 +808,14 @@ class Batch:
         return max(1, ENTRY_TABLE_ELEMENTS // self.entry_width(ratio))
 
     def visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`visible_entries` of tokens t0 .. t1 - 1 alone, built afresh (not kept): their
-        sequences' rows (`sequence_entry_rows`), -1 past each token's count."""
+        """`visible_entries` of tokens t0 .. t1 - 1: the step's (kept) when they are all its
+        tokens, else built afresh (not kept)."""
+        if (t0, t1) == (0, self.num_tokens):
+            return self.visible_entries(ratio)
+        return self._visible_rows(ratio, t0, t1)
+
+    def _visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # their sequences' rows (`sequence_entry_rows`), -1 past each token's count
         C = self.entry_width(ratio)
         count = (self.positions[t0:t1] + 1) // ratio
         visible = torch.arange(C, device=count.device)[None, :] < count[:, None]

@@ -154,9 +154,9 @@ def _index_score_kernel(
         # ---- gather BLOCK_N key rows: [BLOCK_N, BLOCK_D], 2*d contiguous bytes per row (bf16)
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         in_c = offs_n < C
-        idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
+        idx, kt = _key_tile(idx_row, offs_n, in_c, k_ptr, stride_kn, offs_d, d_ok, q.dtype,
+                            UPCAST, KEY_FP8, DECODE)  # fmt: skip
         vis = idx >= 0
-        kt = _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, q.dtype, UPCAST, KEY_FP8, DECODE)
         # ---- S^T = K . Q^T: [BLOCK_N, BLOCK_H] fp32 ; score = sum_h w_h relu(S_h). Keys on M
         # put the head sum along the accumulator's rows: a reduction inside each warp
         if KEYS_ON_M:
@@ -186,10 +186,12 @@ def _index_score_kernel(
 
 
 @triton.jit
-def _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, dtype: tl.constexpr, UPCAST: tl.constexpr,
-              KEY_FP8: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
-    # the key rows idx [BLOCK_N] (-1: zeros) gathered as a [BLOCK_N, BLOCK_D] tile of `dtype`
-    # (fp32 when UPCAST); FP8 codes are exact in bf16 / fp16 (the scale, 2^e, comes after the sum)
+def _key_tile(idx_row, offs_n, in_c, k_ptr, stride_kn, offs_d, d_ok, dtype: tl.constexpr,
+              UPCAST: tl.constexpr, KEY_FP8: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
+    # (the rows idx_row[offs_n] [BLOCK_N], -1 past in_c; those key rows gathered as a
+    # [BLOCK_N, BLOCK_D] tile of `dtype`, -1 rows zeros, fp32 when UPCAST); FP8 codes are exact
+    # in bf16 / fp16 (the scale, 2^e, comes after the sum)
+    idx = tl.load(idx_row + offs_n, mask=in_c, other=-1)
     vis = idx >= 0
     k_at = k_ptr + idx[:, None] * stride_kn + offs_d[None, :]
     if KEY_FP8:
@@ -199,7 +201,7 @@ def _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, dtype: tl.constexpr, UPCAST: 
         kt = tl.load(k_at, mask=vis[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
-    return kt
+    return idx, kt
 
 
 @triton.jit
@@ -261,9 +263,9 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stri
     for i in range(0, n_live):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         in_c = offs_n < C
-        idx = tl.load(last_row + offs_n, mask=in_c, other=-1)
+        idx, kt = _key_tile(last_row, offs_n, in_c, k_ptr, stride_kn, offs_d, d_ok, q.dtype,
+                            UPCAST, KEY_FP8, DECODE)  # fmt: skip
         vis = idx >= 0
-        kt = _key_tile(k_ptr, idx, stride_kn, offs_d, d_ok, q.dtype, UPCAST, KEY_FP8, DECODE)
         s = tl.dot(kt, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, TB * BLOCK_H]
         p = tl.maximum(s, 0.0) * w[None, :]
         score = tl.sum(tl.reshape(p, [BLOCK_N, TB, BLOCK_H]), axis=2)  # [BLOCK_N, TB]
@@ -755,7 +757,7 @@ def _scores(
         DECODE=decode_mode(q.device),
         T=T,
         TB=shared,
-        num_warps=cfg.num_warps if shared == 1 else max(cfg.num_warps, 4 * shared // 2),
+        num_warps=cfg.num_warps if shared == 1 else max(cfg.num_warps, 2 * shared),
         num_stages=cfg.num_stages,
         **chain(q.device),
     )  # fmt: skip
