@@ -16,5 +16,7 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/dsv4 serve
 
+# the suite in parallel workers (pytest-xdist; at most 4: each holds a torch and its threads,
+# tests/conftest.py shares the cores between them): 2 cores take it from 15 to about 8 minutes
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4

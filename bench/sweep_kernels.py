@@ -101,6 +101,47 @@ def sweep_indexer(rows: list) -> None:
         )
 
 
+def sweep_index_stages(rows: list) -> None:
+    # the model's decode form (unsorted top-512 with the hist select) per score-kernel pipeline
+    # depth: Triton's pipeliner waits for every copy in flight each tile at 3 stages (the next
+    # tile's index copy is committed after this tile's gather), so only deeper rings keep a
+    # gather in flight while a tile is scored
+    Hi, d, C = 64, 128, 32768
+    for T in (16, 64):
+        q, w, keys, cand = index_inputs(T, Hi, d, C, False, "cuda", True)  # engine's paging
+        want = indexer.index_topk(q, w, keys, cand, 512, sort=False)
+        for stages in (3, 4, 5, 6):
+            for warps in (4, 8):
+                for pps in (1, 2, 4):
+                    cfg = indexer.ScoreConfig(64, warps, stages, pps, True)
+                    row = {"op": "index_topk(stages)", "T": T, "cfg": cfg._asdict()}
+                    try:
+                        got = indexer.index_topk(
+                            q, w, keys, cand, 512, sort=False, score_config=cfg
+                        )
+                        row["same"] = bool(torch.equal(got, want))
+                        row["us"] = t_us(
+                            lambda cfg=cfg: indexer.index_topk(
+                                q, w, keys, cand, 512, sort=False, score_config=cfg
+                            )
+                        )
+                        row["scores_us"] = t_us(
+                            lambda cfg=cfg: indexer._scores(q, w, keys, cand, cfg)
+                        )
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = str(e)[:80]
+                    rows.append(row)
+                    print(
+                        f"T={T} stages {stages} warps {warps} per-SM {pps}: "
+                        + (
+                            row["error"]
+                            if "error" in row
+                            else f"{row['us']:.2f} us (scores {row['scores_us']:.2f}) same {row['same']}"
+                        ),
+                        flush=True,
+                    )
+
+
 def sweep_hc_pre(rows: list) -> None:
     g = torch.Generator(device="cuda").manual_seed(2)
     n, D = 4, 4096
@@ -139,7 +180,12 @@ def main() -> None:
     p.add_argument("--only", default="attn,indexer,hc_pre")
     ns = p.parse_args()
     rows: list = []
-    parts = {"attn": sweep_attn, "indexer": sweep_indexer, "hc_pre": sweep_hc_pre}
+    parts = {
+        "attn": sweep_attn,
+        "indexer": sweep_indexer,
+        "hc_pre": sweep_hc_pre,
+        "stages": sweep_index_stages,
+    }
     for name in ns.only.split(","):
         parts[name](rows)
         best: dict = {}
@@ -149,7 +195,9 @@ def main() -> None:
                 if key not in best or r["us"] < best[key]["us"]:
                     best[key] = r
         for (op, T), r in sorted(best.items()):
-            if op.startswith({"attn": "sparse", "indexer": "index", "hc_pre": "hc_pre"}[name]):
+            if op.startswith(
+                {"attn": "sparse", "indexer": "index", "hc_pre": "hc_pre", "stages": "-"}[name]
+            ):
                 print(f"best {op} T={T}: {r['us']:.2f} us {r.get('gbps') or 0:.0f} GB/s {r}")
         for r in rows:
             if r["op"] == "index_topk(default)":

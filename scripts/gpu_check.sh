@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [serve_ab] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab]
+#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [serve_ab] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab] [prefill_ctx]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -127,6 +127,12 @@ for part in $PARTS; do
       # session) and 2048 (the step budget, the default since), this tree
       for c in ${PREFILL_CHUNKS:-512 2048}; do
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 chunk_c$c
+      done ;;
+    prefill_ctx)  # one 2048-token prefill chunk at long context (PREFILL_CONTEXTS): the CSA tables
+      # in slices (the default, state.ENTRY_TABLE_ELEMENTS) against whole (the limit lifted)
+      for v in "1 << 24" "1 << 40"; do
+        STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-4096,131072,1048576} --chunk 2048" \
+          step_run "import dsv4.state as m; m.ENTRY_TABLE_ELEMENTS = $v" 1 4096 "ctx_$((v))"
       done ;;
     wide_ab)  # prefill of 4096 tokens in chunks of 2048 / 4096: the sm90 experts up to 6144 pairs
       # (the twenty-seventh session's limit, tl.dot_scaled past it) and now (WIDE tiles to 65536)

@@ -55,6 +55,12 @@ def _patch_language_once_per_launch() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_language_once_per_launch()
 
+# pytest-xdist workers (`-n`): the cores shared between them, not each worker's torch taking all
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
+
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001, ANN201
     if torch.cuda.is_available():

@@ -280,6 +280,29 @@ def test_verify_step_of_draft_tokens(tmp_path, capsys):  # noqa: ANN001
     assert "no --hf" in capsys.readouterr().err
 
 
+def test_prefill_chunk_at_context(tmp_path, capsys, monkeypatch):  # noqa: ANN001
+    # one chunk of --chunk tokens of a sequence already holding each context; at 200 the CSA
+    # tables of 8 tokens (200/4 entries each) pass a lowered ENTRY_TABLE_ELEMENTS: sliced
+    from dsv4 import state
+
+    monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 128)
+    path = tmp_path / "pc.json"
+    argv = BASE + ["--batch", "1", "--context", "40", "--prefill", "0", "--chunk", "8",
+                   "--prefill-context", "40,200", "--json", str(path)]  # fmt: skip
+    assert step.main(argv) == 0
+    out = capsys.readouterr().out
+    res = json.loads(path.read_text())
+    assert [(p["context"], p["tokens"]) for p in res["prefill_at"]] == [(40, 8), (200, 8)]
+    for p in res["prefill_at"]:
+        assert all(p["layers"][k]["median_s"] > 0 for k in ("sliding", "csa", "hca"))
+        assert p["tok_per_s"] == pytest.approx(8 / p["projected_s"])
+        assert f"prefill chunk of 8 tokens at context {p['context']}: " in out
+    assert res["config"]["prefill_context"] == [40, 200]
+    with pytest.raises(SystemExit):
+        step.main(BASE + ["--prefill-context", "40", "--chunk", "0"])
+    assert "give --chunk > 0" in capsys.readouterr().err
+
+
 def test_graph_is_skipped_on_the_cpu(tmp_path):  # noqa: ANN001
     path = tmp_path / "g.json"
     argv = BASE + ["--batch", "1", "--context", "40", "--prefill", "0", "--graph",

@@ -50,6 +50,16 @@ def _ms(s: float | None, width: int = 9) -> str:
     return f"{'-':>{width}}" if s is None else f"{s * 1e3:>{width}.2f}"
 
 
+def _print_prefill(label: str, t: dict, cols: list[str]) -> None:
+    per = ", ".join(f"{k} {_ms(t['layers'][k]['median_s'], 0).strip()}" for k in cols)
+    proj = t["projected_s"]
+    print(
+        f"{label}: {_ms(t['step']['median_s'], 0).strip()} ms measured ({per}; rest "
+        f"{_ms(t['rest']['median_s'], 0).strip()}) -> projected "
+        + ("-" if proj is None else f"{proj * 1e3:.1f} ms, {t['tok_per_s']:.0f} tok/s")
+    )
+
+
 def _print_breakdown(run: dict, keys: list[str], what: str) -> None:
     b = run["breakdown"]
     cols = list(dict.fromkeys(keys))
@@ -103,14 +113,17 @@ def print_report(res: dict) -> None:
     )
     pf = res["prefill"]
     if pf is not None:
-        per = ", ".join(f"{k} {_ms(pf['layers'][k]['median_s'], 0).strip()}" for k in cols)
-        proj = pf["projected_s"]
-        print(
-            f"prefill {pf['tokens']} tokens in {pf['chunks']} chunk(s) of {pf['chunk']}: "
-            f"{_ms(pf['step']['median_s'], 0).strip()} ms measured ({per}; rest "
-            f"{_ms(pf['rest']['median_s'], 0).strip()}) -> projected "
-            + ("-" if proj is None else f"{proj * 1e3:.1f} ms, {pf['tok_per_s']:.0f} tok/s")
+        _print_prefill(
+            f"prefill {pf['tokens']} tokens in {pf['chunks']} chunk(s) of {pf['chunk']}", pf, cols
         )
+    for pa in res.get("prefill_at", []):
+        label = (
+            f"prefill chunk of {pa.get('tokens', cfg['chunk'])} tokens at context {pa['context']}"
+        )
+        if "error" in pa:
+            print(f"{label}: {pa['error']}")
+        else:
+            _print_prefill(label, pa, cols)
     if pf is not None and pf.get("breakdown"):
         _print_breakdown(pf, keys, f"prefill of {pf['tokens']} tokens in chunks of {pf['chunk']}")
     for run in res["runs"]:

@@ -11,6 +11,9 @@ the full model is rest + sum over the target schedule (Flash: 43 layers) of the 
 layer's type. MoE: layers are top-k routed unless asked for as `name:hash`; a target layer whose
 exact (type, MoE) was not measured uses the same type with the other MoE (listed in the JSON).
 Prefill: one sequence, chunked like the engine (--chunk, default 2048; 0 = one chunk).
+--prefill-context L: one chunk of --chunk tokens of a sequence already holding L tokens (the state
+filled at random, as a decode run's): what a long prompt's late chunks cost, whose indexer sees
+L/4 entries a token (sliced past `state.ENTRY_TABLE_ELEMENTS`).
 Speculative decoding (--draft-tokens K): each sequence runs 1 + K tokens a step, the pending
 token and K drafts, as the engine's verify step; tok/s counts one token a sequence (no draft
 accepted: each accepted draft adds one), and the floor is that of batch x (1 + K) tokens.
@@ -21,6 +24,7 @@ JSON (--json); times in seconds, STATS = {median_s, min_s, max_s, samples}:
           profile, profile_steps, hf, hf_max_gb, seed, model_args, floor_gpu, hf_weights, ...}
   projection {n_layers, target {key: n}, counts {measured key: n} | null, substitutions, missing}
   prefill TIMING + {tokens, chunk, chunks} | null
+  prefill_at [TIMING + {context, tokens}]       (--prefill-context; a failed one: {context, error})
   runs [TIMING + {batch, context, positions, distinct_experts {key: n},
                   floor {gpu, floor_s, total_bytes, gbps}, roofline {step_s, components?},
                   breakdown?, hf?, graph?}]        (a failed run: {batch, context, error})
@@ -134,6 +138,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="prefill tokens of one sequence (0: skip)",
     )
     p.add_argument(
+        "--prefill-context",
+        type=_int_list("contexts", 0),
+        default=[],
+        help="also time one chunk of --chunk tokens of a sequence already holding this many "
+        "tokens, e.g. 131072,1048576 (a long prompt's late chunks)",
+    )
+    p.add_argument(
         "--chunk",
         type=_int_at_least("--chunk", 0),
         default=2048,
@@ -207,6 +218,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.tensor_parallel_size > 1 and (a.hf or a.profile or a.trace):
         p.error("--tensor-parallel-size times our step only: no --hf, --profile or --trace")
+    if a.prefill_context and not a.chunk:
+        p.error("--prefill-context times one chunk: give --chunk > 0")
     if a.draft_tokens and a.hf:
         p.error("--draft-tokens times our verify step only: no --hf")
     batch, context, prefill = PRESET_DEFAULTS[a.preset]
@@ -384,6 +397,20 @@ class Bench:
             t["breakdown"] = self.breakdown(step, t)
         return t
 
+    def prefill_at(self, context: int) -> dict:
+        """One chunk of --chunk tokens of a sequence already holding `context` tokens."""
+        from dsv4.bench.weights import fill_state_
+
+        a, n = self.a, self.a.chunk
+        state = DecodeState(
+            self.args, 1, context + n, self.dtype, self.device, kv_format=a.kv_cache_dtype
+        )
+        fill_state_(state, a.seed)
+        ids = torch.randint(0, self.args.vocab_size, (n,), device=self.device, generator=self.g)
+        step = decode_stepper(self.model, state, 1, context, ids, self.clock, n)
+        t = measure(step, self.clock, self.keys, a.warmup, a.repeat, 1)
+        return with_projection(t, self.counts, n) | {"context": context, "tokens": n}
+
     def breakdown(self, step, timing: dict) -> dict:  # noqa: ANN001
         """Per-op-category seconds of `step` (timeline marks), scaled to `timing`'s medians."""
         a = self.a
@@ -551,6 +578,7 @@ def main(argv: list[str]) -> int:
         "config": _config(a, bench),
         "projection": bench.plan,
         "prefill": None,
+        "prefill_at": [],
         "runs": [],
     }
     failed = []
@@ -558,6 +586,14 @@ def main(argv: list[str]) -> int:
         with torch.inference_mode():
             if a.prefill:
                 res["prefill"] = bench.prefill()
+                bench.free()
+            for context in a.prefill_context:
+                try:
+                    res["prefill_at"].append(bench.prefill_at(context))
+                except torch.OutOfMemoryError as e:
+                    msg = f"out of memory: {str(e).splitlines()[0]}"
+                    res["prefill_at"].append({"context": context, "error": msg})
+                    failed.append(f"prefill chunk at context {context}: {msg}")
                 bench.free()
             for batch in a.batch:
                 for context in a.context:
@@ -603,6 +639,7 @@ def _config(a: argparse.Namespace, bench: Bench) -> dict:
         "batch",
         "context",
         "prefill",
+        "prefill_context",
         "chunk",
         "ops",
         "dtype",
