@@ -339,11 +339,11 @@ class Indexer(nn.Module):
         picks = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
-            cand, _ = batch.visible_rows(ratio, t0, t1)
+            cand, counts = batch.index_rows(ratio, t0, t1)
             # attention takes the entries as a set: no sort by score
             picks.append(self.ops.index_topk(
                 q[t0:t1], weights[t0:t1], keys, cand, self.topk, key_scale, scale, sort=False,
-                one_sequence=batch.one_sequence(t0, t1),
+                one_sequence=batch.one_sequence(t0, t1), counts=counts,
             ))  # fmt: skip
         return picks[0] if len(picks) == 1 else torch.cat(picks)
 

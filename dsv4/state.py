@@ -33,6 +33,9 @@ ENTRY_ALIGN = 16
 # many elements (`Batch.entry_slice`, `Batch.visible_rows`) and a CSA layer's picks map to their
 # rows directly (`Batch.selected_idxs`)
 ENTRY_TABLE_ELEMENTS = 1 << 24
+# such a step's slices of one sequence's tokens give the indexer that sequence's row list and the
+# tokens' counts, not a [slice x entries] table (`Batch.index_rows`; False: the table, an A/B)
+SLICE_COUNTS = True
 
 
 def context_table_bytes(args: ModelArgs, tokens: int, max_seq_len: int) -> int:
@@ -813,6 +816,18 @@ class Batch:
         if (t0, t1) == (0, self.num_tokens):
             return self.visible_entries(ratio)
         return self._visible_rows(ratio, t0, t1)
+
+    def index_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The indexer's candidates for tokens t0 .. t1 - 1: (`visible_rows`' table, None), or for
+        a slice of a sliced step (`entry_slice`) whose tokens are one sequence's, that sequence's
+        rows as one list expanded to [t1 - t0, C] (stride 0: no table) and the tokens' counts
+        (`index_topk`'s counts: token t sees its first counts[t] entries)."""
+        if not SLICE_COUNTS or (t0, t1) == (0, self.num_tokens) or not self.one_sequence(t0, t1):
+            return self.visible_rows(ratio, t0, t1)[0], None
+        C = self.entry_width(ratio)
+        w = torch.arange(C, device=self.positions.device)[None, :]
+        rows = self.entry_rows(self.token_seq[t0 : t0 + 1, None].expand(1, C), w, ratio)
+        return rows.expand(t1 - t0, C), (self.positions[t0:t1] + 1) // ratio
 
     def _visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         # their sequences' rows (`sequence_entry_rows`), -1 past each token's count

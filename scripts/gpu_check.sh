@@ -128,11 +128,12 @@ for part in $PARTS; do
       for c in ${PREFILL_CHUNKS:-512 2048}; do
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 chunk_c$c
       done ;;
-    prefill_ctx)  # one 2048-token prefill chunk at long context (PREFILL_CONTEXTS): the CSA tables
-      # in slices (the default, state.ENTRY_TABLE_ELEMENTS) against whole (the limit lifted)
-      for v in "1 << 24" "1 << 40"; do
-        STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-4096,131072,1048576} --chunk 2048" \
-          step_run "import dsv4.state as m; m.ENTRY_TABLE_ELEMENTS = $v" 1 4096 "ctx_$((v))"
+    prefill_ctx)  # one 2048-token prefill chunk at long context (PREFILL_CONTEXTS): the indexer in
+      # slices given its sequence's rows and counts (the default), in slices of tables
+      # (SLICE_COUNTS off), and whole (state.ENTRY_TABLE_ELEMENTS lifted)
+      for v in "pass" "m.SLICE_COUNTS = False" "m.ENTRY_TABLE_ELEMENTS = 1 << 40"; do
+        STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-4096,131072,1048576} --chunk 2048 --repeat 5" \
+          step_run "import dsv4.state as m; $v" 1 4096 "ctx_$(echo "$v" | tr -dc 'a-zA-Z0-9')"
       done ;;
     wide_ab)  # prefill of 4096 tokens in chunks of 2048 / 4096: the sm90 experts up to 6144 pairs
       # (the twenty-seventh session's limit, tl.dot_scaled past it) and now (WIDE tiles to 65536)

@@ -152,13 +152,23 @@ def test_entry_tables_in_slices_equal_whole(case, monkeypatch):  # noqa: ANN001
     ids = torch.randint(2, llm.args.vocab_size, (max(boundary_lengths(llm.args)),), generator=g)
     full = llm.score(ids.tolist())
     slices = []
-    real = Batch.visible_rows
+    real = Batch.index_rows
+
+    def index_rows(b, *a):  # noqa: ANN001, ANN002, ANN202
+        rows, counts = real(b, *a)
+        slices.append((*a[1:], counts is not None))
+        return rows, counts
+
     monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 3 * state.ENTRY_ALIGN)  # 3 tokens a slice
-    monkeypatch.setattr(Batch, "visible_rows", lambda b, *a: slices.append(a) or real(b, *a))
-    for chunk in (None, 7):
-        got = llm.score(ids.tolist(), chunk_size=chunk)
-        assert float((got - full).abs().max() / full.abs().max()) <= 1e-5, chunk
-    assert any(t1 - t0 == 3 for _, t0, t1 in slices), slices
+    monkeypatch.setattr(Batch, "index_rows", index_rows)
+    for counted in (True, False):  # one sequence's slices: its row list and counts, or tables
+        monkeypatch.setattr(state, "SLICE_COUNTS", counted)
+        slices.clear()
+        for chunk in (None, 7):
+            got = llm.score(ids.tolist(), chunk_size=chunk)
+            assert float((got - full).abs().max() / full.abs().max()) <= 1e-5, (chunk, counted)
+        assert any(t1 - t0 == 3 for t0, t1, _ in slices), slices
+        assert any(c for _, _, c in slices) == counted, slices
 
 
 def test_ragged_batch_equals_single(case):  # noqa: ANN001

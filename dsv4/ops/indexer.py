@@ -52,6 +52,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.ops.device import arrival_counts, cdiv, chain, chain_start, next_power_of_2, num_sms, pdl
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode
+from dsv4.ops.ref import counted_rows
 
 INT32_MIN = tl.constexpr(-(2**31))  # key of an entry that is not visible: below every finite score
 INT64_MIN = tl.constexpr(-(2**63))  # packed padding: key INT32_MIN, position C-1 (decodes to -1)
@@ -86,6 +87,7 @@ def _index_score_kernel(
     out_ptr,  # [T, C] int32 order-preserving score keys
     hist_ptr,  # HIST: [T, HIST_BINS] int32 counts of the keys' top 16 bits (unsigned order)
     coarse_ptr,  # HIST: [T, COARSE_BINS] int32 counts of their top bits
+    counts_ptr,  # HAS_COUNTS: [T] int64, token t sees positions < counts[t] (TB > 1 only)
     C,
     Hi,
     d,
@@ -110,14 +112,15 @@ def _index_score_kernel(
     DECODE: tl.constexpr = 0,  # KEY_FP8: `kv_fp8.decode_codes` (1: the GPU's conversion)
     T=1,  # tokens (TB > 1: the last block's tokens past T are masked)
     TB: tl.constexpr = 1,  # tokens a program scores over each key tile it gathers (`_shared_scores`)
+    HAS_COUNTS: tl.constexpr = False,  # TB > 1: the tokens' rows are one list, masked by counts
 ):
     # read tiles*BLOCK_N visible key rows (d each) + q_t + w_t ; write tiles*BLOCK_N int32
     # (HIST: + one atomic add per visible key, COARSE_BINS per program)
     if TB > 1:
-        _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stride_qt,
-                       stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles, T,
-                       UPCAST, PRECISION, BLOCK_H, BLOCK_D, BLOCK_N, SCAN, PDL, KEY_FP8, DECODE,
-                       TB)  # fmt: skip
+        _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, counts_ptr, out_ptr, C, Hi, d,
+                       stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale,
+                       tiles, T, UPCAST, PRECISION, BLOCK_H, BLOCK_D, BLOCK_N, SCAN, PDL, KEY_FP8,
+                       DECODE, TB, HAS_COUNTS)  # fmt: skip
         return
     chain_start(PDL)
     pid_c = tl.program_id(0)
@@ -214,16 +217,18 @@ def _order_key(score):
 
 
 @triton.jit
-def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stride_qt, stride_qh,
-                   stride_wt, stride_kn, stride_it, stride_ot, w_scale, tiles, T,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr,
-                   PDL: tl.constexpr, KEY_FP8: tl.constexpr, DECODE: tl.constexpr,
-                   TB: tl.constexpr):  # fmt: skip
+def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, counts_ptr, out_ptr, C, Hi, d,
+                   stride_qt, stride_qh, stride_wt, stride_kn, stride_it, stride_ot, w_scale,
+                   tiles, T, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SCAN: tl.constexpr, PDL: tl.constexpr, KEY_FP8: tl.constexpr,
+                   DECODE: tl.constexpr, TB: tl.constexpr, HAS_COUNTS: tl.constexpr):  # fmt: skip
     # TB consecutive tokens whose candidate rows are one list, each seeing a prefix of it (one
     # sequence's causal chunk: a row visible to a token is visible to the later ones, at the same
     # position): the last token's row is gathered once a tile and scored for all TB tokens in one
     # dot, S^T = K . [Q_t0; Q_t1; ...]^T [BLOCK_N, TB * BLOCK_H]; each token masks its own -1s
+    # (HAS_COUNTS: the rows are the one list itself, stride_it 0, and token t's prefix is its
+    # first counts[t] positions: no [tokens x entries] table is read)
     chain_start(PDL)
     pid_c = tl.program_id(0)
     t0 = tl.program_id(1) * TB
@@ -233,6 +238,8 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stri
 
     offs_chunk = c0 + tl.arange(0, SCAN * BLOCK_N)
     in_chunk = (offs_chunk < C) & (offs_chunk < c0 + tiles * BLOCK_N)
+    if HAS_COUNTS:
+        in_chunk &= offs_chunk < tl.load(counts_ptr + t_last)
     idx_chunk = tl.load(last_row + offs_chunk, mask=in_chunk, other=-1)
     last = tl.max(tl.where(idx_chunk >= 0, offs_chunk, -1))
     n_live = (tl.maximum(last + 1 - c0, 0) + BLOCK_N - 1) // BLOCK_N
@@ -259,6 +266,8 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stri
     w = w * w_scale
     offs_tb = t0 + tl.arange(0, TB)
     tb_ok = offs_tb < T
+    if HAS_COUNTS:
+        count = tl.load(counts_ptr + offs_tb, mask=tb_ok, other=0)
 
     for i in range(0, n_live):
         offs_n = c0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,12 +282,18 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, out_ptr, C, Hi, d, stri
             score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)[:, None]
         key = _order_key(score)
         # each token's own visibility (its row: the same entries, a prefix of them)
-        own = tl.load(
-            idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
-            mask=in_c[:, None] & tb_ok[None, :],
-            other=-1,
-        )
-        key = tl.where(own >= 0, key, INT32_MIN)
+        if HAS_COUNTS:
+            own = vis[:, None] & (offs_n[:, None] < count[None, :])
+        else:
+            own = (
+                tl.load(
+                    idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
+                    mask=in_c[:, None] & tb_ok[None, :],
+                    other=-1,
+                )
+                >= 0
+            )
+        key = tl.where(own, key, INT32_MIN)
         out_at = out_ptr + offs_tb.to(tl.int64)[None, :] * stride_ot + offs_n[:, None]
         tl.store(out_at, key, mask=in_c[:, None] & tb_ok[None, :])
 
@@ -723,14 +738,17 @@ def _scores(
     key_scale: torch.Tensor | None = None,
     weight_scale: float = 1.0,
     shared: int = 1,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores as order-preserving int32 keys: [T, C] (INT32_MIN = not visible). `hist`: (fine,
     coarse) count rows of the hist select, added to. `key_scale`: FP8 indexer keys.
     `weight_scale`: the head weights are weights.float() * weight_scale. shared > 1: the tokens'
     rows are one list, each token seeing a prefix of it (`index_topk`'s one_sequence): that many
-    tokens a program share each key tile (not with hist)."""
+    tokens a program share each key tile (not with hist); `counts` [T] int64 with shared: the
+    rows are one list (stride 0) and token t sees its first counts[t] positions."""
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     assert shared == 1 or (hist is None and cfg.keys_on_m), "shared tokens: keys on M, no hist"
+    assert counts is None or shared > 1, "counts: shared tokens only"
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     key_fp8 = key_scale is not None
     same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype
@@ -742,6 +760,7 @@ def _scores(
     _index_score_kernel[(cdiv(n_tiles, tiles), blocks)](
         q, weights, keys, key_scale if key_fp8 else weights, cand_idxs, skey,
         *(hist or (skey, skey)),
+        skey if counts is None else counts,
         C, Hi, d,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand_idxs.stride(0),
         skey.stride(0), float(weight_scale), tiles,
@@ -757,6 +776,7 @@ def _scores(
         DECODE=decode_mode(q.device),
         T=T,
         TB=shared,
+        HAS_COUNTS=counts is not None,
         num_warps=cfg.num_warps if shared == 1 else max(cfg.num_warps, 2 * shared),
         num_stages=cfg.num_stages,
         **chain(q.device),
@@ -779,6 +799,7 @@ def index_topk(
     select_warps: int | None = None,
     score_config: ScoreConfig | None = None,
     one_sequence: bool = False,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [T, Hi, d] ; weights: [T, Hi] ; keys: [N, d] rows ; cand_idxs: [T, C] int64, -1 = not
     # visible -> [T, min(topk, C)] int64 positions 0..C-1 in descending score order (sort), -1 = none
@@ -791,7 +812,9 @@ def index_topk(
     # select_warps: warps of a select program ; score_config: the score kernel's tiles -- knobs
     # for bench/probe_pieces.py and the tests ; one_sequence: every token's visible rows are the
     # same list's prefix, later tokens seeing at least as many (one sequence's causal chunk): a
-    # chunk of more than HIST_MAX_TOKENS tokens shares key tiles, SHARED_TOKENS a program)
+    # chunk of more than HIST_MAX_TOKENS tokens shares key tiles, SHARED_TOKENS a program ;
+    # counts [T]: token t sees only positions < counts[t], `ref.index_topk`'s rule: with
+    # one_sequence the rows may be one list expanded (stride 0), read without a table)
     T, Hi, d = q.shape
     C = cand_idxs.shape[1]
     sort = sort or SORT_ALWAYS
@@ -826,6 +849,16 @@ def index_topk(
     out = torch.empty(T, K, dtype=torch.int64, device=q.device)
     if T == 0 or K == 0:
         return out
+    cfg = score_config or ScoreConfig()
+    shared = SHARED_TOKENS if one_sequence and T > HIST_MAX_TOKENS and cfg.keys_on_m else 1
+    if counts is not None:
+        assert counts.shape == (T,) and counts.device == q.device, (
+            f"counts {tuple(counts.shape)} on {counts.device} vs T={T} on {q.device}"
+        )
+        if shared == 1:  # (a table, as the other paths read it)
+            cand_idxs, counts = counted_rows(cand_idxs, counts), None
+        else:
+            counts = counts.to(torch.int64)
 
     block_k = max(16, next_power_of_2(K))
     max_l = max(segment, 4 * block_k)
@@ -840,16 +873,11 @@ def index_topk(
             f"hist select: C < 2^24, segment < 2^16 ({C}, {segment})"
         )
         fine, coarse, _ = _hist_workspace(q.device)
-        skey = _scores(
-            q, weights, keys, cand_idxs, score_config or ScoreConfig(), (fine, coarse), key_scale,
-            weight_scale,
-        )  # fmt: skip
+        skey = _scores(q, weights, keys, cand_idxs, cfg, (fine, coarse), key_scale, weight_scale)
         _hist_select(skey, out, segment, select_warps or 16, sort=sort)
         return out
 
-    cfg = score_config or ScoreConfig()
-    shared = SHARED_TOKENS if one_sequence and T > HIST_MAX_TOKENS and cfg.keys_on_m else 1
-    skey = _scores(q, weights, keys, cand_idxs, cfg, None, key_scale, weight_scale, shared)
+    skey = _scores(q, weights, keys, cand_idxs, cfg, None, key_scale, weight_scale, shared, counts)
 
     # ---- top-k: segments of <= max_l keys per program until one segment holds a whole row
     x, L = skey, C

@@ -303,6 +303,12 @@ def compress_keep(
     score_state[rows[keep]] = gate[keep].float() + ape[positions[keep] % ratio]
 
 
+def counted_rows(cand_idxs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[T, C] candidate rows with positions at or past counts[t] hidden (-1) for token t."""
+    pos = torch.arange(cand_idxs.shape[1], device=cand_idxs.device)
+    return torch.where(pos[None, :] < counts[:, None], cand_idxs, -1)
+
+
 def index_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -314,15 +320,19 @@ def index_topk(
     *,
     sort: bool = True,
     one_sequence: bool = False,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # (one_sequence: the kernel's hint that the rows are one sequence's causal prefixes; the
-    # result does not depend on it)
+    # result does not depend on it ; counts [T]: token t sees only positions < counts[t], so that
+    # one sequence's tokens may pass its one list of rows, expanded, instead of a table)
     # q: [T, H, d] ; weights: [T, H] ; keys: [N, d] rows ; cand_idxs: [T, C] rows, -1 = not visible.
     # score(t, c) = sum_h w_th * relu(q_th . k_c) with w = weights.float() * weight_scale; returns
     # [T, min(topk, C)] positions in 0..C-1 (the compressed entry ids), -1 where fewer than topk
     # entries are visible: in descending score order (ties: lower position first), or with
     # sort=False in any order that depends only on the inputs (this reference sorts anyway).
     # key_scale [N] fp32: keys are FP8 indexer keys (uint8 e4m3 codes, `dsv4.quant.quant_index_keys`)
+    if counts is not None:
+        cand_idxs = counted_rows(cand_idxs, counts)
     valid = cand_idxs >= 0
     rows = cand_idxs.clamp(min=0)
     if key_scale is not None:

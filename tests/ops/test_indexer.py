@@ -192,6 +192,20 @@ def test_shared_token_scores(shared: int, dtype: torch.dtype, fp8: bool, monkeyp
     want = ref.index_topk(q, weights, keys, cand, 16, key_scale, 0.5)
     got = indexer.index_topk(q, weights, keys, cand, 16, key_scale, 0.5, one_sequence=True)
     assert torch.equal(got, want)
+    # the one list expanded (stride 0) with each token's count instead of the table: the same
+    # scores bit for bit, the same picks in the kernel (shared tiles, or the table it builds
+    # for one token a program) and in the reference
+    one_list, counts = cand[-1:].expand(T, C), count.flatten()
+    assert one_list.stride(0) == 0
+    counted = indexer._scores(q, weights, keys, one_list, cfg, None, key_scale, 0.5, shared=shared,
+                              counts=counts)  # fmt: skip
+    assert torch.equal(counted, one)
+    for seq in (True, False):
+        got = indexer.index_topk(q, weights, keys, one_list, 16, key_scale, 0.5, one_sequence=seq,
+                                 counts=counts)  # fmt: skip
+        assert torch.equal(got, want), seq
+    assert torch.equal(ref.index_topk(q, weights, keys, one_list, 16, key_scale, 0.5,
+                                      counts=counts), want)  # fmt: skip
 
 
 @pytest.mark.parametrize("select", SELECTS)
@@ -369,6 +383,26 @@ def test_index_topk_gpu_prefill(one_sequence: bool) -> None:
     t = torch.arange(T, device="cuda")[:, None]
     cand[torch.arange(C, device="cuda")[None, :] >= (t + 1) // 4] = -1
     _check(q, weights, keys, cand, 512, one_sequence=one_sequence)
+
+
+@pytest.mark.gpu
+def test_index_topk_gpu_prefill_counts() -> None:
+    # a long chunk's slice as the model passes it (`Batch.index_rows`): the sequence's one list
+    # of rows, expanded, and each token's count; exact on integer inputs, the picks of the table
+    T, C = 256, 32768
+    q, weights, keys, cand = _inputs(
+        T, 64, 128, C, torch.bfloat16, p_hidden=0.0, integer=True, device="cuda"
+    )
+    counts = C - 4 * (T - 1) + 4 * torch.arange(T, device="cuda") - 3  # (a slice deep in context)
+    table = torch.where(torch.arange(C, device="cuda")[None, :] < counts[:, None], cand[0], -1)
+    want = ref.index_topk(q, weights, keys, table, 512)
+    one_list = cand[:1].expand(T, C)
+    got = indexer.index_topk(q, weights, keys, one_list, 512, one_sequence=True, counts=counts)
+    assert torch.equal(got, want)
+    scores = indexer._scores(q, weights, keys, table, shared=indexer.SHARED_TOKENS)
+    counted = indexer._scores(q, weights, keys, one_list, shared=indexer.SHARED_TOKENS,
+                              counts=counts)  # fmt: skip
+    assert torch.equal(counted, scores)
 
 
 @pytest.mark.gpu
