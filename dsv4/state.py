@@ -523,7 +523,7 @@ class Batch:
             if self.decode:
                 self.closing_ring_rows(m, overlap)
             self.ring_writes(2 * m if overlap else m)
-            if overlap and self.entry_slice(m) < self.num_tokens:  # (built in slices, not kept)
+            if overlap and self.sliced(m):  # (built in slices, not kept)
                 continue
             self.visible_entries(m)
             if overlap:  # CSA: the rows its layers pick their entries from
@@ -684,7 +684,7 @@ class Batch:
         indexer picked (`ent` [T, k]: positions in `visible_entries`, -1 = none) taken from
         `entry_idxs`; -1 picks its last column (ent mod C+1): one remainder, gather and cat."""
         win = self.window_idxs(window, ring_only=self.decode)
-        if self.entry_slice(ratio) < self.num_tokens:  # no whole table: the picks' own rows
+        if self.sliced(ratio):  # no whole table: the picks' own rows
             rows = self.entry_rows(self.token_seq[:, None].expand_as(ent), ent, ratio)
             return torch.cat([win, torch.where(rows >= 0, rows + base, -1)], dim=1)
         t = self.entry_idxs(ratio, base)
@@ -810,6 +810,10 @@ class Batch:
             return self.num_tokens
         return max(1, ENTRY_TABLE_ELEMENTS // self.entry_width(ratio))
 
+    def sliced(self, ratio: int) -> bool:
+        """Whether the step's tables of that compressed kind are built in slices, never whole."""
+        return self.entry_slice(ratio) < self.num_tokens
+
     def visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`visible_entries` of tokens t0 .. t1 - 1: the step's (kept) when they are all its
         tokens, else built afresh (not kept)."""
@@ -822,7 +826,7 @@ class Batch:
         a slice of a sliced step (`entry_slice`) whose tokens are one sequence's, that sequence's
         rows as one list expanded to [t1 - t0, C] (stride 0: no table) and the tokens' counts
         (`index_topk`'s counts: token t sees its first counts[t] entries)."""
-        if not SLICE_COUNTS or (t0, t1) == (0, self.num_tokens) or not self.one_sequence(t0, t1):
+        if not SLICE_COUNTS or not self.sliced(ratio) or not self.one_sequence(t0, t1):
             return self.visible_rows(ratio, t0, t1)[0], None
         C = self.entry_width(ratio)
         w = torch.arange(C, device=self.positions.device)[None, :]
