@@ -282,17 +282,16 @@ def _shared_scores(q_ptr, w_ptr, k_ptr, ks_ptr, idx_ptr, counts_ptr, out_ptr, C,
             score = score * tl.load(ks_ptr + idx, mask=vis, other=0.0)[:, None]
         key = _order_key(score)
         # each token's own visibility (its row: the same entries, a prefix of them)
+        # (HAS_COUNTS: stride_it 0, the one list read again in the dot's layout, as a table row
+        # is: `vis` lies in the gather's layout)
+        own = tl.load(
+            idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
+            mask=in_c[:, None] & tb_ok[None, :],
+            other=-1,
+        )
+        own = own >= 0
         if HAS_COUNTS:
-            own = vis[:, None] & (offs_n[:, None] < count[None, :])
-        else:
-            own = (
-                tl.load(
-                    idx_ptr + offs_tb.to(tl.int64)[None, :] * stride_it + offs_n[:, None],
-                    mask=in_c[:, None] & tb_ok[None, :],
-                    other=-1,
-                )
-                >= 0
-            )
+            own &= offs_n[:, None] < count[None, :]
         key = tl.where(own, key, INT32_MIN)
         out_at = out_ptr + offs_tb.to(tl.int64)[None, :] * stride_ot + offs_n[:, None]
         tl.store(out_at, key, mask=in_c[:, None] & tb_ok[None, :])
