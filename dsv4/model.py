@@ -331,14 +331,12 @@ class Indexer(nn.Module):
         self.compressor(x, batch, ls.indexer, inv_freq, (kv, gate))
         keys, key_scale = ls.indexer.kv_cache, ls.indexer.kv_scale
         scale = self.softmax_scale * self.n_heads**-0.5
-        ratio, T = self.compressor.ratio, q.shape[0]
+        ratio = self.compressor.ratio
         # a long chunk at long context takes its tokens in slices (the [tokens x entries]
         # candidates and scores of the whole chunk would not fit beside the state); one
         # sequence's tokens share the score kernel's key tiles
-        step = batch.entry_slice(ratio)
         picks = []
-        for t0 in range(0, T, step):
-            t1 = min(T, t0 + step)
+        for t0, t1 in batch.index_slices(ratio):
             cand, counts = batch.index_rows(ratio, t0, t1)
             # attention takes the entries as a set: no sort by score
             picks.append(self.ops.index_topk(

@@ -29,20 +29,22 @@ from dsv4.quant import cdiv, index_key_bytes, kv_entry_layout
 ENTRY_ALIGN = 16
 # a step whose [tokens x visible entries] table of a compressed kind would exceed this many
 # elements (a long prefill chunk at long context: 2048 tokens at 1M context see 2^29 CSA entries,
-# 4 GiB as int64) never builds it whole: the indexer takes its tokens in slices of at most this
-# many elements (`Batch.entry_slice`, `Batch.visible_rows`) and a CSA layer's picks map to their
-# rows directly (`Batch.selected_idxs`)
+# 4 GiB as int64) never builds it whole (`Batch.sliced`): the indexer takes each sequence's tokens
+# in slices, given the sequence's row list and the tokens' counts (`Batch.index_slices`,
+# `Batch.index_rows`), and a CSA layer's picks map to their rows directly (`Batch.selected_idxs`)
 ENTRY_TABLE_ELEMENTS = 1 << 24
-# such a step's slices of one sequence's tokens give the indexer that sequence's row list and the
-# tokens' counts, not a [slice x entries] table (`Batch.index_rows`; False: the table, an A/B)
-SLICE_COUNTS = True
+# [slice tokens x entries] of one such slice: its scores (int32) and the select's first level
+# (~1 B an element) hold ~5 B an element, 320 MiB; a 2048-token chunk at 128K is one slice, at
+# 1M eight of 256 tokens
+INDEX_SLICE_ELEMENTS = 1 << 26
 
 
 def context_table_bytes(args: ModelArgs, tokens: int, max_seq_len: int) -> int:
     """An estimate of what a step of `tokens` tokens at positions up to max_seq_len allocates for
     its index tables beyond the same step at a fresh context (what an activation profile run
-    measures): the CSA candidates of a slice (at most ENTRY_TABLE_ELEMENTS: rows, mask, their
-    gather, scores; 24 B an element) and the HCA tables whole (entries, the attention list and
+    measures): the CSA candidates whole (at most ENTRY_TABLE_ELEMENTS: rows, mask, their gather,
+    scores; 24 B an element; a sliced step's slices hold less: INDEX_SLICE_ELEMENTS at ~5 B) and
+    the HCA tables whole (entries, the attention list and
     their build; 32 B an element). H200, 2048 tokens at 1M: 0.77 GiB measured
     (bench/probe_long_chunk.py), 0.88 GiB by this."""
     n = 0
@@ -790,7 +792,13 @@ class Batch:
         Entry w is visible to position p iff m*w + m - 1 <= p, i.e. w < (p+1) // m.
         """
 
-        return self._memo(("vis", ratio), lambda: self._visible_rows(ratio, 0, self.num_tokens))
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            count = (self.positions + 1) // ratio
+            w = torch.arange(self.entry_width(ratio), device=count.device)[None, :]
+            w = torch.where(w < count[:, None], w, -1)
+            return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count
+
+        return self._memo(("vis", ratio), build)
 
     def entry_width(self, ratio: int) -> int:
         """C of `visible_entries`: every entry a token of the step may see (a static step: all
@@ -802,49 +810,38 @@ class Batch:
             C = cdiv(C, ENTRY_ALIGN) * ENTRY_ALIGN
         return C
 
-    def entry_slice(self, ratio: int) -> int:
-        """Tokens whose `visible_entries` rows stay within ENTRY_TABLE_ELEMENTS (>= 1): the step's
-        own count or more when its table is built whole, as a static (CUDA-graph) step's always
-        is (its lists keep their shapes; at most max_seqs tokens)."""
-        if self.graph_len:
-            return self.num_tokens
-        return max(1, ENTRY_TABLE_ELEMENTS // self.entry_width(ratio))
-
     def sliced(self, ratio: int) -> bool:
-        """Whether the step's tables of that compressed kind are built in slices, never whole."""
-        return self.entry_slice(ratio) < self.num_tokens
+        """Whether the step never builds its [tokens x visible entries] tables of that compressed
+        kind whole: an eager step whose table would pass ENTRY_TABLE_ELEMENTS. (A static
+        (CUDA-graph) step always builds them: its lists keep their shapes; at most max_seqs
+        tokens.)"""
+        if self.graph_len:
+            return False
+        return self.num_tokens * self.entry_width(ratio) > ENTRY_TABLE_ELEMENTS
 
-    def visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`visible_entries` of tokens t0 .. t1 - 1: the step's (kept) when they are all its
-        tokens, else built afresh (not kept)."""
-        if (t0, t1) == (0, self.num_tokens):
-            return self.visible_entries(ratio)
-        return self._visible_rows(ratio, t0, t1)
+    def index_slices(self, ratio: int) -> list[tuple[int, int]]:
+        """Token ranges the indexer scores at a time: the whole step, or for a sliced step each
+        sequence's tokens in slices of at most INDEX_SLICE_ELEMENTS // C (>= 1)."""
+        if not self.sliced(ratio):
+            return [(0, self.num_tokens)]
+        step, out, t0 = max(1, INDEX_SLICE_ELEMENTS // self.entry_width(ratio)), [], 0
+        for _, n in self.host_seqs:
+            out += [(t, min(t + step, t0 + n)) for t in range(t0, t0 + n, step)]
+            t0 += n
+        return out
 
     def index_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The indexer's candidates for tokens t0 .. t1 - 1: (`visible_rows`' table, None), or for
-        a slice of a sliced step (`entry_slice`) whose tokens are one sequence's, that sequence's
-        rows as one list expanded to [t1 - t0, C] (stride 0: no table) and the tokens' counts
+        """The indexer's candidates for an `index_slices` range: the whole step's
+        (`visible_entries`, None), or for a slice of one sequence's tokens that sequence's rows as
+        one list expanded to [t1 - t0, C] (stride 0: no table) and the tokens' counts
         (`index_topk`'s counts: token t sees its first counts[t] entries)."""
-        if not SLICE_COUNTS or not self.sliced(ratio) or not self.one_sequence(t0, t1):
-            return self.visible_rows(ratio, t0, t1)[0], None
+        if not self.sliced(ratio):
+            return self.visible_entries(ratio)[0], None
+        assert self.one_sequence(t0, t1), f"tokens {t0}..{t1} are not one sequence's"
         C = self.entry_width(ratio)
         w = torch.arange(C, device=self.positions.device)[None, :]
         rows = self.entry_rows(self.token_seq[t0 : t0 + 1, None].expand(1, C), w, ratio)
         return rows.expand(t1 - t0, C), (self.positions[t0:t1] + 1) // ratio
-
-    def _visible_rows(self, ratio: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # their sequences' rows (`sequence_entry_rows`), -1 past each token's count
-        C = self.entry_width(ratio)
-        count = (self.positions[t0:t1] + 1) // ratio
-        visible = torch.arange(C, device=count.device)[None, :] < count[:, None]
-        seq = self.token_seq[t0:t1]
-        rows = self.sequence_entry_rows(ratio)
-        if rows is None:  # (more sequences than one table holds: the tokens' own rows)
-            w = torch.arange(C, device=count.device)[None, :].expand(t1 - t0, C)
-            rows = self.entry_rows(seq[:, None].expand_as(w), w, ratio)
-            return torch.where(visible, rows, -1), count
-        return torch.where(visible, rows[seq], -1), count
 
     def one_sequence(self, t0: int, t1: int) -> bool:
         """Whether tokens t0 .. t1 - 1 of an eager step are all of one sequence (whose visible
@@ -857,17 +854,3 @@ class Batch:
             if t0 < end:
                 return t1 <= end
         return False
-
-    def sequence_entry_rows(self, ratio: int) -> torch.Tensor | None:
-        """[B, C] pool rows of each sequence's entries 0 .. C-1 (`entry_width`; -1 where no page
-        holds one), once per step; None when B x C passes ENTRY_TABLE_ELEMENTS."""
-
-        def build() -> torch.Tensor | None:
-            B, C = self.block_table.shape[0], self.entry_width(ratio)
-            if B * C > ENTRY_TABLE_ELEMENTS and not self.graph_len:
-                return None
-            w = torch.arange(C, device=self.block_table.device)[None, :].expand(B, C)
-            seq = torch.arange(B, device=w.device)[:, None].expand(B, C)
-            return self.entry_rows(seq, w, ratio)
-
-        return self._memo(("seq_rows", ratio), build)

@@ -129,9 +129,9 @@ for part in $PARTS; do
         STEP_ARGS="--prefill 4096 --chunk $c" step_run "pass" 1 4096 chunk_c$c
       done ;;
     prefill_ctx)  # one 2048-token prefill chunk at long context (PREFILL_CONTEXTS): the indexer in
-      # slices given its sequence's rows and counts (the default), in slices of tables
-      # (SLICE_COUNTS off), and whole (state.ENTRY_TABLE_ELEMENTS lifted)
-      for v in "pass" "m.SLICE_COUNTS = False" "m.ENTRY_TABLE_ELEMENTS = 1 << 40"; do
+      # slices given its sequence's rows and counts (the default), in 4x smaller slices, and with
+      # the step's tables whole (state.ENTRY_TABLE_ELEMENTS lifted)
+      for v in "pass" "m.INDEX_SLICE_ELEMENTS = 1 << 24" "m.ENTRY_TABLE_ELEMENTS = 1 << 40"; do
         STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-4096,131072,1048576} --chunk 2048 --repeat 5" \
           step_run "import dsv4.state as m; $v" 1 4096 "ctx_$(echo "$v" | tr -dc 'a-zA-Z0-9')"
       done ;;

@@ -140,8 +140,9 @@ def test_short_steps_equal_chunks(case, monkeypatch):  # noqa: ANN001
 
 def test_entry_tables_in_slices_equal_whole(case, monkeypatch):  # noqa: ANN001
     # a step whose [tokens x visible entries] table exceeds state.ENTRY_TABLE_ELEMENTS (a long
-    # chunk at long context) runs its indexer in token slices and maps a CSA layer's picks to
-    # their rows directly: the same logits as the whole tables, and the sliced path ran
+    # chunk at long context) runs its indexer over each sequence's tokens in slices, given the
+    # sequence's row list and counts, and maps a CSA layer's picks to their rows directly: the
+    # same logits as the whole tables, and the sliced path ran
     from dsv4 import state
     from dsv4.state import Batch
 
@@ -156,19 +157,40 @@ def test_entry_tables_in_slices_equal_whole(case, monkeypatch):  # noqa: ANN001
 
     def index_rows(b, *a):  # noqa: ANN001, ANN002, ANN202
         rows, counts = real(b, *a)
-        slices.append((*a[1:], counts is not None))
+        slices.append((*a[1:], counts is not None, rows.stride(0)))
         return rows, counts
 
-    monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 3 * state.ENTRY_ALIGN)  # 3 tokens a slice
+    monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 2 * state.ENTRY_ALIGN)  # sliced past 2
+    monkeypatch.setattr(state, "INDEX_SLICE_ELEMENTS", 3 * state.ENTRY_ALIGN)  # 3 tokens a slice
     monkeypatch.setattr(Batch, "index_rows", index_rows)
-    for counted in (True, False):  # one sequence's slices: its row list and counts, or tables
-        monkeypatch.setattr(state, "SLICE_COUNTS", counted)
-        slices.clear()
-        for chunk in (None, 7):
-            got = llm.score(ids.tolist(), chunk_size=chunk)
-            assert float((got - full).abs().max() / full.abs().max()) <= 1e-5, (chunk, counted)
-        assert any(t1 - t0 == 3 for t0, t1, _ in slices), slices
-        assert any(c for _, _, c in slices) == counted, slices
+    for chunk in (None, 7):
+        got = llm.score(ids.tolist(), chunk_size=chunk)
+        assert float((got - full).abs().max() / full.abs().max()) <= 1e-5, chunk
+    assert any(t1 - t0 == 3 and c and s == 0 for t0, t1, c, s in slices), slices
+    assert any(t1 - t0 < 3 for t0, t1, _, _ in slices), slices  # a chunk's last, shorter slice
+
+
+def test_index_slices_keep_to_one_sequence(monkeypatch) -> None:  # noqa: ANN001
+    # a sliced step's indexer slices never span two sequences (each is given its sequence's
+    # row list); an unsliced step is one range
+    from dsv4 import state
+    from dsv4.state import Batch, DecodeState
+
+    args = tiny_args(layer_types=(CSA,), mlp_layer_types=("moe",), n_mtp_layers=0)
+    st = DecodeState(args, 3, 256, torch.float32, "cpu")
+    b = Batch.build([0, 1, 2], [100, 0, 40], [9, 20, 5], st)
+    m = args.csa_ratio
+    assert b.index_slices(m) == [(0, 34)]
+    monkeypatch.setattr(state, "ENTRY_TABLE_ELEMENTS", 34 * b.entry_width(m) - 1)
+    monkeypatch.setattr(state, "INDEX_SLICE_ELEMENTS", 8 * b.entry_width(m))
+    assert b.index_slices(m) == [(0, 8), (8, 9), (9, 17), (17, 25), (25, 29), (29, 34)]
+    for t0, t1 in b.index_slices(m):
+        rows, counts = b.index_rows(m, t0, t1)
+        want, count = b.visible_entries(m)
+        hidden = torch.arange(rows.shape[1])[None, :] >= counts[:, None]
+        assert torch.equal(rows.masked_fill(hidden, -1), want[t0:t1]) and torch.equal(
+            counts, count[t0:t1]
+        )
 
 
 def test_ragged_batch_equals_single(case):  # noqa: ANN001

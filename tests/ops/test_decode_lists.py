@@ -76,10 +76,8 @@ def test_fill_equals_the_builders(
     b.file_lists(decode_lists.fill(b, a.window_size, ratios[True], ratios[False], base), base)
     got = {k: v for k, v in b._cache.items() if k[0] != "tok"}
     # every list the builders memoize, but the HCA entry list that attention_idxs builds on the way
-    # and the sequences' entry rows that visible_entries builds on
     want = {
-        k: v for k, v in want.items()
-        if k[0] not in ("tok", "seq_rows") and k != ("entries", a.hca_ratio, base)
+        k: v for k, v in want.items() if k[0] != "tok" and k != ("entries", a.hca_ratio, base)
     }  # fmt: skip
     assert set(got) == set(want), (sorted(map(str, got)), sorted(map(str, want)))
     for key in want:
@@ -130,10 +128,8 @@ def test_gpu_fill_equals_the_builders(graph_len: int):
     a = st.args
     base = st.max_seqs * a.window_size
     b.file_lists(decode_lists.fill(b, a.window_size, a.csa_ratio, a.hca_ratio, base), base)
-    # (not the HCA entry list that attention_idxs builds on the way, nor the sequences' entry
-    # rows that visible_entries builds on)
-    skip = ("tok", "seq_rows")
-    for key in (k for k in want if k[0] not in skip and k != ("entries", a.hca_ratio, base)):
+    # (not the HCA entry list that attention_idxs builds on the way)
+    for key in (k for k in want if k[0] != "tok" and k != ("entries", a.hca_ratio, base)):
         assert _equal(b._cache[key], want[key]), key
     # the CSA layers' selected rows, the picks -1 included
     ent = torch.randint(-1, 8, (5, 6), device="cuda")
