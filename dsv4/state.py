@@ -44,8 +44,8 @@ def context_table_bytes(args: ModelArgs, tokens: int, max_seq_len: int) -> int:
     its index tables beyond the same step at a fresh context (what an activation profile run
     measures): the CSA candidates whole (at most ENTRY_TABLE_ELEMENTS: rows, mask, their gather,
     scores; 24 B an element; a sliced step's slices hold less: INDEX_SLICE_ELEMENTS at ~5 B) and
-    the HCA tables whole (entries, the attention list and their build; 32 B an element). H200, 2048 tokens at 1M: 0.77 GiB measured
-    (bench/probe_long_chunk.py), 0.88 GiB by this."""
+    the HCA tables whole (entries, the attention list and their build; 32 B an element). H200,
+    2048 tokens at 1M: 0.77 GiB measured (bench/probe_long_chunk.py), 0.88 GiB by this."""
     n = 0
     if CSA in args.layer_types:
         n += min(tokens * (max_seq_len // args.csa_ratio), ENTRY_TABLE_ELEMENTS) * 24
