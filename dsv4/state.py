@@ -792,7 +792,7 @@ class Batch:
         """
 
         def build() -> tuple[torch.Tensor, torch.Tensor]:
-            count = (self.positions + 1) // ratio
+            count = self._entry_counts(ratio, 0, self.num_tokens)
             w = torch.arange(self.entry_width(ratio), device=count.device)[None, :]
             w = torch.where(w < count[:, None], w, -1)
             return self.entry_rows(self.token_seq[:, None].expand_as(w), w, ratio), count
@@ -837,10 +837,18 @@ class Batch:
         if not self.sliced(ratio):
             return self.visible_entries(ratio)[0], None
         assert self.one_sequence(t0, t1), f"tokens {t0}..{t1} are not one sequence's"
-        C = self.entry_width(ratio)
-        w = torch.arange(C, device=self.positions.device)[None, :]
-        rows = self.entry_rows(self.token_seq[t0 : t0 + 1, None].expand(1, C), w, ratio)
-        return rows.expand(t1 - t0, C), (self.positions[t0:t1] + 1) // ratio
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:  # (once a step: every CSA layer asks)
+            C = self.entry_width(ratio)
+            w = torch.arange(C, device=self.positions.device)[None, :]
+            rows = self.entry_rows(self.token_seq[t0 : t0 + 1, None].expand(1, C), w, ratio)
+            return rows.expand(t1 - t0, C), self._entry_counts(ratio, t0, t1)
+
+        return self._memo(("index_rows", ratio, t0, t1), build)
+
+    def _entry_counts(self, ratio: int, t0: int, t1: int) -> torch.Tensor:
+        # [t1 - t0] entries each token may see: entry w is visible to position p iff w < (p+1) // m
+        return (self.positions[t0:t1] + 1) // ratio
 
     def one_sequence(self, t0: int, t1: int) -> bool:
         """Whether tokens t0 .. t1 - 1 of an eager step are all of one sequence (whose visible
