@@ -12,7 +12,8 @@ venv's torch:
   PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
 
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
-splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits);
+splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
+(unsplit over three sources: a prefill chunk's ring, new rows and entries);
 default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
@@ -32,7 +33,8 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32}}  # fmt: skip
+         "one": {"num_splits": 1}, "bn32": {"block_n": 32},
+         "three": {"num_splits": 1, "sources": 3}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -52,7 +54,8 @@ def capture(case: dict) -> tuple[tuple, dict]:
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
     try:
         sm90.sparse_attn_sm90(
-            q, (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
+            q, (kv[:128], kv[128:192], kv[192:])[: case.get("sources", 1)] if case.get("sources")
+            else (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
             inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)

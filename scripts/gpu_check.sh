@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU tests and benchmarks in one call (for the lent H200). Results go under $OUT.
-#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [serve_ab] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab] [prefill_ctx]
+#   scripts/gpu_check.sh [tests] [ops] [host] [host_step] [step] [sort_ab] [select_ab] [gemv_ab] [gemv_limit_ab] [moe_tiles_ab] [sm90_ab] [sm90_prev_ab] [linear_ab] [linear_sm90_ab] [chain_ab] [switch_ab] [base_ab] [kv_ab] [trace] [probe] [kernels] [sweep] [dump] [serve] [serve_ab] [tp] [tp_step] [spec_step] [rows_ab] [prefill_ab] [wide_ab] [prefill_profile] [cut_ab] [chunk_ab] [ws_ab] [prefill_ctx] [attn_prefill_ab]
 #   (default: tests ops step)
 #   TESTS="tests/ops/test_mhc.py ..." narrows the GPU tests, OPS="mhc indexer" the kernel
 #   bench, KV_BATCH / KV_CONTEXT / KV_PREFILL the kv_ab step, PROBE=floors,select the probe (bench/probe_pieces.py lists the parts), SWEEP=indexer
@@ -134,6 +134,18 @@ for part in $PARTS; do
       for v in "pass" "m.INDEX_SLICE_ELEMENTS = 1 << 24" "m.ENTRY_TABLE_ELEMENTS = 1 << 40"; do
         STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-4096,131072,1048576} --chunk 2048 --repeat 5" \
           step_run "import dsv4.state as m; $v" 1 4096 "ctx_$(echo "$v" | tr -dc 'a-zA-Z0-9')"
+      done ;;
+    attn_prefill_ab)  # prefill with every chunk's attention on the Triton kernel (as until the
+      # forty-fifth session: three kv sources kept prefill off the Gluon kernel) and now: 4096
+      # tokens in chunks of 2048 (bf16 and FP8 state), a 2048-token chunk at 128K
+      for v in "m.SM90_MIN_TOKENS = m.SM90_MIN_TOKENS_FP8 = 1 << 30" "pass"; do
+        tag=$([ "$v" = pass ] && echo now || echo before)
+        STEP_ARGS="--prefill 4096 --chunk 2048" \
+          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_prefill_$tag
+        STEP_ARGS="--prefill 4096 --chunk 2048 --kv-cache-dtype fp8" \
+          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_prefill_fp8_$tag
+        STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-131072} --chunk 2048 --repeat 5" \
+          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_ctx_$tag
       done ;;
     wide_ab)  # prefill of 4096 tokens in chunks of 2048 / 4096: the sm90 experts up to 6144 pairs
       # (the twenty-seventh session's limit, tl.dot_scaled past it) and now (WIDE tiles to 65536)

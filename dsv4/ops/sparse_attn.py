@@ -11,10 +11,10 @@ of a token is split across programs for occupancy (flash-decoding): each split w
 large (prefill) one program per token walks all its keys and writes o directly. Rows may be FP8
 state entries (uint8, `--kv-cache-dtype fp8`): the gather decodes them exactly (`kv_fp8`).
 
-On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads over one kv source (the
-engine's decode form; FP8 entries from SM90_MIN_TOKENS_FP8), the launcher hands over to the
-Gluon kernel in `sparse_attn_sm90`, which splits each key tile between the two warpgroups (Triton
-cannot express that layout).
+On an sm_90 GPU, from SM90_MIN_TOKENS tokens of 64 x 512 bf16 heads (decode steps and prefill
+chunks alike; FP8 entries from SM90_MIN_TOKENS_FP8), the launcher hands over to the Gluon kernel
+in `sparse_attn_sm90`, which splits each key tile between the two warpgroups (Triton cannot
+express that layout).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ FEW_TOKENS_TILE_FP8 = dict(BLOCK_N=32, DV_SPLIT=2, BLOCK_H=16, KEYS_ON_M=False, 
 # with less (sm_120: 99 KB) autotunes instead of failing to launch
 FEW_TOKENS_SHARED = 52 * 1024  # 49.1 KB
 FEW_TOKENS_FP8_SHARED = 68 * 1024  # 64 KB
-# from this many tokens on an sm_90 GPU, one kv source of 64 x 512 heads: the Gluon kernel
-# (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5.
+# from this many tokens on an sm_90 GPU, 64 x 512 heads: the Gluon kernel
+# (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5;
+# a 4096-token prefill chunk's three sources (CSA, 128 + 512 keys) 1271 vs 2044 us.
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
 SM90_MIN_TOKENS = 32
 SM90_MIN_TOKENS_FP8 = 16
@@ -659,7 +660,7 @@ def sparse_attn(
 
     kv = _merge_adjacent(kv)
     sm90_min = SM90_MIN_TOKENS_FP8 if entries else SM90_MIN_TOKENS
-    if config is None and num_splits is None and T >= sm90_min and len(kv) == 1:
+    if config is None and num_splits is None and T >= sm90_min:
         from dsv4.ops import sparse_attn_sm90  # Gluon (no interpreter): Hopper GPUs only
 
         if sparse_attn_sm90.supported(q, kv, rope_dim):

@@ -1,7 +1,7 @@
 """Sparse decode attention for Hopper (sm_90) in Gluon: the layout Triton cannot express.
 
   sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale) -> o   (as `dsv4.ops.sparse_attn`, for
-  64 heads, 512 channels, bf16, one kv source of bf16 rows or FP8 entries; `supported` says when)
+  64 heads, 512 channels, bf16, 1..3 kv sources of bf16 rows or FP8 entries; `supported` says when)
 
 Why a second kernel: in the Triton kernel S = Q K^T feeds a second dot, so Triton puts all warps
 of S along M (the 64 heads) and both warpgroups compute all of S; the loop is latency bound at
@@ -62,9 +62,24 @@ def _tile_idx(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _gather(buf, kv_ptr, stride_kn, idx, offs_gd):  # noqa: ANN001, ANN202
-    # rows idx of kv into buf by cp.async (-1: zeros), one commit group
-    rows = kv_ptr + gl.maximum(idx, 0).to(gl.int64) * stride_kn
+def _rows(kv_ptr, src, idx, ALIGN: gl.constexpr):  # noqa: ANN001, ANN202
+    # pointers to rows idx (-1: row 0, masked by the caller) of the concatenation of up to three
+    # sources: src = (n0, n1, stride0, stride1, stride2, at1, at2, NUM_SRC), source i > 0 at
+    # element offset at_i from source 0 (kv_ptr); every row starts on ALIGN elements
+    n0, n1, stride0, stride1, stride2, at1, at2, NUM_SRC = src
+    j = gl.maximum(idx, 0).to(gl.int64)
+    off = j * stride0
+    if NUM_SRC > 1:
+        off = gl.where(j >= n0, at1 + (j - n0) * stride1, off)
+    if NUM_SRC > 2:
+        off = gl.where(j >= n0 + n1, at2 + (j - n0 - n1) * stride2, off)
+    return kv_ptr + gl.multiple_of(off, ALIGN)
+
+
+@gluon.jit
+def _gather(buf, kv_ptr, src, idx, offs_gd):  # noqa: ANN001, ANN202
+    # rows idx of the sources into buf by cp.async (-1: zeros), one commit group
+    rows = _rows(kv_ptr, src, idx, 8)  # (bf16 rows start on 16 bytes)
     cp.async_copy_global_to_shared(buf, rows[:, None] + offs_gd[None, :], mask=(idx >= 0)[:, None])
     cp.commit_group()
 
@@ -81,12 +96,12 @@ def _copy_rows(dst, at, ok, N: gl.constexpr, VALID: gl.constexpr, lay: gl.conste
 
 
 @gluon.jit
-def _gather_entries(raw, rope, sc, kv_ptr, stride_kn, idx, BLOCK_N: gl.constexpr,
+def _gather_entries(raw, rope, sc, kv_ptr, src, idx, BLOCK_N: gl.constexpr,
                     NOPE: gl.constexpr):  # fmt: skip
-    # FP8 entries idx of kv (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one commit
-    # group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64] (int16), the
-    # scale bytes (after the codes and the 64 rope values) into sc [BN, 8]
-    rows = kv_ptr + gl.multiple_of(gl.maximum(idx, 0).to(gl.int64) * stride_kn, 8)  # [BN]
+    # FP8 entries idx of the sources (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one
+    # commit group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64]
+    # (int16), the scale bytes (after the codes and the 64 rope values) into sc [BN, 8]
+    rows = _rows(kv_ptr, src, idx, 8)  # [BN]
     ok = idx >= 0
     _copy_rows(raw, rows, ok, 512, NOPE, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
     _copy_rows(rope, (rows + NOPE).to(gl.pointer_type(gl.int16)), ok, 64, 64,
@@ -245,7 +260,7 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
 @gluon.jit
 def _decode_kernel(
     q_ptr,  # [T, 64, 512] bf16
-    kv_ptr,  # [N, 512] bf16 rows (row stride stride_kn)
+    kv_ptr,  # source 0: [n0, 512] bf16 rows or FP8 entries (row stride stride_k0)
     idx_ptr,  # [T, K] int32/int64 rows of kv, -1 = none
     sink_ptr,  # [64] fp32
     o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT, or by the last split with FIXUP)
@@ -259,7 +274,13 @@ def _decode_kernel(
     qk_scale,  # scale * log2(e)
     stride_qt,
     stride_qh,
-    stride_kn,
+    n0,  # rows of source 0 and 1 (indices count through the sources in order)
+    n1,
+    stride_k0,
+    stride_k1,
+    stride_k2,
+    at1,  # element offsets of sources 1 and 2 from kv_ptr (any sign)
+    at2,
     stride_it,
     stride_ot,
     stride_oh,
@@ -279,8 +300,10 @@ def _decode_kernel(
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: split 1 combines them here (no combine launch)
     RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
+    NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
 ):
     chain_start(PDL)
+    src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2, NUM_SRC)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
     t = gl.program_id(0).to(gl.int64)
@@ -331,9 +354,9 @@ def _decode_kernel(
         idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
         if ENTRIES:
             _gather_entries(raw_smem.index(b), rope_smem.index(b), sc_smem.index(b), kv_ptr,
-                            stride_kn, idx, BLOCK_N, NOPE)  # fmt: skip
+                            src, idx, BLOCK_N, NOPE)  # fmt: skip
         else:
-            _gather(kv_smem.index(b), kv_ptr, stride_kn, idx, offs_gd)
+            _gather(kv_smem.index(b), kv_ptr, src, idx, offs_gd)
     idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
     valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
 
@@ -352,9 +375,9 @@ def _decode_kernel(
         if ENTRIES:
             nb = nxt % NUM_BUF
             _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
-                            stride_kn, idx_next, BLOCK_N, NOPE)  # fmt: skip
+                            src, idx_next, BLOCK_N, NOPE)  # fmt: skip
         elif MODE != 2:
-            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, stride_kn, idx_next, offs_gd)
+            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, src, idx_next, offs_gd)
         else:
             cp.commit_group()
         idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
@@ -406,35 +429,46 @@ def _decode_kernel(
 def supported(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], rope_dim: int = 0, entries: bool | None = None
 ) -> bool:
-    """This kernel applies: an sm_90 GPU, bf16, 64 heads of 512 channels, one kv source whose
-    rows start on 16 bytes (or, when `entries`, FP8 entries of 448 + 64 rope channels whose rows
+    """This kernel applies: an sm_90 GPU, bf16, 64 heads of 512 channels, one to three kv sources
+    (the decode step's ring | entries, a prefill chunk's ring, new rows and entries) of bf16 rows
+    that start on 16 bytes (or, when `entries`, FP8 entries of 448 + 64 rope channels whose rows
     start on 8 bytes; default: FP8_ENTRIES)."""
     entries = FP8_ENTRIES if entries is None else entries
     if not is_sm90(q.device):
         return False
     if q.dtype != torch.bfloat16 or tuple(q.shape[1:]) != (HEADS, DIM) or q.stride(2) != 1:
         return False
-    if len(kv) != 1:
+    if not 1 <= len(kv) <= 3:
         return False
-    (src,) = kv
     q_ok = q.data_ptr() % 16 == 0 and q.stride(1) * 2 % 16 == 0 and q.stride(0) * 2 % 16 == 0
-    if src.dtype == torch.uint8:
-        return (
-            entries
-            and rope_dim == ROPE
-            and tuple(src.shape[1:]) == (kv_entry_layout(DIM, ROPE)[2],)
-            and src.stride(1) == 1
-            and src.data_ptr() % 8 == 0
-            and src.stride(0) % 8 == 0
-            and q_ok
-        )
+    if kv[0].dtype == torch.uint8:
+        width, align = kv_entry_layout(DIM, ROPE)[2], 8
+        ok = entries and rope_dim == ROPE
+    else:
+        width, align = DIM, 16
+        ok = kv[0].dtype == torch.bfloat16
     return (
-        src.dtype == torch.bfloat16
-        and src.stride(1) == 1
-        and src.data_ptr() % 16 == 0
-        and src.stride(0) * 2 % 16 == 0
+        ok
         and q_ok
+        and all(
+            src.dtype == kv[0].dtype
+            and tuple(src.shape[1:]) == (width,)
+            and src.stride(1) == 1
+            and src.data_ptr() % align == 0
+            and src.stride(0) * src.element_size() % align == 0
+            for src in kv
+        )
     )
+
+
+def _sources(kv: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    # the kernel's (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2): rows of the first two
+    # sources, row strides, and where sources 1 and 2 start, in elements from source 0
+    base, size = kv[0].data_ptr(), kv[0].element_size()
+    rows = [src.shape[0] for src in kv] + [0, 0]
+    strides = [src.stride(0) for src in kv] + [0, 0]
+    at = [(src.data_ptr() - base) // size for src in kv] + [0, 0]
+    return (rows[0], rows[1], *strides[:3], at[1], at[2])
 
 
 def sparse_attn_sm90(
@@ -451,16 +485,15 @@ def sparse_attn_sm90(
     num_buf: int = 2,
     mode: int = 0,
 ) -> torch.Tensor:
-    """`dsv4.ops.sparse_attn` on the Gluon kernel for one kv source (`supported(q, kv)` must hold;
-    `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
+    """`dsv4.ops.sparse_attn` on the Gluon kernel for 1..3 kv sources (`supported(q, kv)` must
+    hold; `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
     (in the combine's launch when split). num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
-        "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, one kv source (bf16 or FP8 entries)"
+        "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, 1..3 kv sources (bf16 or FP8 entries)"
     )
-    (src,) = kv
-    entries = src.dtype == torch.uint8
+    entries = kv[0].dtype == torch.uint8
     assert not (entries and mode), "sparse_attn_sm90: the probe modes read bf16 rows"
     T = q.shape[0]
     K = topk_idxs.shape[1]
@@ -490,13 +523,13 @@ def sparse_attn_sm90(
     rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
     launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
-        q, src, topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
+        q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
         K, keys_per_split, scale * _triton.LOG2E,
-        q.stride(0), q.stride(1), src.stride(0), topk_idxs.stride(0), o.stride(0), o.stride(1),
+        q.stride(0), q.stride(1), *_sources(kv), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv),
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup:

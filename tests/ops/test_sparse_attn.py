@@ -308,6 +308,44 @@ def test_gpu_sm90_kernel(T: int, block_n: int, num_buf: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,num_splits", [(100, None), (64, 2), (33, 3)])
+def test_gpu_sm90_three_sources(T: int, num_splits: int | None, fp8: bool) -> None:
+    # a prefill chunk's form: ring | new rows | pool as three tensors, through the Gluon kernel.
+    # The rows it gathers through the three base offsets must be those of the one concatenated
+    # source: the same bits as the kernel on the concatenation (any source order in memory: the
+    # pool lies below the ring here, so source 1 and 2 sit at negative offsets from source 0),
+    # and the launcher's dispatch takes the same path
+    from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.quant import dequant_kv_entries, quant_kv_entries
+
+    q, (ring, new, pool), sink, idx = _flash_inputs(T)
+    idx[:, 5::17] = -1
+    if fp8:
+        ring, new, pool = (quant_kv_entries(x, 64) for x in (ring, new, pool))
+    if not sm90.supported(q, (ring, new, pool), 64, entries=True):
+        pytest.skip("not an sm_90 GPU")
+    buf = torch.empty(pool.shape[0] + new.shape[0] + ring.shape[0], ring.shape[1],
+                      dtype=ring.dtype, device="cuda")  # fmt: skip
+    low = buf[: pool.shape[0]]
+    mid = buf[pool.shape[0] : pool.shape[0] + new.shape[0]]
+    high = buf[pool.shape[0] + new.shape[0] :]
+    low.copy_(pool)
+    mid.copy_(new)
+    high.copy_(ring)
+    apart = (high, mid, low)  # ring | new | pool, at descending addresses
+    one = (torch.cat([ring, new, pool]),)
+    kw = dict(num_splits=num_splits)
+    got = sm90.sparse_attn_sm90(q, apart, sink, idx, 512**-0.5, 64, **kw)
+    assert torch.equal(got, sm90.sparse_attn_sm90(q, one, sink, idx, 512**-0.5, 64, **kw))
+    rows = dequant_kv_entries(one[0], 512, 64) if fp8 else one[0]
+    want = _want(q, (rows,), sink, idx, 512**-0.5)
+    assert _rel(got, want) < TOL[torch.bfloat16], _rel(got, want)
+    if num_splits is None:  # the dispatch: the Gluon kernel for three sources too
+        assert torch.equal(sparse_attn(q, apart, sink, idx, 512**-0.5, 64), got)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 48, 64])
 def test_gpu_sm90_fixup(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # two splits combined inside the Gluon kernel (FIXUP) against the combine launch: both near
