@@ -31,10 +31,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
+from dsv4.quant import quant_kv_entries
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
          "one": {"num_splits": 1}, "bn32": {"block_n": 32},
-         "three": {"num_splits": 1, "sources": 3}}  # fmt: skip
+         "three": {"num_splits": 1, "sources": 3}, "entries": {"entries": True},
+         "three_entries": {"num_splits": 1, "sources": 3, "entries": True}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -48,6 +50,8 @@ def capture(case: dict) -> tuple[tuple, dict]:
     T = 64
     q = torch.randn(T, 64, 512, dtype=torch.bfloat16)
     kv = torch.randn(2000, 512, dtype=torch.bfloat16)
+    if case.get("entries"):  # FP8 entries (448 e4m3 + 64 bf16 rope + scales)
+        kv = quant_kv_entries(kv, 64)
     idx = torch.randint(0, 2000, (T, 640), dtype=torch.int32)
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
     kernel, supported = sm90._decode_kernel, sm90.supported
@@ -55,7 +59,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
     try:
         sm90.sparse_attn_sm90(
             q, (kv[:128], kv[128:192], kv[192:])[: case.get("sources", 1)] if case.get("sources")
-            else (kv,), torch.zeros(64), idx, 0.04, num_splits=case.get("num_splits", 2),
+            else (kv,), torch.zeros(64), idx, 0.04, 64 if case.get("entries") else 0, num_splits=case.get("num_splits", 2),
             inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)

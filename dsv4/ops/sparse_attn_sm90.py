@@ -62,11 +62,13 @@ def _tile_idx(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _rows(kv_ptr, src, idx, ALIGN: gl.constexpr):  # noqa: ANN001, ANN202
-    # pointers to rows idx (-1: row 0, masked by the caller) of the concatenation of up to three
-    # sources: src = (n0, n1, stride0, stride1, stride2, at1, at2, NUM_SRC), source i > 0 at
-    # element offset at_i from source 0 (kv_ptr); every row starts on ALIGN elements
-    n0, n1, stride0, stride1, stride2, at1, at2, NUM_SRC = src
+def _rows(kv_ptr, src, idx, NUM_SRC: gl.constexpr, ALIGN: gl.constexpr):  # noqa: ANN001, ANN202
+    # pointers to rows idx (-1: row 0, masked by the caller) of the concatenation of NUM_SRC <= 3
+    # sources: src = (n0, n1, stride0, stride1, stride2, at1, at2), source i > 0 at element
+    # offset at_i from source 0 (kv_ptr); every row starts on ALIGN elements. (NUM_SRC stays out
+    # of the tuple: a tuple's constexpr became a runtime branch, whose merged offset lost its
+    # alignment, and the FP8 entries' 8-byte copies failed to compile)
+    n0, n1, stride0, stride1, stride2, at1, at2 = src
     j = gl.maximum(idx, 0).to(gl.int64)
     off = j * stride0
     if NUM_SRC > 1:
@@ -77,9 +79,9 @@ def _rows(kv_ptr, src, idx, ALIGN: gl.constexpr):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _gather(buf, kv_ptr, src, idx, offs_gd):  # noqa: ANN001, ANN202
+def _gather(buf, kv_ptr, src, idx, offs_gd, NUM_SRC: gl.constexpr):  # noqa: ANN001, ANN202
     # rows idx of the sources into buf by cp.async (-1: zeros), one commit group
-    rows = _rows(kv_ptr, src, idx, 8)  # (bf16 rows start on 16 bytes)
+    rows = _rows(kv_ptr, src, idx, NUM_SRC, 8)  # (bf16 rows start on 16 bytes)
     cp.async_copy_global_to_shared(buf, rows[:, None] + offs_gd[None, :], mask=(idx >= 0)[:, None])
     cp.commit_group()
 
@@ -96,12 +98,12 @@ def _copy_rows(dst, at, ok, N: gl.constexpr, VALID: gl.constexpr, lay: gl.conste
 
 
 @gluon.jit
-def _gather_entries(raw, rope, sc, kv_ptr, src, idx, BLOCK_N: gl.constexpr,
-                    NOPE: gl.constexpr):  # fmt: skip
+def _gather_entries(raw, rope, sc, kv_ptr, src, idx, BLOCK_N: gl.constexpr, NOPE: gl.constexpr,
+                    NUM_SRC: gl.constexpr):  # fmt: skip
     # FP8 entries idx of the sources (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one
     # commit group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64]
     # (int16), the scale bytes (after the codes and the 64 rope values) into sc [BN, 8]
-    rows = _rows(kv_ptr, src, idx, 8)  # [BN]
+    rows = _rows(kv_ptr, src, idx, NUM_SRC, 8)  # [BN]
     ok = idx >= 0
     _copy_rows(raw, rows, ok, 512, NOPE, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
     _copy_rows(rope, (rows + NOPE).to(gl.pointer_type(gl.int16)), ok, 64, 64,
@@ -303,7 +305,7 @@ def _decode_kernel(
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
 ):
     chain_start(PDL)
-    src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2, NUM_SRC)
+    src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
     t = gl.program_id(0).to(gl.int64)
@@ -354,9 +356,9 @@ def _decode_kernel(
         idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
         if ENTRIES:
             _gather_entries(raw_smem.index(b), rope_smem.index(b), sc_smem.index(b), kv_ptr,
-                            src, idx, BLOCK_N, NOPE)  # fmt: skip
+                            src, idx, BLOCK_N, NOPE, NUM_SRC)  # fmt: skip
         else:
-            _gather(kv_smem.index(b), kv_ptr, src, idx, offs_gd)
+            _gather(kv_smem.index(b), kv_ptr, src, idx, offs_gd, NUM_SRC)
     idx_next = _tile_idx(idx_row, k_begin + (NUM_BUF - 1) * BLOCK_N, k_end, offs_gn)
     valid_next = _tile_idx(idx_row, k_begin, k_end, offs_sn) >= 0
 
@@ -375,9 +377,9 @@ def _decode_kernel(
         if ENTRIES:
             nb = nxt % NUM_BUF
             _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
-                            src, idx_next, BLOCK_N, NOPE)  # fmt: skip
+                            src, idx_next, BLOCK_N, NOPE, NUM_SRC)  # fmt: skip
         elif MODE != 2:
-            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, src, idx_next, offs_gd)
+            _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, src, idx_next, offs_gd, NUM_SRC)
         else:
             cp.commit_group()
         idx_next = _tile_idx(idx_row, k_begin + (nxt + 1) * BLOCK_N, k_end, offs_gn)
