@@ -13,7 +13,8 @@ venv's torch:
 
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
 splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
-(unsplit over three sources: a prefill chunk's ring, new rows and entries);
+(unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
+the inverse RoPE in the kernel), entries / three_entries (FP8 entries);
 default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
@@ -35,7 +36,7 @@ from dsv4.quant import quant_kv_entries
 
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
          "one": {"num_splits": 1}, "bn32": {"block_n": 32},
-         "three": {"num_splits": 1, "sources": 3}, "entries": {"entries": True},
+         "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True}, "entries": {"entries": True},
          "three_entries": {"num_splits": 1, "sources": 3, "entries": True}}  # fmt: skip
 
 

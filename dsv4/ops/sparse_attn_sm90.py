@@ -137,13 +137,19 @@ def _softmax(s, valid, qk_scale, m_i, l_i):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
-def _normalise(acc, m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
-    # acc / (l + 2^(sink - m)) with every term rescaled to max(m, sink): the sink joins only the
+def _sink_factor(m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
+    # 1 / (l + 2^(sink - m)) with every term rescaled to max(m, sink): the sink joins only the
     # denominator (log2 units, like m)
     sink = gl.load(sink_ptr + offs_h) * 1.4426950408889634
     m_all = gl.maximum(m, sink)
     alpha = gl.exp2(m - m_all)
-    return acc * (alpha / (l * alpha + gl.exp2(sink - m_all)))[:, None]
+    return alpha / (l * alpha + gl.exp2(sink - m_all))
+
+
+@gluon.jit
+def _normalise(acc, m, l, sink_ptr, offs_h):  # noqa: ANN001, ANN202, E741
+    # the unsplit output: acc over the sink-augmented denominator
+    return acc * _sink_factor(m, l, sink_ptr, offs_h)[:, None]
 
 
 @gluon.jit
@@ -187,6 +193,35 @@ def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl
     im_t = gl.where(rope, re * sin + im * cos, im)
     turned = gl.convert_layout(gl.reshape(gl.join(re_t, im_t), [out.shape[0], CH]), c_layout)
     gl.store(o_rows + (c * CH + cols)[None, :], turned.to(gl.bfloat16))
+
+
+@gluon.jit
+def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
+                 stride_oh, stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
+    # the unsplit output with the inverse RoPE on its last RD channels: `_normalise`'s values
+    # (the same factor), staged in the free kv buffers and written in 128-channel chunks as
+    # `_fixup`'s split 1 writes them (the peer's part zero), the last chunk rotated in registers
+    H: gl.constexpr = 64
+    D: gl.constexpr = 512
+    CH: gl.constexpr = 128
+    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
+    own.store(acc)
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+    rows = gl.arange(0, H, layout=gl.SliceLayout(1, c_layout))
+    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+    m = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
+    l = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))  # noqa: E741
+    w1 = _sink_factor(m, l, sink_ptr, rows)[:, None]
+    w0 = gl.zeros([H, 1], gl.float32, c_layout)
+    zero = gl.zeros([H, CH], gl.float32, c_layout)
+    gl.thread_barrier()  # every thread's acc is in shared memory
+    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
+    _combine_part(own, zero, 0, w0, w1, o_rows, cols, CH, c_layout)
+    _combine_part(own, zero, 1, w0, w1, o_rows, cols, CH, c_layout)
+    _combine_part(own, zero, 2, w0, w1, o_rows, cols, CH, c_layout)
+    _combine_part_rope(own, zero, 3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
+                       sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -301,7 +336,7 @@ def _decode_kernel(
     NOPE: gl.constexpr = 448,  # ENTRIES: e4m3 channels (then 64 bf16 rope, 8 scale bytes)
     PDL: gl.constexpr = False,  # chained launch (device.chain)
     FIXUP: gl.constexpr = False,  # two splits: split 1 combines them here (no combine launch)
-    RD: gl.constexpr = 0,  # FIXUP: > 0, the inverse RoPE on the last RD channels of o
+    RD: gl.constexpr = 0,  # > 0: the inverse RoPE on o's last RD channels (FIXUP or unsplit)
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
 ):
     chain_start(PDL)
@@ -422,6 +457,10 @@ def _decode_kernel(
         ml = ml_ptr + t * stride_mt + split * stride_ms + offs_h
         gl.store(ml, m_o)
         gl.store(ml + H, l_o)
+    elif RD > 0:
+        gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
+        _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
+                     stride_oh, stride_ct, stride_st, RD)  # fmt: skip
     else:
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
         o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
@@ -489,7 +528,8 @@ def sparse_attn_sm90(
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for 1..3 kv sources (`supported(q, kv)` must
     hold; `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
-    (in the combine's launch when split). num_splits:
+    (in this kernel where it writes o over bf16 rows, else in the combine's or a rotary launch).
+    num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
     assert supported(q, kv, rope_dim, entries=True), (
@@ -521,8 +561,14 @@ def sparse_attn_sm90(
         and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
     )  # fmt: skip
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
-    cos, sin = inv_rope if fixup and inv_rope is not None else (ml, ml)
-    rd = check_rope(o, cos, sin) if fixup and inv_rope is not None else 0
+    # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit) over
+    # bf16 rows, whose kv buffers hold an fp32 [64, 512]; otherwise in the combine's launch
+    in_kernel = (
+        inv_rope is not None and (fixup or not split) and not entries and mode == 0
+        and 2 * inv_rope[0].shape[-1] == ROPE and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
+    )  # fmt: skip
+    cos, sin = inv_rope if in_kernel else (ml, ml)
+    rd = check_rope(o, cos, sin) if in_kernel else 0
     launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
         q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
@@ -534,7 +580,7 @@ def sparse_attn_sm90(
         NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv),
         num_warps=8, **launch,
     )  # fmt: skip
-    if fixup:
+    if fixup or in_kernel:
         return o
     # the Triton kernel's combine (launched early in the chain) or inverse RoPE
     return _triton._finish(o, part, ml, attn_sink, num_splits, launch["launch_pdl"], inv_rope)
