@@ -136,16 +136,15 @@ for part in $PARTS; do
           step_run "import dsv4.state as m; $v" 1 4096 "ctx_$(echo "$v" | tr -dc 'a-zA-Z0-9')"
       done ;;
     attn_prefill_ab)  # prefill with every chunk's attention on the Triton kernel (as until the
-      # forty-fifth session: three kv sources kept prefill off the Gluon kernel) and now: 4096
-      # tokens in chunks of 2048 (bf16 and FP8 state), a 2048-token chunk at 128K
-      for v in "m.SM90_MIN_TOKENS = m.SM90_MIN_TOKENS_FP8 = 1 << 30" "pass"; do
-        tag=$([ "$v" = pass ] && echo now || echo before)
-        STEP_ARGS="--prefill 4096 --chunk 2048" \
-          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_prefill_$tag
-        STEP_ARGS="--prefill 4096 --chunk 2048 --kv-cache-dtype fp8" \
-          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_prefill_fp8_$tag
-        STEP_ARGS="--prefill-context ${PREFILL_CONTEXTS:-131072} --chunk 2048 --repeat 5" \
-          step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 attn_ctx_$tag
+      # forty-fifth session: three kv sources kept prefill off the Gluon kernel) and now, in
+      # pairs: 4096 tokens in chunks of 2048 (bf16, then FP8 state), a 2048-token chunk at 128K
+      forms=("--prefill 4096 --chunk 2048" "--prefill 4096 --chunk 2048 --kv-cache-dtype fp8"
+        "--prefill-context ${PREFILL_CONTEXTS:-131072} --chunk 2048 --repeat 5")
+      for i in ${ATTN_AB_FORMS:-0 1 2}; do
+        for v in "m.SM90_MIN_TOKENS = m.SM90_MIN_TOKENS_FP8 = 1 << 30" "pass"; do
+          STEP_ARGS="${forms[$i]}" step_run "import dsv4.ops.sparse_attn as m; $v" 1 4096 \
+            "attn_prefill${i}_$([ "$v" = pass ] && echo now || echo before)"
+        done
       done ;;
     wide_ab)  # prefill of 4096 tokens in chunks of 2048 / 4096: the sm90 experts up to 6144 pairs
       # (the twenty-seventh session's limit, tl.dot_scaled past it) and now (WIDE tiles to 65536)
