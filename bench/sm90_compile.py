@@ -37,7 +37,8 @@ from dsv4.quant import quant_kv_entries
 CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
          "one": {"num_splits": 1}, "bn32": {"block_n": 32},
          "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True}, "entries": {"entries": True},
-         "three_entries": {"num_splits": 1, "sources": 3, "entries": True}}  # fmt: skip
+         "three_entries": {"num_splits": 1, "sources": 3, "entries": True},
+         "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True}}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -59,7 +60,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
     try:
         sm90.sparse_attn_sm90(
-            q, (kv[:128], kv[128:192], kv[192:])[: case.get("sources", 1)] if case.get("sources")
+            q, (kv[1:129], kv[129:162], kv[162:])[: case.get("sources", 1)] if case.get("sources")
             else (kv,), torch.zeros(64), idx, 0.04, 64 if case.get("entries") else 0, num_splits=case.get("num_splits", 2),
             inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip

@@ -13,7 +13,7 @@ def launch_signature(
     kernel, args: tuple, kwargs: dict, overrides: dict | None = None, int_divisibility: bool = False
 ) -> tuple[dict, dict, dict]:  # noqa: ANN001
     """(signature, constexprs, attrs) for `ASTSource(kernel, ...)` from a captured launch
-    (args, kwargs): tensors as 16-byte aligned pointers, floats fp32, ints i32 (with
+    (args, kwargs): tensors as pointers (16-byte aligned where they are), floats fp32, ints i32 (with
     int_divisibility, those divisible by 16 marked so, as a GPU launch specializes them);
     `overrides`: parameter values as a GPU launch passes them."""
     overrides = overrides or {}
@@ -24,7 +24,9 @@ def launch_signature(
         if p.is_constexpr:
             sig[p.name], consts[(i,)] = "constexpr", v
         elif isinstance(v, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + DTYPES[v.dtype], [["tt.divisibility", 16]]
+            sig[p.name] = "*" + DTYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:  # (as a GPU launch specializes a pointer)
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(v, float):
             sig[p.name] = "fp32"
         else:

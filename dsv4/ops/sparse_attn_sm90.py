@@ -65,9 +65,10 @@ def _tile_idx(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
 def _rows(kv_ptr, src, idx, NUM_SRC: gl.constexpr, ALIGN: gl.constexpr):  # noqa: ANN001, ANN202
     # pointers to rows idx (-1: row 0, masked by the caller) of the concatenation of NUM_SRC <= 3
     # sources: src = (n0, n1, stride0, stride1, stride2, at1, at2), source i > 0 at element
-    # offset at_i from source 0 (kv_ptr); every row starts on ALIGN elements. (NUM_SRC stays out
-    # of the tuple: a tuple's constexpr became a runtime branch, whose merged offset lost its
-    # alignment, and the FP8 entries' 8-byte copies failed to compile)
+    # offset at_i from source 0 (kv_ptr). Every row starts on ALIGN bytes (`supported`), which
+    # is asserted on the pointers themselves: source 0 may start on fewer than the 16 bytes a
+    # launch assumes of a pointer argument, and an FP8 entry's 8-byte copies need it. (NUM_SRC
+    # stays out of the tuple: there it became a runtime branch)
     n0, n1, stride0, stride1, stride2, at1, at2 = src
     j = gl.maximum(idx, 0).to(gl.int64)
     off = j * stride0
@@ -75,13 +76,13 @@ def _rows(kv_ptr, src, idx, NUM_SRC: gl.constexpr, ALIGN: gl.constexpr):  # noqa
         off = gl.where(j >= n0, at1 + (j - n0) * stride1, off)
     if NUM_SRC > 2:
         off = gl.where(j >= n0 + n1, at2 + (j - n0 - n1) * stride2, off)
-    return kv_ptr + gl.multiple_of(off, ALIGN)
+    return gl.multiple_of(kv_ptr + off, ALIGN)
 
 
 @gluon.jit
 def _gather(buf, kv_ptr, src, idx, offs_gd, NUM_SRC: gl.constexpr):  # noqa: ANN001, ANN202
     # rows idx of the sources into buf by cp.async (-1: zeros), one commit group
-    rows = _rows(kv_ptr, src, idx, NUM_SRC, 8)  # (bf16 rows start on 16 bytes)
+    rows = _rows(kv_ptr, src, idx, NUM_SRC, 16)
     cp.async_copy_global_to_shared(buf, rows[:, None] + offs_gd[None, :], mask=(idx >= 0)[:, None])
     cp.commit_group()
 
@@ -103,7 +104,7 @@ def _gather_entries(raw, rope, sc, kv_ptr, src, idx, BLOCK_N: gl.constexpr, NOPE
     # FP8 entries idx of the sources (uint8 rows, 8-byte aligned; -1: zeros) by cp.async, one
     # commit group: the e4m3 codes into raw [BN, 512], the bf16 rope bits into rope [BN, 64]
     # (int16), the scale bytes (after the codes and the 64 rope values) into sc [BN, 8]
-    rows = _rows(kv_ptr, src, idx, NUM_SRC, 8)  # [BN]
+    rows = _rows(kv_ptr, src, idx, NUM_SRC, 8)  # [BN] (entries start on 8 bytes)
     ok = idx >= 0
     _copy_rows(raw, rows, ok, 512, NOPE, gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
     _copy_rows(rope, (rows + NOPE).to(gl.pointer_type(gl.int16)), ok, 64, 64,
