@@ -272,6 +272,41 @@ def test_adjacent_sources_merge() -> None:
     assert _rel(got, _want(q, (ring, ent), sink, idx2, 0.3)) < TOL[torch.float32]
 
 
+def test_sm90_sources_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the Gluon kernel's host half, on the CPU: which sources it takes (1..3 of one dtype, every
+    # row on 16 bytes, or 8 for FP8 entries), and the offsets it is given: `_rows`' pick by index
+    # range from them must land on the address of the concatenation's row, whatever the sources'
+    # order in memory
+    from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.quant import quant_kv_entries
+
+    monkeypatch.setattr(sm90, "is_sm90", lambda device: True)
+    q = torch.zeros(4, 64, 512, dtype=torch.bfloat16)
+    buf = torch.zeros(300, 512, dtype=torch.bfloat16)
+    apart = (buf[200:230], torch.zeros(7, 512, dtype=torch.bfloat16), buf[10:150])
+    assert sm90.supported(q, apart) and sm90.supported(q, apart[:1])
+    assert not sm90.supported(q, (*apart, buf[:5]))  # four sources
+    assert not sm90.supported(q, (apart[0], apart[1].float()))  # mixed dtypes
+    odd = buf.view(-1)[4 : 4 + 512 * 20].view(20, 512)  # starts on 8 bytes
+    assert not sm90.supported(q, (apart[0], odd))
+    ent = quant_kv_entries(torch.randn(40, 512), 64)
+    assert sm90.supported(q, (ent[1:9], ent[20:]), 64, entries=True)  # entries on 8 bytes
+    assert not sm90.supported(q, (ent[1:9], ent[20:]), 64, entries=False)
+    assert not sm90.supported(q, (ent[1:9], apart[0]), 64, entries=True)
+
+    for kv in (apart, (apart[2], apart[0]), (ent[30:], ent[1:9], ent[12:20])):
+        n0, n1, s0, s1, s2, at1, at2 = sm90._sources(kv)
+        size = kv[0].element_size()
+        rows = [(src, r) for src in kv for r in range(src.shape[0])]
+        for j, (src, r) in enumerate(rows):  # `_rows`' arithmetic, in elements from source 0
+            off = j * s0
+            if len(kv) > 1 and j >= n0:
+                off = at1 + (j - n0) * s1
+            if len(kv) > 2 and j >= n0 + n1:
+                off = at2 + (j - n0 - n1) * s2
+            assert kv[0].data_ptr() + off * size == src[r].data_ptr(), (j, len(kv))
+
+
 def _one_source_inputs(T: int) -> tuple[torch.Tensor, ...]:
     # the engine's decode form for the Gluon kernel: (q, ring, pool, sink, idx) with idx into
     # ring | pool as one source (the new rows already in the ring: their picks become -1)
