@@ -197,22 +197,31 @@ def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl
 
 
 @gluon.jit
+def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
+    # acc -> shared memory (fp32 [64, 512] over the free bf16 kv buffers, swizzled so the MMA
+    # layout's row pairs store without bank conflicts), to be written in CH-channel chunks:
+    # (own, rows, cols, m, l), the last three in the chunks' layout
+    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    own = kv_smem._reinterpret(gl.float32, [acc.shape[0], acc.shape[1]], st_layout)
+    own.store(acc)
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, c_layout))
+    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+    m = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
+    l = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))  # noqa: E741
+    return own, rows, cols, m, l
+
+
+@gluon.jit
 def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
                  stride_oh, stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
     # the unsplit output with the inverse RoPE on its last RD channels: `_normalise`'s values
     # (the same factor), staged in the free kv buffers and written in 128-channel chunks as
     # `_fixup`'s split 1 writes them (the peer's part zero), the last chunk rotated in registers
     H: gl.constexpr = 64
-    D: gl.constexpr = 512
     CH: gl.constexpr = 128
-    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
-    own.store(acc)
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
-    rows = gl.arange(0, H, layout=gl.SliceLayout(1, c_layout))
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
-    m = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
-    l = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))  # noqa: E741
+    own, rows, cols, m, l = _stage(acc, m_o, l_o, kv_smem, CH)  # noqa: E741
+    c_layout: gl.constexpr = cols.type.layout.parent
     w1 = _sink_factor(m, l, sink_ptr, rows)[:, None]
     w0 = gl.zeros([H, 1], gl.float32, c_layout)
     zero = gl.zeros([H, CH], gl.float32, c_layout)
@@ -250,16 +259,8 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         gl.thread_barrier()  # every thread's partial before the flag
         gl.atomic_xchg(flag, 1, sem="release")
     else:
-        # own acc -> shared memory (fp32 [64, 512] over the two bf16 kv buffers, swizzled so the
-        # MMA layout's row pairs store without bank conflicts)
-        st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
-        own.store(acc)
-        c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
-        rows = gl.arange(0, H, layout=gl.SliceLayout(1, c_layout))
-        cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
-        m_own = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
-        l_own = gl.convert_layout(l_o, gl.SliceLayout(1, c_layout))
+        own, rows, cols, m_own, l_own = _stage(acc, m_o, l_o, kv_smem, CH)  # own acc staged
+        c_layout: gl.constexpr = cols.type.layout.parent
         ready = gl.atomic_add(flag, 0, sem="acquire")
         while ready == 0:
             ready = gl.atomic_add(flag, 0, sem="acquire")
