@@ -55,7 +55,7 @@ FEW_TOKENS_SHARED = 52 * 1024  # 49.1 KB
 FEW_TOKENS_FP8_SHARED = 68 * 1024  # 64 KB
 # from this many tokens on an sm_90 GPU, 64 x 512 heads: the Gluon kernel
 # (dsv4/ops/sparse_attn_sm90.py). bf16 rows: H200, T=64: 30.5 vs 39.1 us, T=16: 19.2 vs 17.5;
-# a 4096-token prefill chunk's three sources (CSA, 128 + 512 keys) 1271 vs 2044 us.
+# a 4096-token prefill chunk's three sources (CSA, 128 + 512 keys) 1178 vs 2036 us.
 # FP8 entries (decoded in shared memory): T=64 40.9 vs 65.1, T=16 21.7 vs 28.6, T=1 18.1 vs 10.3
 SM90_MIN_TOKENS = 32
 SM90_MIN_TOKENS_FP8 = 16

@@ -1,4 +1,5 @@
-"""Sparse decode attention for Hopper (sm_90) in Gluon: the layout Triton cannot express.
+"""Sparse attention (decode steps and prefill chunks) for Hopper (sm_90) in Gluon: the layout
+Triton cannot express.
 
   sparse_attn_sm90(q, kv, attn_sink, topk_idxs, scale) -> o   (as `dsv4.ops.sparse_attn`, for
   64 heads, 512 channels, bf16, 1..3 kv sources of bf16 rows or FP8 entries; `supported` says when)
@@ -12,7 +13,11 @@ accumulates its half of the 512 output channels over every key of the tile (O [6
 warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
 NUM_BUF - 1 tiles ahead. Two splits of bf16 rows (T = 45..66 on an H200, the batch-64 decode)
 finish inside the kernel (`_fixup`): split 1 of a token waits for split 0's published partial
-and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine.
+and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine. Prefill
+chunks (one program a token, unsplit) come here too: their three sources (ring, the chunk's new
+rows, the entries) are addressed from one pointer by index range (`_rows`), and o is written
+with the inverse RoPE (`_finish_rope`). H200, T=4096, 128 + 512 keys: 1178 us against the Triton
+kernel's 2036 (docs/PERF.md, forty-fifth session).
 
 H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
 gathers alone (MODE=1, partials and combine included) take 25 us and the math alone (MODE=2)
