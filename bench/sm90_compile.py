@@ -14,7 +14,7 @@ venv's torch:
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
 splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
 (unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
-the inverse RoPE in the kernel), entries / three_entries (FP8 entries);
+the inverse RoPE in the kernel), entries / three_entries / three_entries_split3 (FP8 entries);
 default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
@@ -34,11 +34,14 @@ from dsv4.bench.compile import launch_signature
 from dsv4.ops import sparse_attn_sm90 as sm90
 from dsv4.quant import quant_kv_entries
 
-CASES = {"fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
-         "one": {"num_splits": 1}, "bn32": {"block_n": 32},
-         "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True}, "entries": {"entries": True},
-         "three_entries": {"num_splits": 1, "sources": 3, "entries": True},
-         "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True}}  # fmt: skip
+CASES = {
+    "fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
+    "one": {"num_splits": 1}, "bn32": {"block_n": 32},
+    "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True},
+    "entries": {"entries": True},
+    "three_entries": {"num_splits": 1, "sources": 3, "entries": True},
+    "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True},
+}  # fmt: skip
 
 
 def capture(case: dict) -> tuple[tuple, dict]:
@@ -58,11 +61,12 @@ def capture(case: dict) -> tuple[tuple, dict]:
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
     kernel, supported = sm90._decode_kernel, sm90.supported
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
+    # three sources as views from row 1: an FP8 source 0 then starts on 8 bytes, not 16
+    srcs = (kv[1:129], kv[129:162], kv[162:]) if "sources" in case else (kv,)
     try:
         sm90.sparse_attn_sm90(
-            q, (kv[1:129], kv[129:162], kv[162:])[: case.get("sources", 1)] if case.get("sources")
-            else (kv,), torch.zeros(64), idx, 0.04, 64 if case.get("entries") else 0, num_splits=case.get("num_splits", 2),
-            inv_rope=cs, block_n=case.get("block_n", 64),
+            q, srcs, torch.zeros(64), idx, 0.04, 64 if case.get("entries") else 0,
+            num_splits=case.get("num_splits", 2), inv_rope=cs, block_n=case.get("block_n", 64),
         )  # fmt: skip
     except Exception:  # noqa: BLE001  (the launcher's CPU tail after the captured launch)
         if not calls:

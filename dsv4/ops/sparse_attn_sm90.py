@@ -218,6 +218,20 @@ def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
 
 
 @gluon.jit
+def _write_o(own, b0, b1, b2, b3, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl.constexpr,
+             RD: gl.constexpr, c_layout: gl.constexpr):  # fmt: skip
+    # o's four CH-channel chunks from the staged acc (own) and the peer's parts b0..b3
+    # (`_combine_part`), RoPE undone on the last RD channels when RD > 0
+    _combine_part(own, b0, 0, w0, w1, o_rows, cols, CH, c_layout)
+    _combine_part(own, b1, 1, w0, w1, o_rows, cols, CH, c_layout)
+    _combine_part(own, b2, 2, w0, w1, o_rows, cols, CH, c_layout)
+    if RD > 0:  # (the last RD channels lie in the last chunk)
+        _combine_part_rope(own, b3, 3, w0, w1, o_rows, cols, cos_row, sin_row, CH, RD, c_layout)
+    else:
+        _combine_part(own, b3, 3, w0, w1, o_rows, cols, CH, c_layout)
+
+
+@gluon.jit
 def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
                  stride_oh, stride_ct, stride_st, RD: gl.constexpr):  # fmt: skip
     # the unsplit output with the inverse RoPE on its last RD channels: `_normalise`'s values
@@ -232,11 +246,8 @@ def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, s
     zero = gl.zeros([H, CH], gl.float32, c_layout)
     gl.thread_barrier()  # every thread's acc is in shared memory
     o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
-    _combine_part(own, zero, 0, w0, w1, o_rows, cols, CH, c_layout)
-    _combine_part(own, zero, 1, w0, w1, o_rows, cols, CH, c_layout)
-    _combine_part(own, zero, 2, w0, w1, o_rows, cols, CH, c_layout)
-    _combine_part_rope(own, zero, 3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
-                       sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
+    _write_o(own, zero, zero, zero, zero, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
+             sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -288,16 +299,8 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         w0 = (e0 / den)[:, None]
         w1 = (e1 / den)[:, None]
         o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
-        _combine_part(own, b0, 0, w0, w1, o_rows, cols, CH, c_layout)
-        _combine_part(own, b1, 1, w0, w1, o_rows, cols, CH, c_layout)
-        _combine_part(own, b2, 2, w0, w1, o_rows, cols, CH, c_layout)
-        if RD > 0:  # (the last RD channels lie in the last chunk)
-            cos_row = cos_ptr + t * stride_ct
-            sin_row = sin_ptr + t * stride_st
-            _combine_part_rope(own, b3, 3, w0, w1, o_rows, cols, cos_row, sin_row, CH, RD,
-                               c_layout)  # fmt: skip
-        else:
-            _combine_part(own, b3, 3, w0, w1, o_rows, cols, CH, c_layout)
+        _write_o(own, b0, b1, b2, b3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
+                 sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
         gl.store(flag, 0)  # zero between launches (only the two splits of t touch it)
 
 
@@ -560,20 +563,15 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
-    # the combine in the kernel: two splits of bf16 rows whose kv buffers hold an fp32 [64, 512],
-    # RoPE undone there for Flash's 64 rope channels (other widths: the combine launch)
-    fixup = (
-        FIXUP and num_splits == 2 and not entries and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
-        and T <= FIXUP_MAX_TOKENS and mode == 0
-        and (inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE)
-    )  # fmt: skip
+    # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): bf16 rows, whose
+    # buffers hold an fp32 [64, 512], and Flash's 64 rope channels when RoPE is asked for
+    staged = not entries and mode == 0 and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
+    rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
+    fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
-    # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit) over
-    # bf16 rows, whose kv buffers hold an fp32 [64, 512]; otherwise in the combine's launch
-    in_kernel = (
-        inv_rope is not None and (fixup or not split) and not entries and mode == 0
-        and 2 * inv_rope[0].shape[-1] == ROPE and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
-    )  # fmt: skip
+    # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit);
+    # otherwise in the combine's launch or a rotary launch
+    in_kernel = inv_rope is not None and rope_ok and staged and (fixup or not split)
     cos, sin = inv_rope if in_kernel else (ml, ml)
     rd = check_rope(o, cos, sin) if in_kernel else 0
     launch = chain(q.device)
