@@ -538,6 +538,51 @@ def probe_attn_fixup() -> None:
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
+def probe_attn_fp8_fixup() -> None:
+    # the Gluon kernel over FP8 entries in the model's form (with the inverse RoPE): two splits
+    # combined in the kernel (acc staged over the raw tiles and the bf16 tile) against the combine
+    # launch, and unsplit with the RoPE in the kernel against a rotary launch after it
+    from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.ops.rope import rotary
+    from dsv4.quant import quant_kv_entries
+
+    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
+    for T in (64, 48, 256, 1024):
+        q, kv, sink, idx = attn.tokens(T)
+        one8 = (quant_kv_entries(torch.cat(kv), 64),)
+        cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
+        nb8 = T * idx.shape[1] * 584 + 4 * q.numel()
+        plain = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
+        turned = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs)
+        exact = torch.equal(turned, rotary(plain, *cs, inverse=True))
+        if T * 2 <= 132:  # two splits
+            for fix in (False, True, False, True):
+                sm90.FIXUP = fix
+                us(
+                    f"attn T={T} fp8 sm90 inv_rope {'fixup' if fix else 'combine launch'}",
+                    lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
+                    nbytes=nb8,
+                    note=f"  rope bit-exact {exact}",
+                )
+            sm90.FIXUP = True
+        else:  # one split
+            for _ in range(2):
+                us(
+                    f"attn T={T} fp8 sm90 unsplit + rotary launch",
+                    lambda: rotary(
+                        sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64), *cs, inverse=True
+                    ),  # noqa: B023
+                    nbytes=nb8,
+                )
+                us(
+                    f"attn T={T} fp8 sm90 unsplit, RoPE in the kernel",
+                    lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
+                    nbytes=nb8,
+                    note=f"  rope bit-exact {exact}",
+                )
+    copy_floor("attn fp8 fixup: copy_ of 64 MiB", 64 << 20)
+
+
 def probe_attn_tlb() -> None:
     # T=64 gathers: picks uniform over a 1 GB pool vs each token's own region (the engine's
     # layout: a sequence's entries together), the Triton kernel and the sm90 one (full, loads only)
@@ -2336,7 +2381,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_fp8_fixup": probe_attn_fp8_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

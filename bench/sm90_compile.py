@@ -38,7 +38,8 @@ CASES = {
     "fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
     "one": {"num_splits": 1}, "bn32": {"block_n": 32},
     "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True},
-    "entries": {"entries": True},
+    "entries": {"entries": True}, "entries_rope": {"entries": True, "rope": True},
+    "entries_one_rope": {"entries": True, "num_splits": 1, "rope": True},
     "three_entries": {"num_splits": 1, "sources": 3, "entries": True},
     "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True},
 }  # fmt: skip

@@ -371,14 +371,22 @@ def _decode_kernel(
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
-    if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs
+    if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs; the
+        # raw buffers and the tile in one allocation, which the epilogue stages acc over
+        # (bf16 tiles of 2 raw tiles each: raw tiles 0 .. NUM_BUF - 1, then the bf16 tile)
+        gl.static_assert(NUM_BUF % 2 == 0, "FP8 entries: an even NUM_BUF")
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
+        pool = gl.allocate_shared_memory(
+            gl.bfloat16, [NUM_BUF // 2 + 1, BLOCK_N, D], kv_smem_layout
+        )
+        raw_smem = pool._reinterpret(gl.uint8, [NUM_BUF + 2, BLOCK_N, 512], plain)
         rope_smem = gl.allocate_shared_memory(gl.int16, [NUM_BUF, BLOCK_N, 64], plain)
         sc_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 8], plain)
-        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, D], kv_smem_layout)
+        kv_tile = pool.index(NUM_BUF // 2)
+        stage_smem = pool
     else:
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
+        stage_smem = kv_smem
 
     offs_gd = gl.arange(0, D, layout=gl.SliceLayout(0, g_layout))
     offs_gn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, g_layout))
@@ -432,7 +440,7 @@ def _decode_kernel(
         valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
         if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
             cb = i % NUM_BUF
-            kv = kv_smem.index(0)
+            kv = kv_tile
             _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
             fence_async_shared()
             gl.thread_barrier()
@@ -458,7 +466,7 @@ def _decode_kernel(
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     if FIXUP:
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
-        _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
+        _fixup(acc, m_o, l_o, stage_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
                cos_ptr, sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh,
                stride_ct, stride_st, RD)  # fmt: skip
     elif SPLIT:
@@ -469,7 +477,7 @@ def _decode_kernel(
         gl.store(ml + H, l_o)
     elif RD > 0:
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
-        _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
+        _finish_rope(acc, m_o, l_o, stage_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, stride_ot,
                      stride_oh, stride_ct, stride_st, RD)  # fmt: skip
     else:
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
@@ -563,9 +571,11 @@ def sparse_attn_sm90(
         ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     else:
         part = ml = o
-    # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): bf16 rows, whose
-    # buffers hold an fp32 [64, 512], and Flash's 64 rope channels when RoPE is asked for
-    staged = not entries and mode == 0 and block_n * num_buf * DIM * 2 >= HEADS * DIM * 4
+    # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
+    # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles + their bf16 tile), and
+    # Flash's 64 rope channels when RoPE is asked for
+    pool = (num_buf + 2) * block_n * DIM if entries else num_buf * block_n * DIM * 2  # bytes
+    staged = mode == 0 and pool >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml

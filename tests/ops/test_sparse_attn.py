@@ -381,28 +381,39 @@ def test_gpu_sm90_three_sources(T: int, num_splits: int | None, fp8: bool) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 48, 64])
-def test_gpu_sm90_fixup(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # two splits combined inside the Gluon kernel (FIXUP) against the combine launch: both near
-    # the fp32 reference, the same bits on every call whichever split arrives last, and the
-    # semaphores zero again afterwards (the next launch and graph replays start from zero)
+    # the fp32 reference, the same bits on every call whichever split arrives last, the inverse
+    # RoPE in the kernel bit for bit the rotary launch's, and the semaphores zero again afterwards
+    # (the next launch and graph replays start from zero). fp8: over FP8 entries, whose acc is
+    # staged over the raw tiles and the bf16 tile
     from dsv4.ops import device as dev_mod
     from dsv4.ops import sparse_attn_sm90 as sm90
+    from dsv4.quant import dequant_kv_entries, quant_kv_entries
 
     q, ring, pool, sink, idx = _one_source_inputs(T)
-    if not sm90.supported(q, (ring,)):
-        pytest.skip("not an sm_90 GPU")
     both = torch.cat([ring, pool])
+    rows = both
+    if fp8:
+        both = quant_kv_entries(both, 64)
+        rows = dequant_kv_entries(both, 512, 64)
+    if not sm90.supported(q, (both,), 64, entries=True):
+        pytest.skip("not an sm_90 GPU")
     idx[:, 3::11] = -1
-    want = _want(q, (both,), sink, idx, 512**-0.5)
+    want = _want(q, (rows,), sink, idx, 512**-0.5)
     kw = dict(num_splits=2, block_n=64, num_buf=2)
     monkeypatch.setattr(sm90, "FIXUP", False)
-    launched = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw)
+    launched = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw)
     monkeypatch.setattr(sm90, "FIXUP", True)
-    fixed = [sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, **kw) for _ in range(3)]
+    fixed = [sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw) for _ in range(3)]
     assert _rel(fixed[0], want) < TOL[torch.bfloat16], _rel(fixed[0], want)
     assert _rel(fixed[0], launched) < 1e-2, _rel(fixed[0], launched)
     assert all(torch.equal(f, fixed[0]) for f in fixed[1:])
+    cs = _cos_sin(T, 64, "cuda")
+    turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
+    assert torch.equal(turned, rotary(fixed[0], *cs, inverse=True))
     sem = dev_mod.arrival_counts("sparse_attn_sm90", q.device, 2 * sm90.FIXUP_MAX_TOKENS)
     assert int(sem.count_nonzero()) == 0
 
@@ -422,12 +433,15 @@ def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
         pytest.skip("not an sm_90 GPU")
     idx[:, 7::13] = -1
     want = _want(q, (dequant_kv_entries(both, 512, 64),), sink, idx, 512**-0.5)
+    cs = _cos_sin(T, 64, "cuda")
     for splits in (None, 1, 2):
-        o = sm90.sparse_attn_sm90(
-            q, (both,), sink, idx, 512**-0.5, 64, num_splits=splits, block_n=block_n,
-            num_buf=num_buf,
-        )  # fmt: skip
+        kw = dict(num_splits=splits, block_n=block_n, num_buf=num_buf)
+        o = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw)
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
+        # the inverse RoPE in the kernel (BN 64: unsplit, two splits), the combine's launch or a
+        # rotary launch: bit for bit
+        turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
+        assert torch.equal(turned, rotary(o, *cs, inverse=True)), splits
 
 
 @pytest.mark.gpu
