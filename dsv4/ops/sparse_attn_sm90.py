@@ -373,16 +373,14 @@ def _decode_kernel(
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
     if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs; the
         # raw buffers and the tile in one allocation, which the epilogue stages acc over
-        # (bf16 tiles of 2 raw tiles each: raw tiles 0 .. NUM_BUF - 1, then the bf16 tile)
-        gl.static_assert(NUM_BUF % 2 == 0, "FP8 entries: an even NUM_BUF")
+        # (a bf16 tile spans two raw tiles: raw tiles 0 .. NUM_BUF - 1, then the bf16 tile)
+        PAIRS: gl.constexpr = (NUM_BUF + 1) // 2
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        pool = gl.allocate_shared_memory(
-            gl.bfloat16, [NUM_BUF // 2 + 1, BLOCK_N, D], kv_smem_layout
-        )
-        raw_smem = pool._reinterpret(gl.uint8, [NUM_BUF + 2, BLOCK_N, 512], plain)
+        pool = gl.allocate_shared_memory(gl.bfloat16, [PAIRS + 1, BLOCK_N, D], kv_smem_layout)
+        raw_smem = pool._reinterpret(gl.uint8, [2 * PAIRS + 2, BLOCK_N, 512], plain)
         rope_smem = gl.allocate_shared_memory(gl.int16, [NUM_BUF, BLOCK_N, 64], plain)
         sc_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 8], plain)
-        kv_tile = pool.index(NUM_BUF // 2)
+        kv_tile = pool.index(PAIRS)
         stage_smem = pool
     else:
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
@@ -574,7 +572,7 @@ def sparse_attn_sm90(
     # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
     # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles + their bf16 tile), and
     # Flash's 64 rope channels when RoPE is asked for
-    pool = (num_buf + 2) * block_n * DIM if entries else num_buf * block_n * DIM * 2  # bytes
+    pool = ((num_buf + 1) // 2 + 1 if entries else num_buf) * block_n * DIM * 2  # bytes
     staged = mode == 0 and pool >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
