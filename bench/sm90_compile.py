@@ -14,7 +14,8 @@ venv's torch:
 CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
 splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
 (unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
-the inverse RoPE in the kernel), entries / three_entries / three_entries_split3 (FP8 entries);
+the inverse RoPE in the kernel), entries / entries_rope / entries_one_rope / three_entries /
+three_entries_split3 (FP8 entries: 2 splits, with the inverse RoPE, unsplit with it, ...);
 default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """

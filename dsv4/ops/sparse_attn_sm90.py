@@ -11,13 +11,16 @@ has warps [4, 2]: warpgroup g computes the scores of keys g*BN/2 ..), the row ma
 the warpgroups through shared memory, P goes to shared memory once, and each warpgroup
 accumulates its half of the 512 output channels over every key of the tile (O [64, 512] has
 warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
-NUM_BUF - 1 tiles ahead. Two splits of bf16 rows (T = 45..66 on an H200, the batch-64 decode)
-finish inside the kernel (`_fixup`): split 1 of a token waits for split 0's published partial
+NUM_BUF - 1 tiles ahead. Two splits (T = 45..66 on an H200, the batch-64 decode) finish inside
+the kernel (`_fixup`): split 1 of a token waits for split 0's published partial
 and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine. Prefill
 chunks (one program a token, unsplit) come here too: their three sources (ring, the chunk's new
 rows, the entries) are addressed from one pointer by index range (`_rows`), and o is written
 with the inverse RoPE (`_finish_rope`). H200, T=4096, 128 + 512 keys: 1178 us against the Triton
-kernel's 2036 (docs/PERF.md, forty-fifth session).
+kernel's 2036 (docs/PERF.md, forty-fifth session). Both epilogues stage acc (fp32, 128 KB) in the
+kv buffers once the loop is done: bf16 rows' tiles, or FP8 entries' raw tiles with their bf16
+tile, which are one allocation for this (FP8, H200, T=64: 40.8 -> 37.7 us against the combine
+launch; T=1024 unsplit: 491 -> 436 us against a rotary launch; forty-sixth session).
 
 H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
 gathers alone (MODE=1, partials and combine included) take 25 us and the math alone (MODE=2)
@@ -52,7 +55,7 @@ ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
 # against the Triton kernel's 65.1)
 FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
-# two splits of bf16 rows finish in the kernel (`_fixup`): split 1 of a token combines
+# two splits finish in the kernel (`_fixup`): split 1 of a token combines
 # both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
@@ -207,6 +210,11 @@ def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
     # layout's row pairs store without bank conflicts), to be written in CH-channel chunks:
     # (own, rows, cols, m, l), the last three in the chunks' layout
     st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    gl.static_assert(  # (bf16 buffers; the launcher stages only where they hold acc)
+        kv_smem.shape[0] * kv_smem.shape[1] * kv_smem.shape[2] * 2
+        >= acc.shape[0] * acc.shape[1] * 4,
+        "the kv buffers hold less than acc",
+    )
     own = kv_smem._reinterpret(gl.float32, [acc.shape[0], acc.shape[1]], st_layout)
     own.store(acc)
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
@@ -544,7 +552,8 @@ def sparse_attn_sm90(
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for 1..3 kv sources (`supported(q, kv)` must
     hold; `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
-    (in this kernel where it writes o over bf16 rows, else in the combine's or a rotary launch).
+    (in this kernel where it writes o from staged buffers, else in the combine's or a rotary
+    launch).
     num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
     tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
@@ -572,8 +581,8 @@ def sparse_attn_sm90(
     # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
     # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles + their bf16 tile), and
     # Flash's 64 rope channels when RoPE is asked for
-    pool = ((num_buf + 1) // 2 + 1 if entries else num_buf) * block_n * DIM * 2  # bytes
-    staged = mode == 0 and pool >= HEADS * DIM * 4
+    stage_bytes = ((num_buf + 1) // 2 + 1 if entries else num_buf) * block_n * DIM * 2
+    staged = mode == 0 and stage_bytes >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
