@@ -470,6 +470,13 @@ def _sparse_attn_combine_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+def rows_aligned(kv: tuple[torch.Tensor, ...], align: int) -> bool:
+    """Every row of every kv source starts on `align` bytes (its base and its row stride)."""
+    return all(
+        s.data_ptr() % align == 0 and s.stride(0) * s.element_size() % align == 0 for s in kv
+    )
+
+
 def _merge_adjacent(kv: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Sources that continue one another in memory (one allocation, the same row stride) as one
     view: the same concatenation, fewer index ranges to resolve per gathered row (the engine's
@@ -665,7 +672,7 @@ def sparse_attn(
 
         if sparse_attn_sm90.supported(q, kv, rope_dim):
             return sparse_attn_sm90.sparse_attn_sm90(
-                q, kv, attn_sink, topk_idxs, scale, rope_dim, inv_rope=inv_rope
+                q, kv, attn_sink, topk_idxs, scale, rope_dim, inv_rope=inv_rope, checked=True
             )
 
     # ---- allocate
@@ -714,9 +721,7 @@ def sparse_attn(
         H_PAD=H_PAD,
         NUM_SRC=len(kv),
         SPLIT=split,
-        ALIGNED=all(
-            s.data_ptr() % align == 0 and s.stride(0) * s.element_size() % align == 0 for s in kv
-        ),
+        ALIGNED=rows_aligned(kv, align),
         ENTRIES=entries,
         NOPE=nope,
         FP8_DECODE=fp8_decode(q) if entries else 0,

@@ -516,13 +516,10 @@ def supported(
         ok
         and q_ok
         and all(
-            src.dtype == kv[0].dtype
-            and tuple(src.shape[1:]) == (width,)
-            and src.stride(1) == 1
-            and src.data_ptr() % align == 0
-            and src.stride(0) * src.element_size() % align == 0
+            src.dtype == kv[0].dtype and tuple(src.shape[1:]) == (width,) and src.stride(1) == 1
             for src in kv
         )
+        and _triton.rows_aligned(kv, align)
     )
 
 
@@ -549,6 +546,7 @@ def sparse_attn_sm90(
     block_n: int = 64,
     num_buf: int = 2,
     mode: int = 0,
+    checked: bool = False,
 ) -> torch.Tensor:
     """`dsv4.ops.sparse_attn` on the Gluon kernel for 1..3 kv sources (`supported(q, kv)` must
     hold; `sparse_attn` merges adjacent sources before it hands over). inv_rope: as `sparse_attn`'s
@@ -556,8 +554,10 @@ def sparse_attn_sm90(
     launch).
     num_splits:
     key splits per token (default: fill the SMs once); block_n / num_buf: keys per tile and
-    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone)."""
-    assert supported(q, kv, rope_dim, entries=True), (
+    tiles in shared memory; mode: probes only (1 = the gathers alone, 2 = the math alone);
+    checked: the caller has just found `supported(q, kv, rope_dim)` (`sparse_attn`'s dispatch),
+    so it is not asked again."""
+    assert checked or supported(q, kv, rope_dim, entries=True), (
         "sparse_attn_sm90: needs sm_90, bf16 [T, 64, 512] q, 1..3 kv sources (bf16 or FP8 entries)"
     )
     entries = kv[0].dtype == torch.uint8
