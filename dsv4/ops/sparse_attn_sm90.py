@@ -18,8 +18,8 @@ chunks (one program a token, unsplit) come here too: their three sources (ring, 
 rows, the entries) are addressed from one pointer by index range (`_rows`), and o is written
 with the inverse RoPE (`_finish_rope`). H200, T=4096, 128 + 512 keys: 1178 us against the Triton
 kernel's 2036 (docs/PERF.md, forty-fifth session). Both epilogues stage acc (fp32, 128 KB) in the
-kv buffers once the loop is done: bf16 rows' tiles, or FP8 entries' raw tiles with their bf16
-tile, which are one allocation for this (FP8, H200, T=64: 40.8 -> 37.7 us against the combine
+kv buffers once the loop is done: bf16 rows' tiles, or q with FP8 entries' raw tiles, which
+are one allocation for this (FP8, H200, T=64: 40.8 -> 37.7 us against the combine
 launch; T=1024 unsplit: 491 -> 436 us against a rotary launch; forty-sixth session).
 
 H200, T=64, 640 keys, 2 splits (docs/PERF.md): 30.3 us against the Triton kernel's 39.1. The
@@ -377,20 +377,29 @@ def _decode_kernel(
     kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)
     p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BLOCK_N], gl.bfloat16)
 
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [H, BLOCK_N], p_smem_layout)
-    if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs; the
-        # raw buffers and the tile in one allocation, which the epilogue stages acc over
-        # (a bf16 tile spans two raw tiles: raw tiles 0 .. NUM_BUF - 1, then the bf16 tile)
-        PAIRS: gl.constexpr = (NUM_BUF + 1) // 2
+    if ENTRIES:  # raw entries NUM_BUF deep, decoded into one bf16 tile before its MMAs. Raw tiles
+        # that fit in 64 KB share one allocation with q (q, then the raw tiles from RAW_AT), which
+        # the epilogue stages acc over. (Not with the bf16 tile: the decode's loads of raw tiles
+        # and stores to that tile in one allocation read as hazards, a barrier every 64 channels)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        pool = gl.allocate_shared_memory(gl.bfloat16, [PAIRS + 1, BLOCK_N, D], kv_smem_layout)
-        raw_smem = pool._reinterpret(gl.uint8, [2 * PAIRS + 2, BLOCK_N, 512], plain)
+        RAW_Q: gl.constexpr = H * D * 2 // (BLOCK_N * 512)  # raw tiles in q's bytes
+        if NUM_BUF <= RAW_Q:
+            q_pool = gl.allocate_shared_memory(gl.bfloat16, [2, H, D], q_smem_layout)
+            q_smem = q_pool.index(0)
+            raw_smem = q_pool._reinterpret(gl.uint8, [2 * RAW_Q, BLOCK_N, 512], plain)
+            RAW_AT: gl.constexpr = RAW_Q
+            stage_smem = q_pool
+        else:  # (nothing to stage in: the launcher's `staged` is false)
+            q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
+            raw_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 512], plain)
+            RAW_AT: gl.constexpr = 0
+            stage_smem = raw_smem
         rope_smem = gl.allocate_shared_memory(gl.int16, [NUM_BUF, BLOCK_N, 64], plain)
         sc_smem = gl.allocate_shared_memory(gl.uint8, [NUM_BUF, BLOCK_N, 8], plain)
-        kv_tile = pool.index(PAIRS)
-        stage_smem = pool
+        kv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, D], kv_smem_layout)
     else:
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_smem_layout)
         kv_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, BLOCK_N, D], kv_smem_layout)
         stage_smem = kv_smem
 
@@ -414,7 +423,7 @@ def _decode_kernel(
     for b in gl.static_range(NUM_BUF - 1):
         idx = _tile_idx(idx_row, k_begin + b * BLOCK_N, k_end, offs_gn)
         if ENTRIES:
-            _gather_entries(raw_smem.index(b), rope_smem.index(b), sc_smem.index(b), kv_ptr,
+            _gather_entries(raw_smem.index(RAW_AT + b), rope_smem.index(b), sc_smem.index(b), kv_ptr,
                             src, idx, BLOCK_N, NOPE, NUM_SRC)  # fmt: skip
         else:
             _gather(kv_smem.index(b), kv_ptr, src, idx, offs_gd, NUM_SRC)
@@ -435,7 +444,7 @@ def _decode_kernel(
         nxt = i + NUM_BUF - 1
         if ENTRIES:
             nb = nxt % NUM_BUF
-            _gather_entries(raw_smem.index(nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
+            _gather_entries(raw_smem.index(RAW_AT + nb), rope_smem.index(nb), sc_smem.index(nb), kv_ptr,
                             src, idx_next, BLOCK_N, NOPE, NUM_SRC)  # fmt: skip
         elif MODE != 2:
             _gather(kv_smem.index(nxt % NUM_BUF), kv_ptr, src, idx_next, offs_gd, NUM_SRC)
@@ -446,8 +455,9 @@ def _decode_kernel(
         valid_next = _tile_idx(idx_row, k_begin + (i + 1) * BLOCK_N, k_end, offs_sn) >= 0
         if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
             cb = i % NUM_BUF
-            kv = kv_tile
-            _decode_entries(raw_smem.index(cb), rope_smem.index(cb), sc_smem.index(cb), kv, NOPE)
+            kv = kv_smem.index(0)
+            _decode_entries(raw_smem.index(RAW_AT + cb), rope_smem.index(cb), sc_smem.index(cb), kv,
+                            NOPE)  # fmt: skip
             fence_async_shared()
             gl.thread_barrier()
         if MODE != 1:
@@ -579,9 +589,12 @@ def sparse_attn_sm90(
     else:
         part = ml = o
     # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
-    # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles + their bf16 tile), and
+    # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles with q), and
     # Flash's 64 rope channels when RoPE is asked for
-    stage_bytes = ((num_buf + 1) // 2 + 1 if entries else num_buf) * block_n * DIM * 2
+    if entries:  # q and the raw tiles (when these fit in q's 64 KB)
+        stage_bytes = 2 * HEADS * DIM * 2 if num_buf * block_n * DIM <= HEADS * DIM * 2 else 0
+    else:  # the bf16 tiles
+        stage_bytes = num_buf * block_n * DIM * 2
     staged = mode == 0 and stage_bytes >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine

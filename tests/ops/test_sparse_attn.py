@@ -438,8 +438,8 @@ def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
         kw = dict(num_splits=splits, block_n=block_n, num_buf=num_buf)
         o = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw)
         assert _rel(o, want) < TOL[torch.bfloat16], (splits, _rel(o, want))
-        # the inverse RoPE in the kernel (BN 64: unsplit, two splits), the combine's launch or a
-        # rotary launch: bit for bit
+        # the inverse RoPE in the kernel (raw tiles within q's 64 KB, both tilings here: unsplit,
+        # two splits), the combine's launch (other splits) or a rotary launch: bit for bit
         turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
         assert torch.equal(turned, rotary(o, *cs, inverse=True)), splits
 
