@@ -555,6 +555,20 @@ def probe_attn_fp8_fixup() -> None:
         plain = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
         turned = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs)
         exact = torch.equal(turned, rotary(plain, *cs, inverse=True))
+        for ov in (
+            False,
+            True,
+            False,
+            True,
+        ):  # the decode beside S's first half, in the model's form
+            sm90.OVERLAP = ov
+            us(
+                f"attn T={T} fp8 sm90 inv_rope overlap {ov}",
+                lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
+                nbytes=nb8,
+                note=f"  max|o - no overlap| {float((sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64).float() - plain.float()).abs().max()):.1e}",
+            )
+        sm90.OVERLAP = False
         if T * 2 <= 132:  # two splits
             for fix in (False, True, False, True):
                 sm90.FIXUP = fix

@@ -43,6 +43,8 @@ CASES = {
     "entries_one_rope": {"entries": True, "num_splits": 1, "rope": True},
     "three_entries": {"num_splits": 1, "sources": 3, "entries": True},
     "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True},
+    "entries_overlap": {"entries": True, "rope": True, "overlap": True},
+    "entries_one_overlap": {"entries": True, "num_splits": 1, "rope": True, "overlap": True},
 }  # fmt: skip
 
 
@@ -63,6 +65,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
     kernel, supported = sm90._decode_kernel, sm90.supported
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
+    sm90.OVERLAP = case.get("overlap", False)
     # three sources as views from row 1: an FP8 source 0 then starts on 8 bytes, not 16
     srcs = (kv[1:129], kv[129:162], kv[162:]) if "sources" in case else (kv,)
     try:
@@ -75,6 +78,7 @@ def capture(case: dict) -> tuple[tuple, dict]:
             raise
     finally:
         sm90._decode_kernel, sm90.supported = kernel, supported
+        sm90.OVERLAP = False
     return calls[0]
 
 

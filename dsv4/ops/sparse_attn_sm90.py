@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_wait,
 )
 
 from dsv4.ops import sparse_attn as _triton
@@ -60,6 +61,8 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
+# FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
+OVERLAP = False
 
 
 @gluon.jit
@@ -122,17 +125,19 @@ def _gather_entries(raw, rope, sc, kv_ptr, src, idx, BLOCK_N: gl.constexpr, NOPE
 
 
 @gluon.jit
-def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr):
+def _decode_entries(raw, rope, sc, dst, NOPE: gl.constexpr, J0: gl.constexpr = 0,
+                    J1: gl.constexpr = -1, ROPE_TOO: gl.constexpr = True):  # fmt: skip
     # gathered FP8 entries -> bf16 values in dst [BN, 512] (the wgmma tile), exactly: each 64-wide
-    # block of codes times its scale 2^(S - 127), then the rope bits
+    # block j in J0 .. J1 (default: all) of codes times its scale 2^(S - 127), then the rope bits
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    for j in gl.static_range(NOPE // 64):
+    for j in gl.static_range(J0, NOPE // 64 if J1 < 0 else J1):
         codes = raw.slice(64 * j, 64, dim=1).load(lay)
         s = sc.slice(j, 1, dim=1).load(lay)  # [BN, 1]
         scale = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
         v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale
         dst.slice(64 * j, 64, dim=1).store(v.to(gl.bfloat16))
-    dst.slice(NOPE, 64, dim=1).store(rope.load(lay).to(gl.bfloat16, bitcast=True))
+    if ROPE_TOO:
+        dst.slice(NOPE, 64, dim=1).store(rope.load(lay).to(gl.bfloat16, bitcast=True))
 
 
 @gluon.jit
@@ -356,6 +361,7 @@ def _decode_kernel(
     FIXUP: gl.constexpr = False,  # two splits: split 1 combines them here (no combine launch)
     RD: gl.constexpr = 0,  # > 0: the inverse RoPE on o's last RD channels (FIXUP or unsplit)
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
+    OVERLAP: gl.constexpr = False,  # ENTRIES: S of the first 256 channels beside the rest's decode
 ):
     chain_start(PDL)
     src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2)
@@ -456,14 +462,33 @@ def _decode_kernel(
         if ENTRIES:  # tile i's entries -> the bf16 tile, visible to the MMAs of every warp
             cb = i % NUM_BUF
             kv = kv_smem.index(0)
-            _decode_entries(raw_smem.index(RAW_AT + cb), rope_smem.index(cb), sc_smem.index(cb), kv,
-                            NOPE)  # fmt: skip
+            raw_i, rope_i, sc_i = (
+                raw_smem.index(RAW_AT + cb),
+                rope_smem.index(cb),
+                sc_smem.index(cb),
+            )
+            if OVERLAP:  # S over the first 256 channels in flight while the rest decode
+                _decode_entries(raw_i, rope_i, sc_i, kv, NOPE, 0, 4, False)
+                fence_async_shared()
+                gl.thread_barrier()
+                s_half = warpgroup_mma(q_smem.slice(0, 256, dim=1),
+                                       kv.slice(0, 256, dim=1).permute((1, 0)), s_zero,
+                                       use_acc=False, is_async=True)  # fmt: skip
+                _decode_entries(raw_i, rope_i, sc_i, kv, NOPE, 4, NOPE // 64, True)
+            else:
+                _decode_entries(raw_i, rope_i, sc_i, kv, NOPE)
             fence_async_shared()
             gl.thread_barrier()
         if MODE != 1:
             if not ENTRIES:
                 kv = kv_smem.index(i % NUM_BUF if MODE == 0 else 0)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+            if ENTRIES and OVERLAP:
+                s = warpgroup_mma(q_smem.slice(256, 256, dim=1),
+                                  kv.slice(256, 256, dim=1).permute((1, 0)), s_half,
+                                  is_async=True)  # fmt: skip
+                s = warpgroup_mma_wait(0, deps=[s])  # (one dep: the tensor itself)
+            else:
+                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
             p, alpha, m_i, l_i = _softmax(s, valid, qk_scale, m_i, l_i)
             p_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
@@ -612,7 +637,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv),
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup or in_kernel:

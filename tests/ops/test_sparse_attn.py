@@ -419,13 +419,19 @@ def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4)])
-def test_gpu_sm90_entries(T: int, block_n: int, num_buf: int) -> None:
+def test_gpu_sm90_entries(
+    T: int, block_n: int, num_buf: int, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the Gluon kernel over FP8 entries (off in the dispatch until this passes on a GPU): the fp32
-    # reference over the decoded rows, split and unsplit, with -1 entries
+    # reference over the decoded rows, split and unsplit, with -1 entries (overlap: S over the
+    # first 256 channels in flight while the others decode)
     from dsv4.ops import sparse_attn_sm90 as sm90
     from dsv4.quant import dequant_kv_entries, quant_kv_entries
+
+    monkeypatch.setattr(sm90, "OVERLAP", overlap)
 
     q, ring, pool, sink, idx = _one_source_inputs(T)
     both = torch.cat([quant_kv_entries(ring, 64), quant_kv_entries(pool, 64)])
