@@ -555,6 +555,7 @@ def probe_attn_fp8_fixup() -> None:
         plain = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
         turned = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs)
         exact = torch.equal(turned, rotary(plain, *cs, inverse=True))
+        overlap_was = sm90.OVERLAP
         for ov in (
             False,
             True,
@@ -568,7 +569,7 @@ def probe_attn_fp8_fixup() -> None:
                 nbytes=nb8,
                 note=f"  max|o - no overlap| {float((sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64).float() - plain.float()).abs().max()):.1e}",
             )
-        sm90.OVERLAP = False
+        sm90.OVERLAP = overlap_was
         if T * 2 <= 132:  # two splits
             for fix in (False, True, False, True):
                 sm90.FIXUP = fix

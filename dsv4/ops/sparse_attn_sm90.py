@@ -62,7 +62,7 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
-OVERLAP = False
+OVERLAP = True
 
 
 @gluon.jit
