@@ -12,13 +12,14 @@ import statistics
 import torch
 
 from dsv4.bench.ops import _graph_us
-from dsv4.ops import indexer
+from dsv4.ops import indexer, indexer_sm90
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="512@131072,2048@131072,64@1048576,2048@8192")
-    p.add_argument("--tokens", default="2,4", help="tokens a score program shares a tile between")
+    p.add_argument("--tokens", default="4", help="tokens a score program shares a tile between")
+    p.add_argument("--bufs", default="4,6,8", help="key tiles in shared memory (the sm90 kernel)")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     tbs = [int(x) for x in ns.tokens.split(",")]
@@ -43,8 +44,42 @@ def main() -> None:
         for tb in tbs:
             runs.append((f"scores, {tb} tokens a tile", lambda tb=tb: indexer._scores(
                 q, weights, keys, cand, cfg, None, None, 1.0, tb)))  # fmt: skip
+        one = rows[None, :].expand(T, C)  # the model's form: one list and counts
+
+        def triton_counts(one=one, count=count):  # noqa: ANN202
+            indexer.SHARED_SM90 = False
+            try:
+                return indexer._scores(q, weights, keys, one, cfg, None, None, 1.0,
+                                       indexer.SHARED_TOKENS, count)  # fmt: skip
+            finally:
+                indexer.SHARED_SM90 = True
+
+        runs.append(("scores, counts, Triton", triton_counts))
+        for nb in (int(x) for x in ns.bufs.split(",")):
+            runs.append((f"scores, counts, sm90 {nb} bufs", lambda nb=nb, one=one, count=count:
+                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
+                                                         num_buf=nb)))  # fmt: skip
+        for mode, what in ((1, "gathers alone"), (2, "no gathers"), (3, "neither")):
+            runs.append((f"scores, counts, sm90 {what}", lambda m=mode, one=one, count=count:
+                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
+                                                         mode=m)))  # fmt: skip
+        runs.append(("scores, counts, sm90 blocks first", lambda one=one, count=count:
+                     indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
+                                                     block_first=True)))  # fmt: skip
+        for tiles in (16, 64):
+            runs.append((f"scores, counts, sm90 {tiles} tiles", lambda t=tiles, one=one, count=count:
+                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
+                                                         tiles=t)))  # fmt: skip
         runs.append(("index_topk one_sequence", lambda: indexer.index_topk(
             q, weights, keys, cand, k, sort=False, one_sequence=True)))  # fmt: skip
+        runs.append(("index_topk counts", lambda one=one, count=count: indexer.index_topk(
+            q, weights, keys, one, k, sort=False, one_sequence=True, counts=count)))  # fmt: skip
+        tri = triton_counts()
+        for nb in (int(x) for x in ns.bufs.split(",")):
+            same = torch.equal(tri, indexer_sm90.shared_scores_sm90(
+                q, weights, keys, one, 1.0, count, num_buf=nb))  # fmt: skip
+            print(f"T={T} at {P}: sm90 ({nb} bufs) gives the Triton kernel's scores: {same}",
+                  flush=True)  # fmt: skip
         base = indexer._scores(q, weights, keys, cand)
         for tb in tbs:
             same = torch.equal(
