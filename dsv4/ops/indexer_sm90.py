@@ -19,6 +19,13 @@ gathers in flight (cp.async, each tile's rows loaded one iteration ahead), tile 
 asynchronously, then tile i - 1's accumulator (the other register set) waited for and reduced.
 S^T = K . Q^T puts the keys on the MMA rows, so each token's head sum stays inside a thread's quad.
 
+What it gained (H200, docs/PERF.md forty-seventh session): 6% at 1M context (64-token slices,
+670.7 -> 631.5 us), and it is 2-6% slower from 256K to 512K and at 128K, so `indexer` takes it
+only past SHARED_SM90_MIN_KEYS candidates. Its parts at 1M: the MMAs and the scores alone (no
+gathers) 444 us, ~620 TFLOP/s; the gathers alone 362 us (~3 TB/s of tiles from L2); together
+632: the two overlap only in part, and the MMA with both operands in shared memory at N = 128 a
+warpgroup is itself at ~63% of the tensor peak.
+
 Keys are bf16 rows [N, 128] gathered through the sequence's one list of rows (cand_idxs, each
 token's row of it: the table, or with counts one list with stride 0 and token t seeing its first
 counts[t] positions). FP8 indexer keys stay on the Triton kernel. No CPU path: Gluon has no
@@ -44,7 +51,10 @@ HEADS = 64  # indexer heads of a token
 DIM = 128  # the key width (K of the MMA)
 TOKENS = 4  # tokens a program scores over each key tile (the MMA's N: 4 x 64 heads)
 BLOCK_N = 64  # keys a tile (the MMA's M)
-NUM_BUF = 6  # key tiles in shared memory: NUM_BUF - 2 gathers in flight (q 64 KB + 96 KB)
+# key tiles in shared memory: NUM_BUF - 2 gathers in flight (q 64 KB + 64 KB). H200, T=64 at 1M
+# / T=2048 at 128K: 4 bufs 631.5 / 2354 us, 6 716.0 / 2624 (a buffer index mod 6 is a division),
+# 8 648.6 / 2384 (docs/PERF.md forty-seventh session)
+NUM_BUF = 4
 # key tiles a program takes: the grid is about WAVES programs an SM (one program an SM fits)
 WAVES = 4
 MIN_TILES, MAX_TILES = 8, 256

@@ -297,6 +297,39 @@ def _kth_largest_probe(u_ptr, n_ptr, kk_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + 2 * r + 1, need)
 
 
+@pytest.mark.parametrize("C,sm90", [(1024, False), (196607, False), (196608, True)])
+def test_shared_scores_dispatch(C: int, sm90: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # shared-token scores go to the Gluon kernel where it applies and from SHARED_SM90_MIN_KEYS
+    # candidates; the table and counts reach it unchanged
+    from dsv4.ops import indexer_sm90
+
+    seen = []
+    monkeypatch.setattr(indexer_sm90, "supported", lambda q, keys, key_scale=None: True)
+    monkeypatch.setattr(indexer_sm90, "shared_scores_sm90",
+                        lambda *a: seen.append(a) or torch.zeros(8, C, dtype=torch.int32))  # fmt: skip
+    monkeypatch.setattr(indexer, "_index_score_kernel", _NoLaunch())
+    monkeypatch.setattr(_NoLaunch, "launched", False)
+    q, w, keys = torch.zeros(8, 64, 128), torch.zeros(8, 64), torch.zeros(16, 128)
+    rows, counts = torch.zeros(1, C, dtype=torch.int64).expand(8, C), torch.full((8,), C)
+    indexer._scores(q, w, keys, rows, shared=indexer.SHARED_TOKENS, counts=counts,
+                    weight_scale=0.5)  # fmt: skip
+    assert len(seen) == int(sm90)
+    if sm90:
+        assert seen[0][3] is rows and seen[0][4] == 0.5 and seen[0][5] is counts
+    assert _NoLaunch.launched == (not sm90)
+
+
+class _NoLaunch:
+    # stands in for the Triton score kernel: records that it was launched
+    launched = False
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def launch(*a, **kw) -> None:  # noqa: ANN002, ANN003
+            _NoLaunch.launched = True
+
+        return launch
+
+
 def test_kth_largest() -> None:
     # the search alone against a sort: random uint32 (top bit set and clear), few distinct values
     # with the extremes 0 and 2^32-1, all equal, a run of consecutive values, k = 1 and k = n
@@ -386,10 +419,10 @@ def test_index_topk_gpu_prefill(one_sequence: bool) -> None:
 
 
 @pytest.mark.gpu
-def test_index_topk_gpu_prefill_counts() -> None:
+@pytest.mark.parametrize("T,C", [(256, 32768), (32, 262144)])  # 1M context: the sm90 kernel
+def test_index_topk_gpu_prefill_counts(T: int, C: int) -> None:
     # a long chunk's slice as the model passes it (`Batch.index_rows`): the sequence's one list
     # of rows, expanded, and each token's count; exact on integer inputs, the picks of the table
-    T, C = 256, 32768
     q, weights, keys, cand = _inputs(
         T, 64, 128, C, torch.bfloat16, p_hidden=0.0, integer=True, device="cuda"
     )
