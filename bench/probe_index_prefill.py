@@ -2,7 +2,9 @@
 kernel alone and scores + top-k, device µs (CUDA-graph replays, L2 cleared) and the tensor
 FLOP rate of the scores (token-key pairs x 64 x 128 x 2). One sequence: a chunk of T tokens at
 positions P .. P + T - 1 sees (p + 1) // 4 of the C = (P + T) // 4 entries. Is the prefill
-indexer worth a kernel that shares key tiles between tokens?"""
+indexer worth a kernel that shares key tiles between tokens? The model's form (one list of rows
+and counts) on the Triton kernel and on the sm90 Gluon one (`indexer_sm90`: buffers, tiles a
+program, grid order, and its parts: the gathers alone, no gathers, neither)."""
 
 from __future__ import annotations
 

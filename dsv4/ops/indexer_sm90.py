@@ -108,6 +108,7 @@ def _emit(acc, w, k0, offs_n, offs_t, t_ok, count, idx_ptr, out_ptr, C, stride_i
         return
     p = gl.maximum(acc, 0.0) * w[None, :]
     score = gl.sum(gl.reshape(p, [BLOCK_N, TB, H]), axis=2)
+    # (`indexer._order_key`, spelled again: a Triton function does not take Gluon layouts)
     score = gl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0 (they tie in the reference)
     bits = score.to(gl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -153,6 +154,7 @@ def _shared_score_kernel(
     H: gl.constexpr = 64
     D: gl.constexpr = 128
     NQ: gl.constexpr = TB * H
+    gl.static_assert(NUM_BUF >= 3, "NUM_BUF: tiles i - 1 and i and at least one gather")
     chain_start(PDL)
     if BLOCK_FIRST:  # programs next to each other share key tiles (L2)
         pid_c = gl.program_id(1)
