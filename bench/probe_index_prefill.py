@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from unittest.mock import patch
 
 import torch
 
@@ -49,12 +50,9 @@ def main() -> None:
         one = rows[None, :].expand(T, C)  # the model's form: one list and counts
 
         def triton_counts(one=one, count=count):  # noqa: ANN202
-            indexer.SHARED_SM90 = False
-            try:
+            with patch.object(indexer, "SHARED_SM90", False):
                 return indexer._scores(q, weights, keys, one, cfg, None, None, 1.0,
                                        indexer.SHARED_TOKENS, count)  # fmt: skip
-            finally:
-                indexer.SHARED_SM90 = True
 
         runs.append(("scores, counts, Triton", triton_counts))
         for nb in (int(x) for x in ns.bufs.split(",")):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from unittest.mock import patch
 
 import torch
 import triton
@@ -555,31 +556,25 @@ def probe_attn_fp8_fixup() -> None:
         plain = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
         turned = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs)
         exact = torch.equal(turned, rotary(plain, *cs, inverse=True))
-        overlap_was = sm90.OVERLAP
-        for ov in (
-            False,
-            True,
-            False,
-            True,
-        ):  # the decode beside S's first half, in the model's form
-            sm90.OVERLAP = ov
-            us(
-                f"attn T={T} fp8 sm90 inv_rope overlap {ov}",
-                lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
-                nbytes=nb8,
-                note=f"  max|o - no overlap| {float((sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64).float() - plain.float()).abs().max()):.1e}",
-            )
-        sm90.OVERLAP = overlap_was
+        with patch.object(sm90, "OVERLAP", False):
+            no_overlap = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
+
+        def run(label: str, note: str) -> None:
+            us(label, lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
+               nbytes=nb8, note=note)  # fmt: skip
+
+        for ov in (False, True, False, True):  # the decode beside S's first half, the model's form
+            with patch.object(sm90, "OVERLAP", ov):
+                o = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64)
+                err = float((o.float() - no_overlap.float()).abs().max())
+                run(
+                    f"attn T={T} fp8 sm90 inv_rope overlap {ov}", f"  max|o - no overlap| {err:.1e}"
+                )
         if T * 2 <= 132:  # two splits
             for fix in (False, True, False, True):
-                sm90.FIXUP = fix
-                us(
-                    f"attn T={T} fp8 sm90 inv_rope {'fixup' if fix else 'combine launch'}",
-                    lambda: sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs),  # noqa: B023
-                    nbytes=nb8,
-                    note=f"  rope bit-exact {exact}",
-                )
-            sm90.FIXUP = True
+                with patch.object(sm90, "FIXUP", fix):
+                    run(f"attn T={T} fp8 sm90 inv_rope {'fixup' if fix else 'combine launch'}",
+                        f"  rope bit-exact {exact}")  # fmt: skip
         else:  # one split
             for _ in range(2):
                 us(

@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsv4.ops.device import cdiv, chain, chain_start, is_sm90, num_sms
+from dsv4.ops.sparse_attn_sm90 import _tile_idx  # the rows of a tile's candidates, -1 past the end
 
 HEADS = 64  # indexer heads of a token
 DIM = 128  # the key width (K of the MMA)
@@ -60,13 +61,6 @@ WAVES = 4
 MIN_TILES, MAX_TILES = 8, 256
 SCAN = 1024  # candidates the live-tile scan reads at a time (the table form)
 INT32_MIN = gl.constexpr(-(2**31))
-
-
-@gluon.jit
-def _tile_rows(idx_row, k0, k_end, offs):  # noqa: ANN001, ANN202
-    # the key rows of candidates k0 + offs (-1 at and past k_end)
-    k = k0 + offs
-    return gl.load(idx_row + k, mask=k < k_end, other=-1)
 
 
 @gluon.jit
@@ -94,7 +88,7 @@ def _refill(k_smem, i, k_ptr, stride_kn, rows_next, offs_gd, last_row, c0, end, 
     # tile i + NUM_BUF - 2 into tile i - 2's buffer (tiles i - 1 .. i + NUM_BUF - 3 are in the
     # others) ; the rows of the tile after it loaded
     _gather(k_smem.index((i + NUM_BUF - 2) % NUM_BUF), k_ptr, stride_kn, rows_next, offs_gd, ON)
-    return _tile_rows(last_row, c0 + (i + NUM_BUF - 1) * BLOCK_N, end, offs_gn)
+    return _tile_idx(last_row, c0 + (i + NUM_BUF - 1) * BLOCK_N, end, offs_gn)
 
 
 @gluon.jit
@@ -221,9 +215,9 @@ def _shared_score_kernel(
 
         # ---- prologue: tiles 0 .. NUM_BUF - 2 in flight, tile 0's MMA issued
         for b in gl.static_range(NUM_BUF - 1):
-            rows = _tile_rows(last_row, c0 + b * BLOCK_N, end, offs_gn)
+            rows = _tile_idx(last_row, c0 + b * BLOCK_N, end, offs_gn)
             _gather(k_smem.index(b), k_ptr, stride_kn, rows, offs_gd, MODE < 2)
-        rows_next = _tile_rows(last_row, c0 + (NUM_BUF - 1) * BLOCK_N, end, offs_gn)
+        rows_next = _tile_idx(last_row, c0 + (NUM_BUF - 1) * BLOCK_N, end, offs_gn)
         q_t = q_smem.permute((1, 0))
         acc_a = _issue(k_smem, 0, q_t, s_zero, NUM_BUF)
         # two register sets, tiles alternating between them (an accumulator carried from one

@@ -637,7 +637,7 @@ def sparse_attn_sm90(
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
-        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP,
+        NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP and mode == 0,
         num_warps=8, **launch,
     )  # fmt: skip
     if fixup or in_kernel:
