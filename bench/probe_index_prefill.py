@@ -23,6 +23,19 @@ def main() -> None:
     p.add_argument("--shapes", default="512@131072,2048@131072,64@1048576,2048@8192")
     p.add_argument("--tokens", default="4", help="tokens a score program shares a tile between")
     p.add_argument("--bufs", default="4,6,8", help="key tiles in shared memory (the sm90 kernel)")
+    p.add_argument(
+        "--rows",
+        choices=("random", "paged"),
+        default="random",
+        help="the candidates' key rows: a random permutation, or in order (the state's "
+        "pages of one sequence, as a prefill step reads them)",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="no L2 clear between calls (a step's slices follow each other)",
+    )
+    p.add_argument("--only", default="", help="run only the rows whose name holds this text")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     tbs = [int(x) for x in ns.tokens.split(",")]
@@ -31,7 +44,10 @@ def main() -> None:
         T, P = (int(x) for x in spec.split("@"))
         C = (P + T) // 4
         keys = torch.randn(C * 5 // 4, d, generator=g, device="cuda").to(torch.bfloat16)
-        rows = torch.randperm(keys.shape[0], generator=g, device="cuda")[:C]
+        if ns.rows == "paged":
+            rows = torch.arange(C, device="cuda")
+        else:
+            rows = torch.randperm(keys.shape[0], generator=g, device="cuda")[:C]
         count = (torch.arange(P, P + T, device="cuda") + 1) // 4
         w = torch.arange(C, device="cuda")[None, :]
         cand = torch.where(w < count[:, None], rows[None, :], -1)
@@ -87,9 +103,11 @@ def main() -> None:
             )
             print(f"T={T} at {P}: {tb} tokens a tile gives the same scores: {same}", flush=True)
         for name, fn in runs:
-            us = statistics.median(_graph_us(fn, 3) or [float("nan")])
+            if ns.only not in name:
+                continue
+            us = statistics.median(_graph_us(fn, 3, cold=not ns.warm) or [float("nan")])
             print(
-                f"T={T:5d} at {P:8d} (C={C:6d}): {name:<26} {us:10.1f} us, "
+                f"T={T:5d} at {P:8d} (C={C:6d}, {ns.rows}{', warm' if ns.warm else ''}): {name:<26} {us:10.1f} us, "
                 f"{flop / us / 1e6:7.1f} TFLOP/s of scores, {pairs / us / 1e3:8.2f} G pairs/s",
                 flush=True,
             )
