@@ -753,6 +753,11 @@ def sparse_attn_sm90(
     keys_per_split = cdiv(cdiv(K, num_splits), block_n) * block_n
     num_splits = cdiv(K, keys_per_split)
     split = num_splits > 1
+    if split:
+        part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = o
     # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
     # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles with q), and
     # Flash's 64 rope channels when RoPE is asked for
@@ -765,12 +770,6 @@ def sparse_attn_sm90(
     # the in-kernel combine: the two splits of a token as a cluster (no token limit), or through L2
     fixup = FIXUP and num_splits == 2 and staged and rope_ok and (CLUSTER or T <= FIXUP_MAX_TOKENS)
     cluster = fixup and CLUSTER and CLUSTER_LAUNCH
-    # the splits' fp32 partials (not with a cluster: they meet in shared memory) and (m, l)
-    part = ml = o
-    if split and not cluster:
-        part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
-    if split:
-        ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
     sem = (
         arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS)
         if fixup and not cluster
@@ -786,8 +785,7 @@ def sparse_attn_sm90(
         q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), *_sources(kv), topk_idxs.stride(0), o.stride(0), o.stride(1),
-        part.stride(0), part.stride(1), part.stride(2) if part.dim() == 4 else 0, ml.stride(0),
-        ml.stride(1),
+        part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
         NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP and mode == 0,
