@@ -539,41 +539,6 @@ def probe_attn_fixup() -> None:
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
-def probe_attn_cluster() -> None:
-    # the two splits' in-kernel combine as a thread-block cluster (sm90.CLUSTER: the partials meet
-    # in distributed shared memory) against the same combine through L2 behind a flag and the
-    # combine launch, over bf16 rows and FP8 entries, in the model's form (inverse RoPE) and bare
-    from dsv4.ops import sparse_attn_sm90 as sm90
-    from dsv4.quant import quant_kv_entries
-
-    attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
-    for T in (64, 48, 32):
-        q, kv, sink, idx = attn.tokens(T)
-        rows = torch.cat(kv)
-        cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
-        for fp8 in (False, True):
-            one = (quant_kv_entries(rows, 64),) if fp8 else (rows,)
-            nbytes = T * idx.shape[1] * (584 if fp8 else 1024) + 4 * q.numel()
-            for rope in (True, False):
-                outs = {}
-                for name, fix, cl in (("combine launch", False, False), ("fixup L2", True, False),
-                                      ("fixup cluster", True, True)):  # fmt: skip
-                    kw = dict(num_splits=2, inv_rope=cs if rope else None)
-
-                    def run(kw=kw, fix=fix, cl=cl, one=one):  # noqa: ANN202
-                        with patch.object(sm90, "FIXUP", fix), patch.object(sm90, "CLUSTER", cl):
-                            return sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, 64, **kw)
-
-                    outs[name] = run()
-                    us(f"attn T={T}{' fp8' if fp8 else ''}{' inv_rope' if rope else ''} {name}",
-                       run, nbytes=nbytes)  # fmt: skip
-                same = torch.equal(outs["fixup cluster"], outs["fixup L2"])
-                again = torch.equal(outs["fixup cluster"], run())
-                print(f"    T={T} fp8 {fp8} rope {rope}: cluster = L2 fixup bit for bit {same}, "
-                      f"repeat {again}", flush=True)  # fmt: skip
-    copy_floor("attn cluster: copy_ of 64 MiB", 64 << 20)
-
-
 def probe_attn_fp8_fixup() -> None:
     # the Gluon kernel over FP8 entries in the model's form (with the inverse RoPE): two splits
     # combined in the kernel (acc staged over the raw tiles and the bf16 tile) against the combine
@@ -2426,7 +2391,7 @@ def main() -> None:
              "select": probe_select, "select_small": probe_select_small, "gate": probe_gate, "topk": probe_topk, "phases": probe_phases,
              "combine": probe_combine, "linear": probe_linear, "rows": probe_rows, "pdl": probe_pdl,
              "mhc_splits": probe_mhc_splits, "mhc_norm": probe_mhc_norm, "prep": probe_prep, "bound": probe_bound, "post_pre": probe_post_pre, "sinkhorn": probe_sinkhorn,
-             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_cluster": probe_attn_cluster, "attn_fp8_fixup": probe_attn_fp8_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
+             "attn_tiles": probe_attn_tiles, "attn_sm90": probe_attn_sm90, "attn_fixup": probe_attn_fixup, "attn_fp8_fixup": probe_attn_fp8_fixup, "gather": probe_gather, "attn_tlb": probe_attn_tlb, "score_programs": probe_score_programs, "index_floor": probe_index_floor, "tma_gather": probe_tma_gather, "tma_swizzle": probe_tma_swizzle, "bulk_gather": probe_bulk_gather, "moe": probe_moe, "hist_tail": probe_hist_tail, "select_sweep": probe_select_sweep, "select_big": probe_select_big, "moe_tiles": probe_moe_tiles, "moe_gemv": probe_moe_gemv, "moe_sm90": probe_moe_sm90, "moe_decode": probe_moe_decode, "moe_prefill": probe_moe_prefill, "moe_big": probe_moe_big, "moe_ws": probe_moe_ws, "linear_sm90": probe_linear_sm90, "attn_fp8": probe_attn_fp8, "index_fp8": probe_index_fp8, "small_shared": probe_small_shared, "l2_prefetch": probe_l2_prefetch, "read_floor": probe_read_floor, "count_cost": probe_count_cost, "tail_sweep": probe_tail_sweep, "step_indexer": probe_step_indexer, "gather_runs": probe_gather_runs}  # fmt: skip
     for name in ns.only.split(","):
         parts[name]()
     if ns.json:

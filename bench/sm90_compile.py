@@ -11,7 +11,7 @@ venv's torch:
   echo $PWD/.venv/lib/python3.11/site-packages > /tmp/t36/lib/python3.11/site-packages/zz_main.pth
   PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
 
-CASE: fixup (2 splits, the in-kernel combine in a cluster; fixup_l2 / fixup_rope_l2: through L2), fixup_rope (with the inverse RoPE), split3 (3
+CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
 splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
 (unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
 the inverse RoPE in the kernel), entries / entries_rope / entries_one_rope / three_entries /
@@ -47,7 +47,6 @@ CASES = {
     "three_entries_split3": {"num_splits": 3, "sources": 3, "entries": True},
     "entries_overlap": {"entries": True, "rope": True, "overlap": True},
     "entries_one_overlap": {"entries": True, "num_splits": 1, "rope": True, "overlap": True},
-    "fixup_l2": {"cluster": False}, "fixup_rope_l2": {"rope": True, "cluster": False},
 }  # fmt: skip
 
 
@@ -69,7 +68,6 @@ def capture(case: dict) -> tuple[tuple, dict]:
     kernel, supported = sm90._decode_kernel, sm90.supported
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
     sm90.OVERLAP = case.get("overlap", False)
-    sm90.CLUSTER = case.get("cluster", True)
     # three sources as views from row 1: an FP8 source 0 then starts on 8 bytes, not 16
     srcs = (kv[1:129], kv[129:162], kv[162:]) if "sources" in case else (kv,)
     try:
@@ -83,7 +81,6 @@ def capture(case: dict) -> tuple[tuple, dict]:
     finally:
         sm90._decode_kernel, sm90.supported = kernel, supported
         sm90.OVERLAP = False
-        sm90.CLUSTER = True
     return calls[0]
 
 
@@ -129,11 +126,7 @@ def compile_case(name: str, out: str) -> None:
     with open(os.path.join(out, f"{name}.sass"), "w") as f:
         f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                capture_output=True, text=True).stdout)  # fmt: skip
-    what = (
-        f"FIXUP {kwargs['FIXUP']} CLUSTER {kwargs['CLUSTER']} RD {kwargs['RD']} "
-        if "FIXUP" in kwargs
-        else ""
-    )
+    what = f"FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} " if "FIXUP" in kwargs else ""
     print(f"{name}: {what}shared {k.metadata.shared} B; "
           + "; ".join(regs))  # fmt: skip
 

@@ -61,9 +61,6 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
-# ... and as the two CTAs of a thread-block cluster (`_cluster_fixup`): the partials meet in
-# distributed shared memory, not in L2 behind a flag
-CLUSTER = True
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
 
@@ -267,113 +264,6 @@ def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, s
 
 
 @gluon.jit
-def _split_weights(m0, l0, m1, l1, sink_ptr, rows):  # noqa: ANN001, ANN202
-    # the weights [64, 1] of split 0's and split 1's partials in o: each split's rescale over the
-    # sink-augmented denominator of both (products rounded on their own: the same bits in every
-    # compiled variant, RD or not, and in either split's hands: fp32 sums commute exactly)
-    sink = gl.load(sink_ptr + rows) * 1.4426950408889634
-    m_all = gl.maximum(gl.maximum(m0, m1), sink)
-    e0 = gl.exp2(m0 - m_all)
-    e1 = gl.exp2(m1 - m_all)
-    den = (_mul_rn(e0, l0) + _mul_rn(e1, l1)) + gl.exp2(sink - m_all)
-    return (e0 / den)[:, None], (e1 / den)[:, None]
-
-
-@gluon.jit
-def _cluster_barrier(ARRIVE: gl.constexpr, WAIT: gl.constexpr):  # noqa: ANN202
-    # the thread-block cluster's barrier, once per thread (8 warps): arrive with release and / or
-    # wait with acquire (shared and global writes before it visible to the peer CTA after it)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-    asm: gl.constexpr = ("barrier.cluster.arrive.release.aligned; " if ARRIVE else "") + (
-        "barrier.cluster.wait.acquire.aligned; " if WAIT else ""
-    )
-    gl.inline_asm_elementwise(asm + "mov.u32 $0, 0;", "=r,r", [gl.zeros([256], gl.int32, one)],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _staged_at(rows, cols, c, CH: gl.constexpr):  # noqa: ANN001, ANN202
-    # byte offsets in shared memory of the staged acc's [64, CH] chunk c (`_stage`: fp32 [64, 512]
-    # at offset 0 -- the kv buffers, the kernel's largest allocation -- swizzled as
-    # SwizzledSharedLayout(4, 1, 8): channel ch of row h at h * 512 + (ch ^ 4 * (h % 8)))
-    ch = (c * CH + cols)[None, :]
-    return 4 * (rows[:, None] * 512 + (ch ^ (4 * (rows[:, None] & 7))))
-
-
-@gluon.jit
-def _peer_chunk(rows, cols, c, peer, CH: gl.constexpr):  # noqa: ANN001, ANN202
-    # the peer CTA's staged acc, chunk c [64, CH] fp32, through distributed shared memory
-    # (16-byte loads: each thread's 4 consecutive channels stay contiguous under the swizzle)
-    at = _staged_at(rows, cols, c, CH)
-    return gl.inline_asm_elementwise(
-        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
-        "mapa.shared::cluster.u32 a, a, $8; ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [a]; }",
-        "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [at, at * 0 + peer], dtype=gl.float32, is_pure=False,
-        pack=4,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _check_staged(own, rows, cols, CH: gl.constexpr, c_layout: gl.constexpr):  # noqa: ANN001, ANN202
-    # trap unless the raw addresses of `_staged_at` read what `_stage` stored (the launch is a
-    # cluster of 2 CTAs, the staged buffer at offset 0, the swizzle as assumed): a misplaced
-    # buffer stops the kernel with an error instead of combining the wrong bytes
-    at = _staged_at(rows, cols, 0, CH)
-    raw = gl.inline_asm_elementwise(
-        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }",
-        "=r,=r,=r,=r,r,r,r,r", [at], dtype=gl.int32, is_pure=False, pack=4,
-    )  # fmt: skip
-    bad = raw != own.slice(0, CH, dim=1).load(c_layout).to(gl.int32, bitcast=True)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 n; mov.u32 n, %cluster_nctarank; setp.ne.u32 p, n, 2; "
-        "@p trap; setp.ne.s32 p, $1, 0; @p trap; mov.u32 $0, 0; }",
-        "=r,r", [bad.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _cluster_fixup(acc, m_o, l_o, kv_smem, t, split, ml_ptr, sink_ptr, o_ptr, cos_ptr, sin_ptr,
-                   stride_mt, stride_ms, stride_ot, stride_oh, stride_ct, stride_st,
-                   RD: gl.constexpr):  # fmt: skip
-    # two splits of token t as the two CTAs of a cluster (CLUSTER): each stages its acc in its
-    # own kv buffers and publishes (m, l); after the cluster barrier each reads the other's half
-    # of the channels it writes (split s: channels 256 s ..) through distributed shared memory and
-    # writes that half of o (split 1 with the inverse RoPE). No partials in HBM, no flag
-    H: gl.constexpr = 64
-    CH: gl.constexpr = 128
-    own, rows, cols, m_own, l_own = _stage(acc, m_o, l_o, kv_smem, CH)
-    c_layout: gl.constexpr = cols.type.layout.parent
-    ml = ml_ptr + t * stride_mt + rows
-    gl.store(ml + split * stride_ms, m_own)
-    gl.store(ml + split * stride_ms + H, l_own)
-    gl.thread_barrier()  # every thread's acc staged
-    _check_staged(own, rows, cols, CH, c_layout)
-    _cluster_barrier(True, True)
-    peer = 1 - split
-    b_lo = _peer_chunk(rows, cols, 2 * split, peer, CH)
-    b_hi = _peer_chunk(rows, cols, 2 * split + 1, peer, CH)
-    m_peer = gl.load(ml + peer * stride_ms, cache_modifier=".cg")
-    l_peer = gl.load(ml + peer * stride_ms + H, cache_modifier=".cg")
-    _cluster_barrier(True, False)  # done with the peer's shared memory (it may exit after this)
-    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
-    if split == 0:
-        w0, w1 = _split_weights(m_own, l_own, m_peer, l_peer, sink_ptr, rows)
-        # (`_combine_part` adds b * w0 + own * w1: here b is split 1's part)
-        _combine_part(own, b_lo, 0, w1, w0, o_rows, cols, CH, c_layout)
-        _combine_part(own, b_hi, 1, w1, w0, o_rows, cols, CH, c_layout)
-    else:
-        w0, w1 = _split_weights(m_peer, l_peer, m_own, l_own, sink_ptr, rows)
-        _combine_part(own, b_lo, 2, w0, w1, o_rows, cols, CH, c_layout)
-        if RD > 0:
-            _combine_part_rope(own, b_hi, 3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
-                               sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
-        else:
-            _combine_part(own, b_hi, 3, w0, w1, o_rows, cols, CH, c_layout)
-    _cluster_barrier(False, True)
-
-
-@gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
            sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh, stride_ct, stride_st,
            RD: gl.constexpr):  # fmt: skip
@@ -413,7 +303,14 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         ml_peer = ml_ptr + t * stride_mt + rows
         m0 = gl.load(ml_peer, cache_modifier=".cg")  # (split 0's: the peer's)
         l0 = gl.load(ml_peer + H, cache_modifier=".cg")
-        w0, w1 = _split_weights(m0, l0, m_own, l_own, sink_ptr, rows)
+        sink = gl.load(sink_ptr + rows) * 1.4426950408889634
+        m_all = gl.maximum(gl.maximum(m0, m_own), sink)
+        e0 = gl.exp2(m0 - m_all)
+        e1 = gl.exp2(m_own - m_all)
+        # (products rounded on their own: the same bits in every compiled variant, RD or not)
+        den = (_mul_rn(e0, l0) + _mul_rn(e1, l_own)) + gl.exp2(sink - m_all)
+        w0 = (e0 / den)[:, None]
+        w1 = (e1 / den)[:, None]
         o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
         _write_o(own, b0, b1, b2, b3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
                  sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
@@ -465,18 +362,13 @@ def _decode_kernel(
     RD: gl.constexpr = 0,  # > 0: the inverse RoPE on o's last RD channels (FIXUP or unsplit)
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
     OVERLAP: gl.constexpr = False,  # ENTRIES: S of the first 256 channels beside the rest's decode
-    CLUSTER: gl.constexpr = False,  # FIXUP as the two CTAs of a cluster (`_cluster_fixup`)
 ):
     chain_start(PDL)
     src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2)
     H: gl.constexpr = 64
     D: gl.constexpr = 512
-    if CLUSTER:  # (a launch of 2 x grid CTAs, consecutive pairs a cluster: `_clustered`)
-        t = (gl.program_id(0) // 2).to(gl.int64)
-        split = gl.program_id(0) % 2
-    else:
-        t = gl.program_id(0).to(gl.int64)
-        split = gl.program_id(1)
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
 
     # ---- layouts: S [64, BN] and O [64, 512] on 2 warpgroups side by side (warps [4, 2])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -613,12 +505,7 @@ def _decode_kernel(
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    if CLUSTER:
-        gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
-        _cluster_fixup(acc, m_o, l_o, stage_smem, t, split, ml_ptr, sink_ptr, o_ptr, cos_ptr,
-                       sin_ptr, stride_mt, stride_ms, stride_ot, stride_oh, stride_ct, stride_st,
-                       RD)  # fmt: skip
-    elif FIXUP:
+    if FIXUP:
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
         _fixup(acc, m_o, l_o, stage_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
                cos_ptr, sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh,
@@ -637,38 +524,6 @@ def _decode_kernel(
         out = _normalise(acc, m_o, l_o, sink_ptr, offs_h)
         o_hv = offs_h[:, None] * stride_oh + offs_v[None, :]
         gl.store(o_ptr + t * stride_ot + o_hv, out.to(gl.bfloat16))
-
-
-def _clustered(create_binder):  # noqa: ANN001, ANN202
-    # `_decode_kernel`'s per-device setup, its compile wrapped so that CLUSTER variants launch as
-    # clusters of 2 CTAs: Triton's launcher launches gridX * num_ctas CTAs in clusters of num_ctas
-    # (packed_metadata's second field), while the code is compiled for one CTA (no CGA layouts;
-    # the two CTAs meet only in `_cluster_fixup`'s inline PTX). `_check_staged` traps a launch
-    # that is not such a cluster
-    at = _decode_kernel.arg_names.index("CLUSTER")
-
-    def create():  # noqa: ANN202
-        out = create_binder()
-        compile_fn = _decode_kernel.compile
-
-        def compile_(src, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            kernel = compile_fn(src, *args, **kwargs)
-            if src.constants.get((at,)):
-                num_warps, _, shared = kernel.packed_metadata
-                kernel.packed_metadata = (num_warps, 2, shared)
-            return kernel
-
-        _decode_kernel.compile = compile_
-        return out
-
-    return create
-
-
-# (Triton 3.6's JITFunction: compile is set by create_binder, the factory of device_caches;
-# where that differs, the splits combine through L2)
-CLUSTER_LAUNCH = hasattr(getattr(_decode_kernel, "device_caches", None), "default_factory")
-if CLUSTER_LAUNCH:
-    _decode_kernel.device_caches.default_factory = _clustered(_decode_kernel.create_binder)
 
 
 def supported(
@@ -767,21 +622,15 @@ def sparse_attn_sm90(
         stage_bytes = num_buf * block_n * DIM * 2
     staged = mode == 0 and stage_bytes >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
-    # the in-kernel combine: the two splits of a token as a cluster (no token limit), or through L2
-    fixup = FIXUP and num_splits == 2 and staged and rope_ok and (CLUSTER or T <= FIXUP_MAX_TOKENS)
-    cluster = fixup and CLUSTER and CLUSTER_LAUNCH
-    sem = (
-        arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS)
-        if fixup and not cluster
-        else ml
-    )
+    fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
+    sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit);
     # otherwise in the combine's launch or a rotary launch
     in_kernel = inv_rope is not None and rope_ok and staged and (fixup or not split)
     cos, sin = inv_rope if in_kernel else (ml, ml)
     rd = check_rope(o, cos, sin) if in_kernel else 0
     launch = chain(q.device)
-    _decode_kernel[(T, 1) if cluster else (T, num_splits)](
+    _decode_kernel[(T, num_splits)](
         q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), *_sources(kv), topk_idxs.stride(0), o.stride(0), o.stride(1),
@@ -789,7 +638,7 @@ def sparse_attn_sm90(
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
         NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP and mode == 0,
-        CLUSTER=cluster, num_warps=8, **launch,
+        num_warps=8, **launch,
     )  # fmt: skip
     if fixup or in_kernel:
         return o

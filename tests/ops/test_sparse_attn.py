@@ -381,21 +381,18 @@ def test_gpu_sm90_three_sources(T: int, num_splits: int | None, fp8: bool) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 48, 64])
-def test_gpu_sm90_fixup(T: int, fp8: bool, cluster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # two splits combined inside the Gluon kernel (FIXUP) against the combine launch: both near
     # the fp32 reference, the same bits on every call whichever split arrives last, the inverse
     # RoPE in the kernel bit for bit the rotary launch's, and the semaphores zero again afterwards
     # (the next launch and graph replays start from zero). fp8: over FP8 entries, whose acc is
-    # staged over the raw tiles and the bf16 tile. cluster: the two splits as a cluster's CTAs
-    # (`_cluster_fixup`), bit for bit the L2 fixup's, in a CUDA graph too
+    # staged over the raw tiles and the bf16 tile
     from dsv4.ops import device as dev_mod
     from dsv4.ops import sparse_attn_sm90 as sm90
     from dsv4.quant import dequant_kv_entries, quant_kv_entries
 
-    monkeypatch.setattr(sm90, "CLUSTER", cluster)
     q, ring, pool, sink, idx = _one_source_inputs(T)
     both = torch.cat([ring, pool])
     rows = both
@@ -419,24 +416,6 @@ def test_gpu_sm90_fixup(T: int, fp8: bool, cluster: bool, monkeypatch: pytest.Mo
     assert torch.equal(turned, rotary(fixed[0], *cs, inverse=True))
     sem = dev_mod.arrival_counts("sparse_attn_sm90", q.device, 2 * sm90.FIXUP_MAX_TOKENS)
     assert int(sem.count_nonzero()) == 0
-    if cluster:
-        assert sm90.CLUSTER_LAUNCH, "Triton's JITFunction no longer takes the cluster launch"
-        monkeypatch.setattr(sm90, "CLUSTER", False)
-        for rope in (None, cs):
-            l2 = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=rope, **kw)
-            monkeypatch.setattr(sm90, "CLUSTER", True)
-            got = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=rope, **kw)
-            monkeypatch.setattr(sm90, "CLUSTER", False)
-            assert torch.equal(got, l2), (rope is not None, _rel(got, l2))
-        monkeypatch.setattr(sm90, "CLUSTER", True)
-        out = torch.empty_like(q)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw))
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fixed[0])
 
 
 @pytest.mark.gpu
