@@ -2,27 +2,25 @@
 kernel alone and scores + top-k, device µs (CUDA-graph replays, L2 cleared) and the tensor
 FLOP rate of the scores (token-key pairs x 64 x 128 x 2). One sequence: a chunk of T tokens at
 positions P .. P + T - 1 sees (p + 1) // 4 of the C = (P + T) // 4 entries. Is the prefill
-indexer worth a kernel that shares key tiles between tokens? The model's form (one list of rows
-and counts) on the Triton kernel and on the sm90 Gluon one (`indexer_sm90`: buffers, tiles a
-program, grid order, and its parts: the gathers alone, no gathers, neither)."""
+indexer worth a kernel that shares key tiles between tokens? And the model's form (one list of
+rows and counts). (The forty-seventh session's Gluon score kernel was measured here; a probe does
+not time a kernel as the model runs it: see docs/PERF.md, forty-eighth session.)"""
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from unittest.mock import patch
 
 import torch
 
 from dsv4.bench.ops import _graph_us
-from dsv4.ops import indexer, indexer_sm90
+from dsv4.ops import indexer
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="512@131072,2048@131072,64@1048576,2048@8192")
     p.add_argument("--tokens", default="4", help="tokens a score program shares a tile between")
-    p.add_argument("--bufs", default="4,6,8", help="key tiles in shared memory (the sm90 kernel)")
     p.add_argument(
         "--rows",
         choices=("random", "paged"),
@@ -65,37 +63,12 @@ def main() -> None:
                 q, weights, keys, cand, cfg, None, None, 1.0, tb)))  # fmt: skip
         one = rows[None, :].expand(T, C)  # the model's form: one list and counts
 
-        def triton_counts(one=one, count=count):  # noqa: ANN202
-            with patch.object(indexer, "SHARED_SM90", False):
-                return indexer._scores(q, weights, keys, one, cfg, None, None, 1.0,
-                                       indexer.SHARED_TOKENS, count)  # fmt: skip
-
-        runs.append(("scores, counts, Triton", triton_counts))
-        for nb in (int(x) for x in ns.bufs.split(",")):
-            runs.append((f"scores, counts, sm90 {nb} bufs", lambda nb=nb, one=one, count=count:
-                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
-                                                         num_buf=nb)))  # fmt: skip
-        for mode, what in ((1, "gathers alone"), (2, "no gathers"), (3, "neither")):
-            runs.append((f"scores, counts, sm90 {what}", lambda m=mode, one=one, count=count:
-                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
-                                                         mode=m)))  # fmt: skip
-        runs.append(("scores, counts, sm90 blocks first", lambda one=one, count=count:
-                     indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
-                                                     block_first=True)))  # fmt: skip
-        for tiles in (16, 64):
-            runs.append((f"scores, counts, sm90 {tiles} tiles", lambda t=tiles, one=one, count=count:
-                         indexer_sm90.shared_scores_sm90(q, weights, keys, one, 1.0, count,
-                                                         tiles=t)))  # fmt: skip
+        runs.append(("scores, counts", lambda one=one, count=count: indexer._scores(
+            q, weights, keys, one, cfg, None, None, 1.0, indexer.SHARED_TOKENS, count)))  # fmt: skip
         runs.append(("index_topk one_sequence", lambda: indexer.index_topk(
             q, weights, keys, cand, k, sort=False, one_sequence=True)))  # fmt: skip
         runs.append(("index_topk counts", lambda one=one, count=count: indexer.index_topk(
             q, weights, keys, one, k, sort=False, one_sequence=True, counts=count)))  # fmt: skip
-        tri = triton_counts()
-        for nb in (int(x) for x in ns.bufs.split(",")):
-            same = torch.equal(tri, indexer_sm90.shared_scores_sm90(
-                q, weights, keys, one, 1.0, count, num_buf=nb))  # fmt: skip
-            print(f"T={T} at {P}: sm90 ({nb} bufs) gives the Triton kernel's scores: {same}",
-                  flush=True)  # fmt: skip
         base = indexer._scores(q, weights, keys, cand)
         for tb in tbs:
             same = torch.equal(

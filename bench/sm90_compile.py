@@ -16,8 +16,7 @@ splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 s
 (unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
 the inverse RoPE in the kernel), entries / entries_rope / entries_one_rope / three_entries /
 three_entries_split3 (FP8 entries: 2 splits, with the inverse RoPE, unsplit with it, ...);
-index / index_table (`indexer_sm90`'s prefill score kernel, a 64-token slice at 1M in the counts
-/ table form); default all. The launch is captured
+default all. The launch is captured
 from the launcher on CPU tensors (T=64, 640 keys), not run.
 """
 
@@ -33,7 +32,6 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4.bench.compile import launch_signature
-from dsv4.ops import indexer_sm90
 from dsv4.ops import sparse_attn_sm90 as sm90
 from dsv4.quant import quant_kv_entries
 
@@ -84,31 +82,9 @@ def capture(case: dict) -> tuple[tuple, dict]:
     return calls[0]
 
 
-def index_launch(table: bool) -> tuple[tuple, dict]:
-    """(args, kwargs) of a `indexer_sm90._shared_score_kernel` launch: a 64-token slice at 1M
-    context in the counts form (table: a table of prefixes), 128 tiles a program."""
-    T, C = 64, 262144
-    q, w = torch.randn(T, 64, 128, dtype=torch.bfloat16), torch.randn(T, 64)
-    keys = torch.randn(C + 5, 128, dtype=torch.bfloat16)
-    rows = torch.randperm(C)[None, :].expand(T, C)
-    counts = torch.full((T,), C - 3, dtype=torch.int64)
-    skey = torch.empty(T, C, dtype=torch.int32)
-    args = (q, w, keys, rows.contiguous() if table else rows, skey if table else counts, skey, C,
-            T, q.stride(0), q.stride(1), w.stride(0), keys.stride(0), C if table else 0,
-            skey.stride(0), 1.0, 128)  # fmt: skip
-    kwargs = dict(TB=indexer_sm90.TOKENS, BLOCK_N=indexer_sm90.BLOCK_N,
-                  NUM_BUF=indexer_sm90.NUM_BUF, SCAN=indexer_sm90.SCAN, HAS_COUNTS=not table,
-                  MODE=0, BLOCK_FIRST=False)  # fmt: skip
-    return args, kwargs
-
-
 def compile_case(name: str, out: str) -> None:
-    if name.startswith("index"):
-        args, kwargs = index_launch(name == "index_table")
-        kernel = indexer_sm90._shared_score_kernel
-    else:
-        args, kwargs = capture(CASES[name])
-        kernel = sm90._decode_kernel
+    args, kwargs = capture(CASES[name])
+    kernel = sm90._decode_kernel
     # (PDL as on the GPU; the strides' divisibility decides the cp.async widths)
     sig, consts, attrs = launch_signature(
         kernel, args, kwargs, {"PDL": True}, int_divisibility=True
@@ -133,7 +109,7 @@ def compile_case(name: str, out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("cases", nargs="*", default=[*CASES, "index", "index_table"])
+    p.add_argument("cases", nargs="*", default=list(CASES))
     p.add_argument("--out", default="/tmp/sm90_compile")
     ns = p.parse_args()
     os.makedirs(ns.out, exist_ok=True)

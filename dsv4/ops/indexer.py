@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.ops import indexer_sm90
 from dsv4.ops.device import arrival_counts, cdiv, chain, chain_start, next_power_of_2, num_sms, pdl
 from dsv4.ops.kv_fp8 import decode_codes, decode_mode
 from dsv4.ops.ref import counted_rows
@@ -709,15 +708,6 @@ MAX_SCORE_TILES = 16  # candidate tiles a score program takes at most (q is re-r
 # tokens of one sequence's chunk a score program takes together (one_sequence). H200, 128K, T=2048,
 # the scores alone: 3536 us one token a program, 2877 two, 2461 four (docs/PERF.md)
 SHARED_TOKENS = 4
-# shared-token scores (prefill chunks of one sequence) on sm_90: the Gluon kernel (`indexer_sm90`:
-# a tile's MMA in flight while the tile before it is reduced; bit-identical to the Triton one)
-# for bf16 keys from SHARED_SM90_MIN_KEYS candidates a token. H200, 64-token slices, the scores
-# in the model's form (one list, counts), Triton / Gluon us: 256K context (65,552 candidates)
-# 147.4 / 156.2, 512K 304.4 / 311.8, 1M (262,160) 670.7 / 631.5; 2048 tokens at 128K 2292 /
-# 2354 (docs/PERF.md forty-seventh session). Only past 196,608 candidates (50 MB of keys, the
-# H200's L2) do its deeper gathers pay: the threshold lies between the measured 131K and 262K
-SHARED_SM90 = True
-SHARED_SM90_MIN_KEYS = 196608
 
 
 def _score_tiles(T: int, n_tiles: int, programs: int) -> int:
@@ -758,10 +748,6 @@ def _scores(
     (T, Hi, d), C = q.shape, cand_idxs.shape[1]
     assert shared == 1 or (hist is None and cfg.keys_on_m), "shared tokens: keys on M, no hist"
     assert counts is None or shared > 1, "counts: shared tokens only"
-    sm90 = SHARED_SM90 and C >= SHARED_SM90_MIN_KEYS
-    if shared > 1 and sm90 and indexer_sm90.supported(q, keys, key_scale):
-        assert shared == indexer_sm90.TOKENS, f"the sm90 kernel shares {indexer_sm90.TOKENS}"
-        return indexer_sm90.shared_scores_sm90(q, weights, keys, cand_idxs, weight_scale, counts)
     skey = torch.empty(T, C, dtype=torch.int32, device=q.device)
     key_fp8 = key_scale is not None
     same = q.dtype == keys.dtype or key_fp8  # codes are decoded into q's dtype

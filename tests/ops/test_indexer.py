@@ -297,39 +297,6 @@ def _kth_largest_probe(u_ptr, n_ptr, kk_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + 2 * r + 1, need)
 
 
-@pytest.mark.parametrize("C,sm90", [(1024, False), (196607, False), (196608, True)])
-def test_shared_scores_dispatch(C: int, sm90: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # shared-token scores go to the Gluon kernel where it applies and from SHARED_SM90_MIN_KEYS
-    # candidates; the table and counts reach it unchanged
-    from dsv4.ops import indexer_sm90
-
-    seen = []
-    monkeypatch.setattr(indexer_sm90, "supported", lambda q, keys, key_scale=None: True)
-    monkeypatch.setattr(indexer_sm90, "shared_scores_sm90",
-                        lambda *a: seen.append(a) or torch.zeros(8, C, dtype=torch.int32))  # fmt: skip
-    monkeypatch.setattr(indexer, "_index_score_kernel", _NoLaunch())
-    monkeypatch.setattr(_NoLaunch, "launched", False)
-    q, w, keys = torch.zeros(8, 64, 128), torch.zeros(8, 64), torch.zeros(16, 128)
-    rows, counts = torch.zeros(1, C, dtype=torch.int64).expand(8, C), torch.full((8,), C)
-    indexer._scores(q, w, keys, rows, shared=indexer.SHARED_TOKENS, counts=counts,
-                    weight_scale=0.5)  # fmt: skip
-    assert len(seen) == int(sm90)
-    if sm90:
-        assert seen[0][3] is rows and seen[0][4] == 0.5 and seen[0][5] is counts
-    assert _NoLaunch.launched == (not sm90)
-
-
-class _NoLaunch:
-    # stands in for the Triton score kernel: records that it was launched
-    launched = False
-
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
-        def launch(*a, **kw) -> None:  # noqa: ANN002, ANN003
-            _NoLaunch.launched = True
-
-        return launch
-
-
 def test_kth_largest() -> None:
     # the search alone against a sort: random uint32 (top bit set and clear), few distinct values
     # with the extremes 0 and 2^32-1, all equal, a run of consecutive values, k = 1 and k = n
@@ -528,49 +495,3 @@ def test_gpu_topk_compiles_once_across_candidate_counts(select: str, C: int) -> 
     finally:
         watch.uninstall()
     assert watch.count == 0, watch.names
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "T,C,form,integer",
-    [
-        (64, 32768, "counts", True),  # a long chunk's slice deep in context (the model's form)
-        (67, 4099, "counts", False),  # tokens and candidates off the tile sizes, random bf16
-        (1024, 256, "table", True),  # a causal chunk from position 0: a table of prefixes
-        (130, 5000, "table", False),
-        (8, 200, "counts", True),  # fewer tiles than the pipeline holds
-    ],
-)
-def test_gpu_sm90_shared_scores(
-    T: int, C: int, form: str, integer: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the Gluon shared-token score kernel against the Triton one (same tiles, same head-sum
-    # order): equal bit for bit, -1 rows and tokens' own prefixes included; and both against the
-    # fp32 reference scores
-    from dsv4.ops import indexer_sm90
-
-    q, weights, keys, cand = _inputs(
-        T, 64, 128, C, torch.bfloat16, p_hidden=0.1, integer=integer, device="cuda"
-    )
-    assert indexer_sm90.supported(q, keys)
-    one = cand[:1].expand(T, C)
-    start = max(C - 4 * T, 0)  # token t sees start + 4 t + 1 .. (clipped to C)
-    counts = (start + 4 * torch.arange(T, device="cuda") + 1).clamp(max=C)
-    table = torch.where(torch.arange(C, device="cuda")[None, :] < counts[:, None], one, -1)
-    w_sc = 0.5
-    args = (one, counts) if form == "counts" else (table, None)
-    got = indexer_sm90.shared_scores_sm90(q, weights, keys, args[0], w_sc, args[1])
-    for tiles in (8, 64):  # programs taking fewer / more tiles than the default
-        again = indexer_sm90.shared_scores_sm90(q, weights, keys, args[0], w_sc, args[1],
-                                                tiles=tiles)  # fmt: skip
-        assert torch.equal(again, got), f"tiles={tiles}"
-    monkeypatch.setattr(indexer, "SHARED_SM90", False)
-    want = indexer._scores(q, weights, keys, args[0], weight_scale=w_sc,
-                           shared=indexer.SHARED_TOKENS, counts=args[1])  # fmt: skip
-    bad = (got != want).nonzero()
-    assert not len(bad), f"{len(bad)} scores differ, first at {bad[:4].tolist()}"
-    vis = table >= 0
-    assert bool((got[~vis] == -(2**31)).all())
-    flip = got ^ ((got >> 31) & 0x7FFFFFFF)  # the order-preserving keys back to fp32
-    ref_s = _ref_scores(q, weights * w_sc, keys, table)
-    torch.testing.assert_close(flip.view(torch.float32)[vis], ref_s[vis], rtol=2e-2, atol=1e-3)
