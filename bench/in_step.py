@@ -48,10 +48,9 @@ def main() -> None:
     module, name = ns.wrap.rsplit(".", 1)
     mod = importlib.import_module(module)
     fn = getattr(mod, name)
-    calls: dict[tuple, list] = defaultdict(list)
-
     cuda = torch.cuda.is_available()  # (no GPU: host wall time, to try the tool on a CPU)
-
+    # per call shape: eager calls, and calls captured into CUDA graphs
+    calls: dict[tuple, list] = defaultdict(list)
     graphed: dict[tuple, list] = defaultdict(list)
 
     def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="run only the rows whose name holds this text")
     ns = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
+    form = ns.rows + (", warm" if ns.warm else "")
     tbs = [int(x) for x in ns.tokens.split(",")]
     H, d, k = 64, 128, 512
     for spec in ns.shapes.split(","):
@@ -62,7 +63,6 @@ def main() -> None:
             runs.append((f"scores, {tb} tokens a tile", lambda tb=tb: indexer._scores(
                 q, weights, keys, cand, cfg, None, None, 1.0, tb)))  # fmt: skip
         one = rows[None, :].expand(T, C)  # the model's form: one list and counts
-
         runs.append(("scores, counts", lambda one=one, count=count: indexer._scores(
             q, weights, keys, one, cfg, None, None, 1.0, indexer.SHARED_TOKENS, count)))  # fmt: skip
         runs.append(("index_topk one_sequence", lambda: indexer.index_topk(
@@ -80,7 +80,7 @@ def main() -> None:
                 continue
             us = statistics.median(_graph_us(fn, 3, cold=not ns.warm) or [float("nan")])
             print(
-                f"T={T:5d} at {P:8d} (C={C:6d}, {ns.rows}{', warm' if ns.warm else ''}): {name:<26} {us:10.1f} us, "
+                f"T={T:5d} at {P:8d} (C={C:6d}, {form}): {name:<26} {us:10.1f} us, "
                 f"{flop / us / 1e6:7.1f} TFLOP/s of scores, {pairs / us / 1e3:8.2f} G pairs/s",
                 flush=True,
             )

@@ -102,8 +102,7 @@ def compile_case(name: str, out: str) -> None:
     with open(os.path.join(out, f"{name}.sass"), "w") as f:
         f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                capture_output=True, text=True).stdout)  # fmt: skip
-    what = f"FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} " if "FIXUP" in kwargs else ""
-    print(f"{name}: {what}shared {k.metadata.shared} B; "
+    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} shared {k.metadata.shared} B; "
           + "; ".join(regs))  # fmt: skip
 
 

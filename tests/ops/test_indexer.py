@@ -386,7 +386,7 @@ def test_index_topk_gpu_prefill(one_sequence: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,C", [(256, 32768), (32, 262144)])  # 1M context: the sm90 kernel
+@pytest.mark.parametrize("T,C", [(256, 32768), (32, 262144)])  # 128K and 1M context
 def test_index_topk_gpu_prefill_counts(T: int, C: int) -> None:
     # a long chunk's slice as the model passes it (`Batch.index_rows`): the sequence's one list
     # of rows, expanded, and each token's count; exact on integer inputs, the picks of the table
