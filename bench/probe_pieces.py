@@ -496,11 +496,15 @@ def probe_attn_sm90() -> None:
 
 
 def probe_attn_fixup() -> None:
-    # the Gluon kernel's two splits combined in the kernel (sm90.FIXUP) against the combine
-    # launch, bare and with the inverse RoPE (the model's form), with the difference between them
+    # the Gluon kernel's two splits: the combine launch, split 1 combining all heads in the kernel
+    # (sm90.FIXUP, one way) and each split combining half the heads (FIXUP_HALVES), bare and with
+    # the inverse RoPE (the model's form), with the differences between them. Each variant twice,
+    # interleaved (A B C A B C), so drift between them shows
     from dsv4.ops import sparse_attn_sm90 as sm90
     from dsv4.ops.rope import rotary
 
+    variants = {"combine launch": (False, False), "fixup one way": (True, False),
+                "fixup halves": (True, True)}  # fmt: skip
     attn = AttnDecode(torch.Generator(device="cuda").manual_seed(0))
     for T in (64, 48):
         q, kv, sink, idx = attn.tokens(T)
@@ -508,34 +512,39 @@ def probe_attn_fixup() -> None:
         cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
         nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
         want = ref.sparse_attn(q.float(), tuple(k.float() for k in one), sink, idx, 0.04)
-        for bn, nb in ((64, 2), (32, 4)):
+        for bn, nb in ((64, 2),):
             outs = {}
-            for rope in (False, True):
-                for fix in (False, True):
-                    sm90.FIXUP = fix
-                    kw = dict(num_splits=2, block_n=bn, num_buf=nb, inv_rope=cs if rope else None)
-                    outs[rope, fix] = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
-                    o = outs[False, fix]
-                    err = float((o.float() - want).norm() / want.norm())
-                    us(
-                        f"attn T={T} sm90 bn{bn} nb{nb}{' inv_rope' if rope else ''} "
-                        f"{'fixup' if fix else 'combine launch'}",
-                        lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
-                        nbytes=nbytes,
-                        note=f"  rel err {err:.1e}",
-                    )
-            sm90.FIXUP = True
-            diff = float((outs[False, True].float() - outs[False, False].float()).abs().max())
-            exact = torch.equal(outs[True, True], rotary(outs[False, True], *cs, inverse=True))
-            nope = torch.equal(outs[True, True][..., :448], outs[False, True][..., :448])
-            again = torch.equal(
-                sm90.sparse_attn_sm90(
-                    q, one, sink, idx, 0.04, num_splits=2, block_n=bn, num_buf=nb
-                ),
-                outs[False, True],
+            for rope in (True, False):
+                for _ in range(2):
+                    for name, (fix, halves) in variants.items():
+                        with (
+                            patch.object(sm90, "FIXUP", fix),
+                            patch.object(sm90, "FIXUP_HALVES", halves),
+                        ):
+                            kw = dict(
+                                num_splits=2, block_n=bn, num_buf=nb, inv_rope=cs if rope else None
+                            )
+                            outs[rope, name] = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
+                            err = float((outs[rope, name].float() - want).norm() / want.norm())
+                            us(
+                                f"attn T={T} sm90 bn{bn} nb{nb}{' inv_rope' if rope else ''} {name}",
+                                lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
+                                nbytes=nbytes,
+                                note=f"  rel err {err:.1e}",
+                            )
+            for name in ("fixup one way", "fixup halves"):
+                diff = float(
+                    (outs[False, name].float() - outs[False, "combine launch"].float()).abs().max()
+                )
+                exact = torch.equal(outs[True, name], rotary(outs[False, name], *cs, inverse=True))
+                print(
+                    f"    T={T} bn{bn} {name}: max|it - combine launch| {diff:.2e}, rope bit-exact {exact}"
+                )
+            same = torch.equal(outs[False, "fixup one way"], outs[False, "fixup halves"])
+            same_r = torch.equal(outs[True, "fixup one way"], outs[True, "fixup halves"])
+            print(
+                f"    T={T} bn{bn}: halves == one way bit for bit: bare {same}, inv_rope {same_r}"
             )
-            print(f"    T={T} bn{bn}: max|fixup - combine| {diff:.2e}, rope bit-exact {exact} (channels < 448 {nope}), "
-                  f"repeat bit-exact {again}")  # fmt: skip
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 
@@ -571,10 +580,15 @@ def probe_attn_fp8_fixup() -> None:
                     f"attn T={T} fp8 sm90 inv_rope overlap {ov}", f"  max|o - no overlap| {err:.1e}"
                 )
         if T * 2 <= 132:  # two splits
-            for fix in (False, True, False, True):
-                with patch.object(sm90, "FIXUP", fix):
-                    run(f"attn T={T} fp8 sm90 inv_rope {'fixup' if fix else 'combine launch'}",
-                        f"  rope bit-exact {exact}")  # fmt: skip
+            outs = {}
+            for fix, halves in ((False, False), (True, False), (True, True)) * 2:
+                with patch.object(sm90, "FIXUP", fix), patch.object(sm90, "FIXUP_HALVES", halves):
+                    name = "halves" if halves else "fixup" if fix else "combine launch"
+                    outs[name] = sm90.sparse_attn_sm90(q, one8, sink, idx, 0.04, 64, inv_rope=cs)
+                    run(f"attn T={T} fp8 sm90 inv_rope {name}", f"  rope bit-exact {exact}")
+            print(
+                f"    T={T} fp8: halves == fixup bit for bit {torch.equal(outs['halves'], outs['fixup'])}"
+            )
         else:  # one split
             for _ in range(2):
                 us(

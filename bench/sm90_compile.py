@@ -11,7 +11,8 @@ venv's torch:
   echo $PWD/.venv/lib/python3.11/site-packages > /tmp/t36/lib/python3.11/site-packages/zz_main.pth
   PYTHONPATH=$PWD /tmp/t36/bin/python bench/sm90_compile.py [CASE ...] [--out DIR]
 
-CASE: fixup (2 splits, the in-kernel combine), fixup_rope (with the inverse RoPE), split3 (3
+CASE: fixup (2 splits, the in-kernel combine, each split half the heads), fixup_rope (with the
+inverse RoPE), fixup_oneway / fixup_oneway_rope (split 1 combines all the heads), split3 (3
 splits, partials for the combine launch), one (unsplit), bn32 (32-key tiles, 2 splits), three
 (unsplit over three sources: a prefill chunk's ring, new rows and entries), one_rope (unsplit,
 the inverse RoPE in the kernel), entries / entries_rope / entries_one_rope / three_entries /
@@ -36,7 +37,8 @@ from dsv4.ops import sparse_attn_sm90 as sm90
 from dsv4.quant import quant_kv_entries
 
 CASES = {
-    "fixup": {}, "fixup_rope": {"rope": True}, "split3": {"num_splits": 3},
+    "fixup": {}, "fixup_rope": {"rope": True}, "fixup_oneway": {"halves": False},
+    "fixup_oneway_rope": {"halves": False, "rope": True}, "split3": {"num_splits": 3},
     "one": {"num_splits": 1}, "bn32": {"block_n": 32},
     "three": {"num_splits": 1, "sources": 3}, "one_rope": {"num_splits": 1, "rope": True},
     "entries": {"entries": True}, "entries_rope": {"entries": True, "rope": True},
@@ -63,9 +65,11 @@ def capture(case: dict) -> tuple[tuple, dict]:
         kv = quant_kv_entries(kv, 64)
     idx = torch.randint(0, 2000, (T, 640), dtype=torch.int32)
     cs = (torch.randn(T, 32), torch.randn(T, 32)) if case.get("rope") else None
-    kernel, supported = sm90._decode_kernel, sm90.supported
+    kernel, supported, sms = sm90._decode_kernel, sm90.supported, sm90.num_sms
     sm90._decode_kernel, sm90.supported = Launch(), lambda *a, **k: True
+    sm90.num_sms = lambda *a: 132  # an H200's (the launcher's choices as on the GPU)
     sm90.OVERLAP = case.get("overlap", False)
+    sm90.FIXUP_HALVES = case.get("halves", True)
     # three sources as views from row 1: an FP8 source 0 then starts on 8 bytes, not 16
     srcs = (kv[1:129], kv[129:162], kv[162:]) if "sources" in case else (kv,)
     try:
@@ -77,8 +81,9 @@ def capture(case: dict) -> tuple[tuple, dict]:
         if not calls:
             raise
     finally:
-        sm90._decode_kernel, sm90.supported = kernel, supported
+        sm90._decode_kernel, sm90.supported, sm90.num_sms = kernel, supported, sms
         sm90.OVERLAP = False
+        sm90.FIXUP_HALVES = True
     return calls[0]
 
 
@@ -102,7 +107,7 @@ def compile_case(name: str, out: str) -> None:
     with open(os.path.join(out, f"{name}.sass"), "w") as f:
         f.write(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin],
                                capture_output=True, text=True).stdout)  # fmt: skip
-    print(f"{name}: FIXUP {kwargs['FIXUP']} RD {kwargs['RD']} shared {k.metadata.shared} B; "
+    print(f"{name}: FIXUP {kwargs['FIXUP']} HALVES {kwargs['HALVES']} RD {kwargs['RD']} shared {k.metadata.shared} B; "
           + "; ".join(regs))  # fmt: skip
 
 

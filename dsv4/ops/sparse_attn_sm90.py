@@ -61,6 +61,11 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
+# the two splits of a token each combine half of its heads (`_half_finish`): each publishes the
+# peer's half of its partial (64 KB, not split 0's whole 128 KB) and writes its own half of o, in
+# parallel. They wait on each other, so this needs every program resident at once (2T <= SMs at
+# one program per SM, which the launcher checks); otherwise split 1 combines all (`_fixup`)
+FIXUP_HALVES = True
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
 
@@ -318,6 +323,67 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
 
 
 @gluon.jit
+def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
+                 sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot,
+                 stride_oh, stride_ct, stride_st, ME: gl.constexpr, RD: gl.constexpr):  # fmt: skip
+    # split ME of token t's two: publish the peer's half of the heads of acc (fp32 rows, with m, l
+    # of every head) and a flag, stage its own acc in the free kv buffers, wait for the peer's
+    # flag, and write o for its own half of the heads from both partials (the weights and the
+    # products of `_fixup`, so the same bits), then zero the peer's flag. Both wait: every
+    # program must be resident (the launcher's 2T <= SMs)
+    H: gl.constexpr = 64
+    HALF: gl.constexpr = 32
+    D: gl.constexpr = 512
+    CH: gl.constexpr = 128  # output channels per combine step (the peer's 4 loaded at once)
+    PEER: gl.constexpr = 1 - ME
+    o_layout: gl.constexpr = acc.type.layout
+    offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
+    offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    theirs = (offs_h >= PEER * HALF) & (offs_h < PEER * HALF + HALF)
+    hv = offs_h[:, None] * stride_ph + offs_v[None, :]
+    gl.store(part_ptr + t * stride_pt + ME * stride_ps + hv, acc,
+             mask=theirs[:, None] & (offs_v < D)[None, :])  # fmt: skip
+    ml_me = ml_ptr + t * stride_mt + ME * stride_ms
+    gl.store(ml_me + offs_h, m_o)
+    gl.store(ml_me + H + offs_h, l_o)
+    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # (`_stage`'s)
+    own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
+    own.store(acc)
+    gl.thread_barrier()  # every thread's published rows before the flag; own acc staged
+    gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
+    rows = ME * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
+    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+    flag = sem_ptr + 2 * t + PEER
+    ready = gl.atomic_add(flag, 0, sem="acquire")
+    while ready == 0:
+        ready = gl.atomic_add(flag, 0, sem="acquire")
+    gl.thread_barrier()  # the peer's rows are visible to every thread
+    peer_rows = part_ptr + t * stride_pt + PEER * stride_ps + rows[:, None] * stride_ph
+    b0 = _peer_part(peer_rows, 0, cols, CH)
+    b1 = _peer_part(peer_rows, 1, cols, CH)
+    b2 = _peer_part(peer_rows, 2, cols, CH)
+    b3 = _peer_part(peer_rows, 3, cols, CH)
+    ml_peer = ml_ptr + t * stride_mt + PEER * stride_ms
+    m_p = gl.load(ml_peer + rows, cache_modifier=".cg")
+    l_p = gl.load(ml_peer + H + rows, cache_modifier=".cg")
+    m_m = gl.load(ml_me + rows, cache_modifier=".cg")  # (this program's, stored above)
+    l_m = gl.load(ml_me + H + rows, cache_modifier=".cg")
+    sink = gl.load(sink_ptr + rows) * 1.4426950408889634
+    m_all = gl.maximum(gl.maximum(m_p, m_m), sink)
+    e_p = gl.exp2(m_p - m_all)
+    e_m = gl.exp2(m_m - m_all)
+    den = (_mul_rn(e_p, l_p) + _mul_rn(e_m, l_m)) + gl.exp2(sink - m_all)
+    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
+    # (the peer's part as `_write_o`'s b, weighted by w0: additions commute, so these are the
+    # bits of `_fixup`'s split 0 + split 1 whichever split this is)
+    _write_o(own.slice(ME * HALF, HALF, dim=0), b0, b1, b2, b3, (e_p / den)[:, None],
+             (e_m / den)[:, None], o_rows, cols, cos_ptr + t * stride_ct, sin_ptr + t * stride_st,
+             CH, RD, c_layout)  # fmt: skip
+    gl.store(flag, 0)  # zero between launches (the peer is past its wait)
+
+
+@gluon.jit
 def _decode_kernel(
     q_ptr,  # [T, 64, 512] bf16
     kv_ptr,  # source 0: [n0, 512] bf16 rows or FP8 entries (row stride stride_k0)
@@ -362,6 +428,7 @@ def _decode_kernel(
     RD: gl.constexpr = 0,  # > 0: the inverse RoPE on o's last RD channels (FIXUP or unsplit)
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
     OVERLAP: gl.constexpr = False,  # ENTRIES: S of the first 256 channels beside the rest's decode
+    HALVES: gl.constexpr = False,  # FIXUP: each split combines half the heads (`_half_finish`)
 ):
     chain_start(PDL)
     src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2)
@@ -507,9 +574,18 @@ def _decode_kernel(
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     if FIXUP:
         gl.thread_barrier()  # every warp is past its last MMA: the kv buffers are free
-        _fixup(acc, m_o, l_o, stage_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
-               cos_ptr, sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh,
-               stride_ct, stride_st, RD)  # fmt: skip
+        if not HALVES:
+            _fixup(acc, m_o, l_o, stage_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
+                   cos_ptr, sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh,
+                   stride_ct, stride_st, RD)  # fmt: skip
+        elif split == 0:
+            _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
+                         cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
+                         stride_ot, stride_oh, stride_ct, stride_st, 0, RD)  # fmt: skip
+        else:
+            _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
+                         cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
+                         stride_ot, stride_oh, stride_ct, stride_st, 1, RD)  # fmt: skip
     elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
@@ -623,6 +699,7 @@ def sparse_attn_sm90(
     staged = mode == 0 and stage_bytes >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
+    halves = fixup and FIXUP_HALVES and 2 * T <= num_sms(q.device)  # every program resident
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit);
     # otherwise in the combine's launch or a rotary launch
@@ -638,7 +715,7 @@ def sparse_attn_sm90(
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
         NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP and mode == 0,
-        num_warps=8, **launch,
+        HALVES=halves, num_warps=8, **launch,
     )  # fmt: skip
     if fixup or in_kernel:
         return o

@@ -384,11 +384,12 @@ def test_gpu_sm90_three_sources(T: int, num_splits: int | None, fp8: bool) -> No
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 48, 64])
 def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # two splits combined inside the Gluon kernel (FIXUP) against the combine launch: both near
-    # the fp32 reference, the same bits on every call whichever split arrives last, the inverse
-    # RoPE in the kernel bit for bit the rotary launch's, and the semaphores zero again afterwards
-    # (the next launch and graph replays start from zero). fp8: over FP8 entries, whose acc is
-    # staged over the raw tiles and the bf16 tile
+    # two splits combined inside the Gluon kernel (FIXUP; each split half the heads, and split 1
+    # all of them) against the combine launch: both near the fp32 reference, the same bits on
+    # every call whichever split arrives last, the inverse RoPE in the kernel bit for bit the
+    # rotary launch's, and the semaphores zero again afterwards (the next launch and graph
+    # replays start from zero). fp8: over FP8 entries, whose acc is staged over the raw tiles and
+    # the bf16 tile
     from dsv4.ops import device as dev_mod
     from dsv4.ops import sparse_attn_sm90 as sm90
     from dsv4.quant import dequant_kv_entries, quant_kv_entries
@@ -414,6 +415,12 @@ def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> N
     cs = _cos_sin(T, 64, "cuda")
     turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
     assert torch.equal(turned, rotary(fixed[0], *cs, inverse=True))
+    # each split combining half the heads (the default here: 2T <= SMs) gives split 1's whole
+    # combine's bits, with and without the inverse RoPE
+    monkeypatch.setattr(sm90, "FIXUP_HALVES", False)
+    assert torch.equal(sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw), fixed[0])
+    one_way = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
+    assert torch.equal(one_way, turned)
     sem = dev_mod.arrival_counts("sparse_attn_sm90", q.device, 2 * sm90.FIXUP_MAX_TOKENS)
     assert int(sem.count_nonzero()) == 0
 
