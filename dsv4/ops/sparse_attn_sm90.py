@@ -12,8 +12,10 @@ the warpgroups through shared memory, P goes to shared memory once, and each war
 accumulates its half of the 512 output channels over every key of the tile (O [64, 512] has
 warps [4, 2] too: O[:, g*256 ..] += P K[:, g*256 ..]). Gathered rows arrive by cp.async
 NUM_BUF - 1 tiles ahead. Two splits (T = 45..66 on an H200, the batch-64 decode) finish inside
-the kernel (`_fixup`): split 1 of a token waits for split 0's published partial
-and writes o, with the inverse RoPE; other split counts use the Triton kernel's combine. Prefill
+the kernel: with bf16 rows each split publishes the half of its partial the other split owns,
+waits for the other's half and writes o for its own 32 heads (`_half_finish`); with FP8 entries
+split 1 waits for split 0's whole partial and writes all of o (`_fixup`); both with the inverse
+RoPE. Other split counts use the Triton kernel's combine. Prefill
 chunks (one program a token, unsplit) come here too: their three sources (ring, the chunk's new
 rows, the entries) are addressed from one pointer by index range (`_rows`), and o is written
 with the inverse RoPE (`_finish_rope`). H200, T=4096, 128 + 512 keys: 1178 us against the Triton
@@ -61,10 +63,13 @@ NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton ke
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
-# the two splits of a token each combine half of its heads (`_half_finish`): each publishes the
-# peer's half of its partial (64 KB, not split 0's whole 128 KB) and writes its own half of o, in
-# parallel. They wait on each other, so this needs every program resident at once (2T <= SMs at
-# one program per SM, which the launcher checks); otherwise split 1 combines all (`_fixup`)
+# bf16 rows: the two splits of a token each combine half of its heads (`_half_finish`): each
+# publishes the peer's half of its partial (64 KB, not split 0's whole 128 KB) and writes its own
+# half of o, in parallel. They wait on each other, so this needs every program resident at once
+# (2T <= SMs at one program per SM, which the launcher checks); otherwise split 1 combines all
+# (`_fixup`). H200, graph replays, the same bits: T=64 with the inverse RoPE 27.10 -> 26.82 us,
+# T=48 25.99 -> 25.47; FP8 entries slower (T=64 37.78 -> 38.6: 244 B of spills), so not there
+# (docs/PERF.md, forty-ninth session)
 FIXUP_HALVES = True
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
@@ -699,7 +704,7 @@ def sparse_attn_sm90(
     staged = mode == 0 and stage_bytes >= HEADS * DIM * 4
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
-    halves = fixup and FIXUP_HALVES and 2 * T <= num_sms(q.device)  # every program resident
+    halves = fixup and FIXUP_HALVES and not entries and 2 * T <= num_sms(q.device)  # all resident
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit);
     # otherwise in the combine's launch or a rotary launch
