@@ -351,11 +351,12 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     ml_me = ml_ptr + t * stride_mt + ME * stride_ms
     gl.store(ml_me + offs_h, m_o)
     gl.store(ml_me + H + offs_h, l_o)
+    gl.thread_barrier()  # every thread's published rows before the flag
+    gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
+    # own acc staged while the flags cross (read back after the barrier past the wait)
     st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # (`_stage`'s)
     own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
     own.store(acc)
-    gl.thread_barrier()  # every thread's published rows before the flag; own acc staged
-    gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
     rows = ME * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
@@ -363,7 +364,7 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     ready = gl.atomic_add(flag, 0, sem="acquire")
     while ready == 0:
         ready = gl.atomic_add(flag, 0, sem="acquire")
-    gl.thread_barrier()  # the peer's rows are visible to every thread
+    gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
     peer_rows = part_ptr + t * stride_pt + PEER * stride_ps + rows[:, None] * stride_ph
     b0 = _peer_part(peer_rows, 0, cols, CH)
     b1 = _peer_part(peer_rows, 1, cols, CH)
