@@ -35,8 +35,6 @@ this one is tested against on the GPU (tests/ops/test_sparse_attn.py).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -73,12 +71,6 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 # T=48 25.99 -> 25.47; FP8 entries slower (T=64 37.78 -> 38.6: 244 B of spills), so not there
 # (docs/PERF.md, forty-ninth session)
 FIXUP_HALVES = True
-# the halves combine meets through a workspace whose words read SENTINEL until written (the peer
-# polls the rows themselves), instead of a flag released after the rows
-HALVES_POLL = True
-SENTINEL = gl.constexpr(
-    0x7FC0DEAD
-)  # an fp32 NaN payload no arithmetic gives (the GPU's: 0x7FFFFFFF)
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
 
@@ -336,37 +328,14 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
 
 
 @gluon.jit
-def _polled(src, ml_src, cols, H: gl.constexpr, CH: gl.constexpr):  # noqa: ANN001, ANN202
-    # the peer's published rows (four CH-channel chunks) and their m, l, read from L2 (volatile:
-    # read again on every poll), and whether any word still holds SENTINEL
-    b0 = gl.load(src + (0 * CH + cols)[None, :], volatile=True)
-    b1 = gl.load(src + (1 * CH + cols)[None, :], volatile=True)
-    b2 = gl.load(src + (2 * CH + cols)[None, :], volatile=True)
-    b3 = gl.load(src + (3 * CH + cols)[None, :], volatile=True)
-    m_p = gl.load(ml_src, volatile=True)
-    l_p = gl.load(ml_src + H, volatile=True)
-    late = _unset(b0) | _unset(b1) | _unset(b2) | _unset(b3)
-    late = gl.max(late.to(gl.int32), 1) | (_unset(m_p) | _unset(l_p)).to(gl.int32)
-    return b0, b1, b2, b3, m_p, l_p, gl.max(late, 0)
-
-
-@gluon.jit
-def _unset(x):  # noqa: ANN001, ANN202
-    return x.to(gl.int32, bitcast=True) == SENTINEL
-
-
-@gluon.jit
 def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
                  sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot,
-                 stride_oh, stride_ct, stride_st, ME: gl.constexpr, RD: gl.constexpr,
-                 POLL: gl.constexpr):  # fmt: skip
-    # split ME of token t's two: publish the peer's half of the heads of acc (fp32 rows at
-    # part[t, ME, 0..31], with m, l of every head at ml[t, ME]), stage its own acc in the free kv
-    # buffers, wait for the peer's half of its heads, and write o for them from both partials (the
-    # weights and the products of `_fixup`, so the same bits). Both wait, so every program must be
-    # resident (the launcher's 2T <= SMs). POLL: part and ml are the `_published` workspace, every
-    # word the peer reads SENTINEL until written: the rows themselves are polled, and reset after
-    # they are read (no flag, no release fence before it); else a flag per split (sem)
+                 stride_oh, stride_ct, stride_st, ME: gl.constexpr, RD: gl.constexpr):  # fmt: skip
+    # split ME of token t's two: publish the peer's half of the heads of acc (fp32 rows, with m, l
+    # of every head) and a flag, stage its own acc in the free kv buffers, wait for the peer's
+    # flag, and write o for its own half of the heads from both partials (the weights and the
+    # products of `_fixup`, so the same bits), then zero the peer's flag. Both wait: every
+    # program must be resident (the launcher's 2T <= SMs)
     H: gl.constexpr = 64
     HALF: gl.constexpr = 32
     D: gl.constexpr = 512
@@ -376,42 +345,34 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     theirs = (offs_h >= PEER * HALF) & (offs_h < PEER * HALF + HALF)
-    hv = (offs_h - PEER * HALF)[:, None] * stride_ph + offs_v[None, :]
+    hv = offs_h[:, None] * stride_ph + offs_v[None, :]
     gl.store(part_ptr + t * stride_pt + ME * stride_ps + hv, acc,
              mask=theirs[:, None] & (offs_v < D)[None, :])  # fmt: skip
     ml_me = ml_ptr + t * stride_mt + ME * stride_ms
     gl.store(ml_me + offs_h, m_o)
     gl.store(ml_me + H + offs_h, l_o)
-    gl.thread_barrier()  # every thread's published rows before the flag (and own m, l)
-    if not POLL:
-        gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
-    # own acc staged while the peer's rows are on their way (read back past the barrier below)
+    gl.thread_barrier()  # every thread's published rows before the flag
+    gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
+    # own acc staged while the flags cross (read back after the barrier past the wait)
     st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # (`_stage`'s)
     own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
     own.store(acc)
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
-    local = gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
-    rows = ME * HALF + local
+    rows = ME * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
-    src = part_ptr + t * stride_pt + PEER * stride_ps + local[:, None] * stride_ph
-    ml_peer = ml_ptr + t * stride_mt + PEER * stride_ms + rows
-    if POLL:
-        b0, b1, b2, b3, m_p, l_p, late = _polled(src, ml_peer, cols, H, CH)
-        while late != 0:
-            b0, b1, b2, b3, m_p, l_p, late = _polled(src, ml_peer, cols, H, CH)
-        gl.thread_barrier()  # own acc staged
-    else:
-        flag = sem_ptr + 2 * t + PEER
+    flag = sem_ptr + 2 * t + PEER
+    ready = gl.atomic_add(flag, 0, sem="acquire")
+    while ready == 0:
         ready = gl.atomic_add(flag, 0, sem="acquire")
-        while ready == 0:
-            ready = gl.atomic_add(flag, 0, sem="acquire")
-        gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
-        b0 = _peer_part(src, 0, cols, CH)
-        b1 = _peer_part(src, 1, cols, CH)
-        b2 = _peer_part(src, 2, cols, CH)
-        b3 = _peer_part(src, 3, cols, CH)
-        m_p = gl.load(ml_peer, cache_modifier=".cg")
-        l_p = gl.load(ml_peer + H, cache_modifier=".cg")
+    gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
+    peer_rows = part_ptr + t * stride_pt + PEER * stride_ps + rows[:, None] * stride_ph
+    b0 = _peer_part(peer_rows, 0, cols, CH)
+    b1 = _peer_part(peer_rows, 1, cols, CH)
+    b2 = _peer_part(peer_rows, 2, cols, CH)
+    b3 = _peer_part(peer_rows, 3, cols, CH)
+    ml_peer = ml_ptr + t * stride_mt + PEER * stride_ms
+    m_p = gl.load(ml_peer + rows, cache_modifier=".cg")
+    l_p = gl.load(ml_peer + H + rows, cache_modifier=".cg")
     m_m = gl.load(ml_me + rows, cache_modifier=".cg")  # (this program's, stored above)
     l_m = gl.load(ml_me + H + rows, cache_modifier=".cg")
     sink = gl.load(sink_ptr + rows) * 1.4426950408889634
@@ -425,18 +386,7 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     _write_o(own.slice(ME * HALF, HALF, dim=0), b0, b1, b2, b3, (e_p / den)[:, None],
              (e_m / den)[:, None], o_rows, cols, cos_ptr + t * stride_ct, sin_ptr + t * stride_st,
              CH, RD, c_layout)  # fmt: skip
-    if POLL:  # what was read is unset again for the next launch (each thread its own words)
-        unset = gl.full([HALF, CH], SENTINEL, gl.int32, c_layout).to(gl.float32, bitcast=True)
-        for c in gl.static_range(4):
-            gl.store(src + (c * CH + cols)[None, :], unset)
-        unset_ml = gl.full([HALF], SENTINEL, gl.int32, rows.type.layout)
-        unset_ml = unset_ml.to(gl.float32, bitcast=True)
-        gl.store(ml_peer, unset_ml)
-        gl.store(ml_peer + H, unset_ml)
-        gl.store(ml_me + rows, unset_ml)  # (own m, l: never polled, unset too: all SENTINEL)
-        gl.store(ml_me + H + rows, unset_ml)
-    else:
-        gl.store(sem_ptr + 2 * t + PEER, 0)  # zero between launches (the peer is past its wait)
+    gl.store(flag, 0)  # zero between launches (the peer is past its wait)
 
 
 @gluon.jit
@@ -485,7 +435,6 @@ def _decode_kernel(
     NUM_SRC: gl.constexpr = 1,  # kv sources (1..3)
     OVERLAP: gl.constexpr = False,  # ENTRIES: S of the first 256 channels beside the rest's decode
     HALVES: gl.constexpr = False,  # FIXUP: each split combines half the heads (`_half_finish`)
-    POLL: gl.constexpr = False,  # HALVES: part, ml are the `_published` workspace, polled
 ):
     chain_start(PDL)
     src = (n0, n1, stride_k0, stride_k1, stride_k2, at1, at2)
@@ -638,11 +587,11 @@ def _decode_kernel(
         elif split == 0:
             _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
                          cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-                         stride_ot, stride_oh, stride_ct, stride_st, 0, RD, POLL)  # fmt: skip
+                         stride_ot, stride_oh, stride_ct, stride_st, 0, RD)  # fmt: skip
         else:
             _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
                          cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-                         stride_ot, stride_oh, stride_ct, stride_st, 1, RD, POLL)  # fmt: skip
+                         stride_ot, stride_oh, stride_ct, stride_st, 1, RD)  # fmt: skip
     elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
@@ -701,29 +650,6 @@ def _sources(kv: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
     return (rows[0], rows[1], *strides[:3], at[1], at[2])
 
 
-@functools.cache
-def _published_on(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = num_sms(device) // 2
-    words = torch.full((tokens * 2 * (HEADS // 2 * DIM + 2 * HEADS),), SENTINEL.value,
-                       dtype=torch.int32, device=device)  # fmt: skip
-    rows = tokens * 2 * HEADS // 2 * DIM
-    return (
-        words[:rows].view(torch.float32).view(tokens, 2, HEADS // 2, DIM),
-        words[rows:].view(torch.float32).view(tokens, 2, 2, HEADS),
-    )
-
-
-def _published(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The halves combine's workspace (`HALVES_POLL`): each split's rows for the other
-    [tokens, 2, 32, 512] and (m, l) [tokens, 2, 2, 64] fp32, for up to SMs / 2 tokens (the halves
-    combine's limit). Every word is SENTINEL between launches: a split reads the other's words
-    until none is, then sets them back (and its own m, l), so launches on one stream and
-    CUDA-graph replays share it (as `device.arrival_counts`). "cuda" and "cuda:0" name one."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _published_on(device)
-
-
 def sparse_attn_sm90(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, ...],
@@ -764,6 +690,11 @@ def sparse_attn_sm90(
     keys_per_split = cdiv(cdiv(K, num_splits), block_n) * block_n
     num_splits = cdiv(K, keys_per_split)
     split = num_splits > 1
+    if split:
+        part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
+        ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = o
     # o written from the kv buffers (the in-kernel combine, the in-kernel RoPE): buffers that hold
     # an fp32 [64, 512] (bf16 rows' tiles, or FP8 entries' raw tiles with q), and
     # Flash's 64 rope channels when RoPE is asked for
@@ -775,14 +706,6 @@ def sparse_attn_sm90(
     rope_ok = inv_rope is None or 2 * inv_rope[0].shape[-1] == ROPE
     fixup = FIXUP and num_splits == 2 and T <= FIXUP_MAX_TOKENS and staged and rope_ok  # combine
     halves = fixup and FIXUP_HALVES and not entries and 2 * T <= num_sms(q.device)  # all resident
-    poll = halves and HALVES_POLL
-    if poll:  # the peer's half rows [T, 2, 32, 512] and m, l [T, 2, 2, 64], polled
-        part, ml = _published(q.device)
-    elif split:
-        part = torch.empty((T, num_splits, HEADS, DIM), dtype=torch.float32, device=q.device)
-        ml = torch.empty((T, num_splits, 2, HEADS), dtype=torch.float32, device=q.device)
-    else:
-        part = ml = o
     sem = arrival_counts("sparse_attn_sm90", q.device, 2 * FIXUP_MAX_TOKENS) if fixup else ml
     # the inverse RoPE in the kernel where it writes o (the in-kernel combine, or unsplit);
     # otherwise in the combine's launch or a rotary launch
@@ -798,7 +721,7 @@ def sparse_attn_sm90(
         cos.stride(0), sin.stride(0),
         BLOCK_N=block_n, NUM_BUF=num_buf, SPLIT=split, MODE=mode, ENTRIES=entries,
         NOPE=DIM - ROPE, FIXUP=fixup, RD=rd, NUM_SRC=len(kv), OVERLAP=entries and OVERLAP and mode == 0,
-        HALVES=halves, POLL=poll, num_warps=8, **launch,
+        HALVES=halves, num_warps=8, **launch,
     )  # fmt: skip
     if fixup or in_kernel:
         return o
