@@ -58,8 +58,8 @@ ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
 # against the Triton kernel's 65.1)
 FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
-# two splits finish in the kernel (`_fixup`): split 1 of a token combines
-# both and writes o (with the inverse RoPE), instead of the Triton kernel's combine launch
+# two splits finish in the kernel (`_fixup`, `_half_finish`): they combine their partials and
+# write o (with the inverse RoPE), instead of the Triton kernel's combine launch
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
 FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
@@ -67,9 +67,10 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 # publishes the peer's half of its partial (64 KB, not split 0's whole 128 KB) and writes its own
 # half of o, in parallel. They wait on each other, so this needs every program resident at once
 # (2T <= SMs at one program per SM, which the launcher checks); otherwise split 1 combines all
-# (`_fixup`). H200, graph replays, the same bits: T=64 with the inverse RoPE 27.10 -> 26.82 us,
-# T=48 25.99 -> 25.47; FP8 entries slower (T=64 37.78 -> 38.6: 244 B of spills), so not there
-# (docs/PERF.md, forty-ninth session)
+# (`_fixup`). H200, graph replays, the same bits: T=64 with the inverse RoPE 27.1 -> 25.9 us,
+# T=48 26.0 -> 24.5 (1 of it from staging acc after the flag, not before); FP8 entries slower
+# (T=64 37.78 -> 38.6: 244 B of spills), so not there. Polling the rows in a sentinel-filled
+# workspace instead of a flag was slower still (33.6 us; docs/PERF.md, forty-ninth session)
 FIXUP_HALVES = True
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
