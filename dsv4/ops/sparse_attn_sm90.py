@@ -333,10 +333,10 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
                  sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot,
                  stride_oh, stride_ct, stride_st, ME: gl.constexpr, RD: gl.constexpr):  # fmt: skip
     # split ME of token t's two: publish the peer's half of the heads of acc (fp32 rows, with m, l
-    # of every head) and a flag, stage its own acc in the free kv buffers, wait for the peer's
-    # flag, and write o for its own half of the heads from both partials (the weights and the
-    # products of `_fixup`, so the same bits), then zero the peer's flag. Both wait: every
-    # program must be resident (the launcher's 2T <= SMs)
+    # of every head) and release its flag, then stage its own acc in the free kv buffers (off the
+    # flags' round trip), wait for the peer's flag, and write o for its own half of the heads from
+    # both partials (the weights and the products of `_fixup`, so the same bits), then zero the
+    # peer's flag. Both wait: every program must be resident (the launcher's 2T <= SMs)
     H: gl.constexpr = 64
     HALF: gl.constexpr = 32
     D: gl.constexpr = 512

@@ -415,8 +415,9 @@ def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> N
     cs = _cos_sin(T, 64, "cuda")
     turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
     assert torch.equal(turned, rotary(fixed[0], *cs, inverse=True))
-    # each split combining half the heads (the default here: 2T <= SMs) gives split 1's whole
-    # combine's bits, with and without the inverse RoPE
+    # each split combining half the heads (the default for bf16 rows at 2T <= SMs; FP8 entries
+    # combine one way either way) gives split 1's whole combine's bits, with and without the
+    # inverse RoPE
     monkeypatch.setattr(sm90, "FIXUP_HALVES", False)
     assert torch.equal(sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw), fixed[0])
     one_way = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
