@@ -68,10 +68,11 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 # half of o, in parallel. They wait on each other, so this needs every program resident at once
 # (2T <= SMs at one program per SM, which the launcher checks; a process given fewer SMs than the
 # device has, as an MPS client with an active-thread limit, could hang here: set this False
-# there); otherwise split 1 combines all (`_fixup`). H200, graph replays, the same bits: T=64 with the inverse RoPE 27.1 -> 25.9 us,
-# T=48 26.0 -> 24.5 (1 of it from staging acc after the flag, not before); FP8 entries slower
-# (T=64 37.78 -> 38.6: 244 B of spills), so not there. Polling the rows in a sentinel-filled
-# workspace instead of a flag was slower still (33.6 us; docs/PERF.md, forty-ninth session)
+# there); otherwise split 1 combines all (`_fixup`). H200, graph replays, the same bits: T=64
+# with the inverse RoPE 27.1 -> 25.9 us, T=48 26.0 -> 24.5 (1 of it from staging acc after the
+# flag, not before); FP8 entries slower (T=64 37.78 -> 38.6: 244 B of spills), so not there.
+# Polling the rows in a sentinel-filled workspace instead of a flag was slower still (33.6 us;
+# docs/PERF.md, forty-ninth session)
 FIXUP_HALVES = True
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
