@@ -512,39 +512,37 @@ def probe_attn_fixup() -> None:
         cs = (torch.randn(T, 32, device="cuda"), torch.randn(T, 32, device="cuda"))
         nbytes = T * idx.shape[1] * 512 * 2 + 2 * q.numel() * 2
         want = ref.sparse_attn(q.float(), tuple(k.float() for k in one), sink, idx, 0.04)
-        for bn, nb in ((64, 2),):
-            outs = {}
-            for rope in (True, False):
-                for _ in range(2):
-                    for name, (fix, halves) in variants.items():
-                        with (
-                            patch.object(sm90, "FIXUP", fix),
-                            patch.object(sm90, "FIXUP_HALVES", halves),
-                        ):
-                            kw = dict(
-                                num_splits=2, block_n=bn, num_buf=nb, inv_rope=cs if rope else None
-                            )
-                            outs[rope, name] = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
-                            err = float((outs[rope, name].float() - want).norm() / want.norm())
-                            us(
-                                f"attn T={T} sm90 bn{bn} nb{nb}{' inv_rope' if rope else ''} {name}",
-                                lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
-                                nbytes=nbytes,
-                                note=f"  rel err {err:.1e}",
-                            )
-            for name in ("fixup one way", "fixup halves"):
-                diff = float(
-                    (outs[False, name].float() - outs[False, "combine launch"].float()).abs().max()
-                )
-                exact = torch.equal(outs[True, name], rotary(outs[False, name], *cs, inverse=True))
-                print(
-                    f"    T={T} bn{bn} {name}: max|it - combine launch| {diff:.2e}, rope bit-exact {exact}"
-                )
-            same = torch.equal(outs[False, "fixup one way"], outs[False, "fixup halves"])
-            same_r = torch.equal(outs[True, "fixup one way"], outs[True, "fixup halves"])
-            print(
-                f"    T={T} bn{bn}: halves == one way bit for bit: bare {same}, inv_rope {same_r}"
+        bn, nb = 64, 2  # (the default tile)
+        outs = {}
+        for rope in (True, False):
+            for _ in range(2):
+                for name, (fix, halves) in variants.items():
+                    with (
+                        patch.object(sm90, "FIXUP", fix),
+                        patch.object(sm90, "FIXUP_HALVES", halves),
+                    ):
+                        kw = dict(
+                            num_splits=2, block_n=bn, num_buf=nb, inv_rope=cs if rope else None
+                        )
+                        outs[rope, name] = sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw)
+                        err = float((outs[rope, name].float() - want).norm() / want.norm())
+                        us(
+                            f"attn T={T} sm90 bn{bn} nb{nb}{' inv_rope' if rope else ''} {name}",
+                            lambda kw=kw: sm90.sparse_attn_sm90(q, one, sink, idx, 0.04, **kw),  # noqa: B023
+                            nbytes=nbytes,
+                            note=f"  rel err {err:.1e}",
+                        )
+        for name in ("fixup one way", "fixup halves"):
+            diff = float(
+                (outs[False, name].float() - outs[False, "combine launch"].float()).abs().max()
             )
+            exact = torch.equal(outs[True, name], rotary(outs[False, name], *cs, inverse=True))
+            print(
+                f"    T={T} bn{bn} {name}: max|it - combine launch| {diff:.2e}, rope bit-exact {exact}"
+            )
+        same = torch.equal(outs[False, "fixup one way"], outs[False, "fixup halves"])
+        same_r = torch.equal(outs[True, "fixup one way"], outs[True, "fixup halves"])
+        print(f"    T={T} bn{bn}: halves == one way bit for bit: bare {same}, inv_rope {same_r}")
     copy_floor("attn fixup: copy_ of 64 MiB", 64 << 20)
 
 

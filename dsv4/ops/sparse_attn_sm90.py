@@ -223,10 +223,9 @@ def _combine_part_rope(own, b, c, w0, w1, o_rows, cols, cos_row, sin_row, CH: gl
 
 
 @gluon.jit
-def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
-    # acc -> shared memory (fp32 [64, 512] over the free bf16 kv buffers, swizzled so the MMA
-    # layout's row pairs store without bank conflicts), to be written in CH-channel chunks:
-    # (own, rows, cols, m, l), the last three in the chunks' layout
+def _staged(acc, kv_smem):  # noqa: ANN001, ANN202
+    # acc stored in shared memory (fp32 over the free bf16 kv buffers, swizzled so the MMA
+    # layout's row pairs store without bank conflicts) -> that buffer
     st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
     gl.static_assert(  # (bf16 buffers; the launcher stages only where they hold acc)
         kv_smem.shape[0] * kv_smem.shape[1] * kv_smem.shape[2] * 2
@@ -235,6 +234,15 @@ def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
     )
     own = kv_smem._reinterpret(gl.float32, [acc.shape[0], acc.shape[1]], st_layout)
     own.store(acc)
+    return own
+
+
+@gluon.jit
+def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
+    # acc -> shared memory (fp32 [64, 512] over the free bf16 kv buffers, swizzled so the MMA
+    # layout's row pairs store without bank conflicts), to be written in CH-channel chunks:
+    # (own, rows, cols, m, l), the last three in the chunks' layout
+    own = _staged(acc, kv_smem)
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
     rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
@@ -277,6 +285,19 @@ def _finish_rope(acc, m_o, l_o, kv_smem, t, sink_ptr, o_ptr, cos_ptr, sin_ptr, s
 
 
 @gluon.jit
+def _split_weights(m0, l0, m1, l1, sink_ptr, rows):  # noqa: ANN001, ANN202
+    # the weights [rows, 1] of two partials (m0, l0) and (m1, l1) in o: each one's rescale over the
+    # sink-augmented denominator of both (products rounded on their own: the same bits in every
+    # compiled variant, RD or not, and with the partials swapped: fp32 sums commute exactly)
+    sink = gl.load(sink_ptr + rows) * 1.4426950408889634
+    m_all = gl.maximum(gl.maximum(m0, m1), sink)
+    e0 = gl.exp2(m0 - m_all)
+    e1 = gl.exp2(m1 - m_all)
+    den = (_mul_rn(e0, l0) + _mul_rn(e1, l1)) + gl.exp2(sink - m_all)
+    return (e0 / den)[:, None], (e1 / den)[:, None]
+
+
+@gluon.jit
 def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
            sin_ptr, stride_pt, stride_ph, stride_mt, stride_ot, stride_oh, stride_ct, stride_st,
            RD: gl.constexpr):  # fmt: skip
@@ -316,14 +337,7 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
         ml_peer = ml_ptr + t * stride_mt + rows
         m0 = gl.load(ml_peer, cache_modifier=".cg")  # (split 0's: the peer's)
         l0 = gl.load(ml_peer + H, cache_modifier=".cg")
-        sink = gl.load(sink_ptr + rows) * 1.4426950408889634
-        m_all = gl.maximum(gl.maximum(m0, m_own), sink)
-        e0 = gl.exp2(m0 - m_all)
-        e1 = gl.exp2(m_own - m_all)
-        # (products rounded on their own: the same bits in every compiled variant, RD or not)
-        den = (_mul_rn(e0, l0) + _mul_rn(e1, l_own)) + gl.exp2(sink - m_all)
-        w0 = (e0 / den)[:, None]
-        w1 = (e1 / den)[:, None]
+        w0, w1 = _split_weights(m0, l0, m_own, l_own, sink_ptr, rows)
         o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
         _write_o(own, b0, b1, b2, b3, w0, w1, o_rows, cols, cos_ptr + t * stride_ct,
                  sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
@@ -356,10 +370,7 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     gl.store(ml_me + H + offs_h, l_o)
     gl.thread_barrier()  # every thread's published rows before the flag
     gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
-    # own acc staged while the flags cross (read back after the barrier past the wait)
-    st_layout: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])  # (`_stage`'s)
-    own = kv_smem._reinterpret(gl.float32, [H, D], st_layout)
-    own.store(acc)
+    own = _staged(acc, kv_smem)  # while the flags cross (read back past the barrier after the wait)
     c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
     rows = ME * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
@@ -378,17 +389,12 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     l_p = gl.load(ml_peer + H + rows, cache_modifier=".cg")
     m_m = gl.load(ml_me + rows, cache_modifier=".cg")  # (this program's, stored above)
     l_m = gl.load(ml_me + H + rows, cache_modifier=".cg")
-    sink = gl.load(sink_ptr + rows) * 1.4426950408889634
-    m_all = gl.maximum(gl.maximum(m_p, m_m), sink)
-    e_p = gl.exp2(m_p - m_all)
-    e_m = gl.exp2(m_m - m_all)
-    den = (_mul_rn(e_p, l_p) + _mul_rn(e_m, l_m)) + gl.exp2(sink - m_all)
+    w_p, w_m = _split_weights(m_p, l_p, m_m, l_m, sink_ptr, rows)
     o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
     # (the peer's part as `_write_o`'s b, weighted by w0: additions commute, so these are the
     # bits of `_fixup`'s split 0 + split 1 whichever split this is)
-    _write_o(own.slice(ME * HALF, HALF, dim=0), b0, b1, b2, b3, (e_p / den)[:, None],
-             (e_m / den)[:, None], o_rows, cols, cos_ptr + t * stride_ct, sin_ptr + t * stride_st,
-             CH, RD, c_layout)  # fmt: skip
+    _write_o(own.slice(ME * HALF, HALF, dim=0), b0, b1, b2, b3, w_p, w_m, o_rows, cols,
+             cos_ptr + t * stride_ct, sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
     gl.store(flag, 0)  # zero between launches (the peer is past its wait)
 
 
