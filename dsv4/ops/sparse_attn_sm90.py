@@ -65,15 +65,18 @@ FIXUP = True
 FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 from 45 to 66)
 # bf16 rows: the two splits of a token each combine half of its heads (`_half_finish`): each
 # publishes the peer's half of its partial (64 KB, not split 0's whole 128 KB) and writes its own
-# half of o, in parallel. They wait on each other, so this needs every program resident at once
-# (2T <= SMs at one program per SM, which the launcher checks; a process given fewer SMs than the
-# device has, as an MPS client with an active-thread limit, could hang here: set this False
-# there); otherwise split 1 combines all (`_fixup`). H200, graph replays, the same bits: T=64
-# with the inverse RoPE 27.1 -> 25.9 us, T=48 26.0 -> 24.5 (1 of it from staging acc after the
-# flag, not before); FP8 entries slower (T=64 37.78 -> 38.6: 244 B of spills), so not there.
-# Polling the rows in a sentinel-filled workspace instead of a flag was slower still (33.6 us;
-# docs/PERF.md, forty-ninth session)
+# half of o, in parallel. They wait on each other, so the launcher takes this where every program
+# can be resident at once (2T <= SMs at one program per SM); otherwise split 1 combines all
+# (`_fixup`). H200, graph replays, the same bits: T=64 with the inverse RoPE 27.1 -> 25.9 us,
+# T=48 26.0 -> 24.5 (1 of it from staging acc after the flag, not before); FP8 entries slower
+# (T=64 37.78 -> 38.6: 244 B of spills), so not there. Polling the rows in a sentinel-filled
+# workspace instead of a flag was slower still (33.6 us; docs/PERF.md, forty-ninth session)
 FIXUP_HALVES = True
+# ... and where fewer SMs serve the process than the device reports (an MPS client's active-thread
+# limit, a green context), split 0 stops waiting for a split 1 that is not resident after this
+# many reads of its signal (each an L2 round trip, ~1 us) and hands split 1 the whole combine:
+# no hang, the same bits (`_half_finish`; `test_gpu_sm90_halves_handover`)
+HALVES_POLLS = 1024
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
 
@@ -345,57 +348,115 @@ def _fixup(acc, m_o, l_o, kv_smem, t, split, part_ptr, ml_ptr, sem_ptr, sink_ptr
 
 
 @gluon.jit
+def _half_o(own, H0: gl.constexpr, peer_part, ml_peer, ml_me, t, sink_ptr, o_ptr, cos_ptr,
+            sin_ptr, stride_ph, stride_ot, stride_oh, stride_ct, stride_st,
+            RD: gl.constexpr):  # fmt: skip
+    # o for heads H0 .. H0 + 32 of token t from this split's staged acc (own) and the peer's
+    # published rows (peer_part, fp32) with both splits' (m, l): the weights and products of
+    # `_fixup`, so its bits whichever split writes them (the additions commute)
+    H: gl.constexpr = 64
+    HALF: gl.constexpr = 32
+    CH: gl.constexpr = 128  # output channels per combine step (the peer's 4 loaded at once)
+    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
+    rows = H0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
+    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+    peer_rows = peer_part + rows[:, None] * stride_ph
+    b0 = _peer_part(peer_rows, 0, cols, CH)
+    b1 = _peer_part(peer_rows, 1, cols, CH)
+    b2 = _peer_part(peer_rows, 2, cols, CH)
+    b3 = _peer_part(peer_rows, 3, cols, CH)
+    m_p = gl.load(ml_peer + rows, cache_modifier=".cg")
+    l_p = gl.load(ml_peer + H + rows, cache_modifier=".cg")
+    m_m = gl.load(ml_me + rows, cache_modifier=".cg")  # (this program's, published before)
+    l_m = gl.load(ml_me + H + rows, cache_modifier=".cg")
+    w_p, w_m = _split_weights(m_p, l_p, m_m, l_m, sink_ptr, rows)
+    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
+    _write_o(own.slice(H0, HALF, dim=0), b0, b1, b2, b3, w_p, w_m, o_rows, cols,
+             cos_ptr + t * stride_ct, sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
+
+
+@gluon.jit
 def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr, cos_ptr,
-                 sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot,
+                 sin_ptr, polls, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms, stride_ot,
                  stride_oh, stride_ct, stride_st, ME: gl.constexpr, RD: gl.constexpr):  # fmt: skip
     # split ME of token t's two: publish the peer's half of the heads of acc (fp32 rows, with m, l
-    # of every head) and release its flag, then stage its own acc in the free kv buffers (off the
-    # flags' round trip), wait for the peer's flag, and write o for its own half of the heads from
-    # both partials (the weights and the products of `_fixup`, so the same bits), then zero the
-    # peer's flag. Both wait: every program must be resident (the launcher's 2T <= SMs)
+    # of every head) and signal it, stage its own acc in the free kv buffers (off the signals'
+    # round trip), wait for the peer's rows and write o for its own half of the heads
+    # (`_half_o`). Two words a token, zero between launches:
+    #   sem[2t]      split 0's: 1 its rows for split 1 are out; 3 split 1 took them (so the
+    #                halves); 2 split 0 gave the combine up to split 1; 4 all its rows are out
+    #   sem[2t + 1]  split 1's: 1 its rows for split 0 are out
+    # Split 1 waits only for split 0, which comes before it in launch order (resident or done, as
+    # `_fixup`), and its wait is the claim itself (1 -> 3), so the claim costs it no round trip.
+    # Split 0 waits for split 1 at most `polls` reads: a split 1 that is not resident (fewer SMs
+    # than the launcher counted: an MPS client's limit, a green context) would never come while
+    # every SM holds a waiting split 0. Unless split 1 has taken the rows by then, split 0 gives
+    # the combine up (1 -> 2), publishes the rest of its partial (-> 4) and leaves, and split 1
+    # writes all 64 heads (the same bits).
     H: gl.constexpr = 64
     HALF: gl.constexpr = 32
     D: gl.constexpr = 512
-    CH: gl.constexpr = 128  # output channels per combine step (the peer's 4 loaded at once)
+    CH: gl.constexpr = 128
     PEER: gl.constexpr = 1 - ME
     o_layout: gl.constexpr = acc.type.layout
     offs_h = gl.arange(0, H, layout=gl.SliceLayout(1, o_layout))
     offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     theirs = (offs_h >= PEER * HALF) & (offs_h < PEER * HALF + HALF)
     hv = offs_h[:, None] * stride_ph + offs_v[None, :]
-    gl.store(part_ptr + t * stride_pt + ME * stride_ps + hv, acc,
-             mask=theirs[:, None] & (offs_v < D)[None, :])  # fmt: skip
+    part_me = part_ptr + t * stride_pt + ME * stride_ps
+    gl.store(part_me + hv, acc, mask=theirs[:, None] & (offs_v < D)[None, :])
     ml_me = ml_ptr + t * stride_mt + ME * stride_ms
     gl.store(ml_me + offs_h, m_o)
     gl.store(ml_me + H + offs_h, l_o)
-    gl.thread_barrier()  # every thread's published rows before the flag
-    gl.atomic_xchg(sem_ptr + 2 * t + ME, 1, sem="release")
-    own = _staged(acc, kv_smem)  # while the flags cross (read back past the barrier after the wait)
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
-    rows = ME * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
-    flag = sem_ptr + 2 * t + PEER
-    ready = gl.atomic_add(flag, 0, sem="acquire")
-    while ready == 0:
-        ready = gl.atomic_add(flag, 0, sem="acquire")
-    gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
-    peer_rows = part_ptr + t * stride_pt + PEER * stride_ps + rows[:, None] * stride_ph
-    b0 = _peer_part(peer_rows, 0, cols, CH)
-    b1 = _peer_part(peer_rows, 1, cols, CH)
-    b2 = _peer_part(peer_rows, 2, cols, CH)
-    b3 = _peer_part(peer_rows, 3, cols, CH)
+    gl.thread_barrier()  # every thread's published rows before the signal
+    said0 = sem_ptr + 2 * t  # split 0's word
+    said1 = sem_ptr + 2 * t + 1  # split 1's word
+    gl.atomic_xchg(said0 if ME == 0 else said1, 1, sem="release")
+    own = _staged(acc, kv_smem)  # while the signals cross (read back past a barrier)
+    part_peer = part_ptr + t * stride_pt + PEER * stride_ps
     ml_peer = ml_ptr + t * stride_mt + PEER * stride_ms
-    m_p = gl.load(ml_peer + rows, cache_modifier=".cg")
-    l_p = gl.load(ml_peer + H + rows, cache_modifier=".cg")
-    m_m = gl.load(ml_me + rows, cache_modifier=".cg")  # (this program's, stored above)
-    l_m = gl.load(ml_me + H + rows, cache_modifier=".cg")
-    w_p, w_m = _split_weights(m_p, l_p, m_m, l_m, sink_ptr, rows)
-    o_rows = o_ptr + t * stride_ot + rows[:, None] * stride_oh
-    # (the peer's part as `_write_o`'s b, weighted by w0: additions commute, so these are the
-    # bits of `_fixup`'s split 0 + split 1 whichever split this is)
-    _write_o(own.slice(ME * HALF, HALF, dim=0), b0, b1, b2, b3, w_p, w_m, o_rows, cols,
-             cos_ptr + t * stride_ct, sin_ptr + t * stride_st, CH, RD, c_layout)  # fmt: skip
-    gl.store(flag, 0)  # zero between launches (the peer is past its wait)
+    if ME == 0:
+        ready = gl.atomic_add(said1, 0, sem="acquire")
+        n = 0
+        while (ready == 0) & (n < polls):
+            ready = gl.atomic_add(said1, 0, sem="acquire")
+            n += 1
+        gave = ready * 0
+        if ready == 0:  # split 1 has not come: give the combine up, unless it has taken the rows
+            gave = (gl.atomic_cas(said0, 1, 2, sem="acq_rel") == 1).to(gl.int32)
+            if gave == 0:  # it has (it is running: its signal comes)
+                while ready == 0:
+                    ready = gl.atomic_add(said1, 0, sem="acquire")
+        gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
+        if gave == 1:  # the rest of the partial (this split's own heads) from the staged acc
+            c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+            rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
+            cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
+            mine = own.slice(0, HALF, dim=0)
+            for c in gl.static_range(D // CH):
+                a = mine.slice(c * CH, CH, dim=1).load(c_layout)
+                gl.store(part_me + rows[:, None] * stride_ph + (c * CH + cols)[None, :], a)
+            gl.thread_barrier()  # every thread's rows before the signal
+            gl.atomic_xchg(said0, 4, sem="release")
+        else:
+            _half_o(own, 0, part_peer, ml_peer, ml_me, t, sink_ptr, o_ptr, cos_ptr, sin_ptr,
+                    stride_ph, stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
+            gl.store(said1, 0)  # zero between launches (split 1 signals nothing more)
+    else:
+        seen = gl.atomic_cas(said0, 1, 3, sem="acq_rel")
+        while seen == 0:
+            seen = gl.atomic_cas(said0, 1, 3, sem="acq_rel")
+        gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
+        _half_o(own, HALF, part_peer, ml_peer, ml_me, t, sink_ptr, o_ptr, cos_ptr, sin_ptr,
+                stride_ph, stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
+        if seen != 1:  # split 0 gave the combine up: its heads too, once all its rows are out
+            while seen != 4:
+                seen = gl.atomic_add(said0, 0, sem="acquire")
+            gl.thread_barrier()
+            _half_o(own, 0, part_peer, ml_peer, ml_me, t, sink_ptr, o_ptr, cos_ptr, sin_ptr,
+                    stride_ph, stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
+            gl.store(said1, 0)  # (split 0 reads it no more)
+        gl.store(said0, 0)  # zero between launches (a late give-up finds 0, not 1: it fails)
 
 
 @gluon.jit
@@ -410,6 +471,7 @@ def _decode_kernel(
     sem_ptr,  # FIXUP: [T, 2] int32 (arrivals, partials published), zero between launches
     cos_ptr,  # FIXUP and RD: [T, RD/2] fp32 cos / sin of the tokens' positions (inverse RoPE)
     sin_ptr,
+    polls,  # HALVES: split 0's reads of split 1's signal before it hands over (`_half_finish`)
     K,
     keys_per_split,
     qk_scale,  # scale * log2(e)
@@ -595,12 +657,12 @@ def _decode_kernel(
                    stride_ct, stride_st, RD)  # fmt: skip
         elif split == 0:
             _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
-                         cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-                         stride_ot, stride_oh, stride_ct, stride_st, 0, RD)  # fmt: skip
+                         cos_ptr, sin_ptr, polls, stride_pt, stride_ps, stride_ph, stride_mt,
+                         stride_ms, stride_ot, stride_oh, stride_ct, stride_st, 0, RD)  # fmt: skip
         else:
             _half_finish(acc, m_o, l_o, stage_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr, o_ptr,
-                         cos_ptr, sin_ptr, stride_pt, stride_ps, stride_ph, stride_mt, stride_ms,
-                         stride_ot, stride_oh, stride_ct, stride_st, 1, RD)  # fmt: skip
+                         cos_ptr, sin_ptr, polls, stride_pt, stride_ps, stride_ph, stride_mt,
+                         stride_ms, stride_ot, stride_oh, stride_ct, stride_st, 1, RD)  # fmt: skip
     elif SPLIT:
         hv = offs_h[:, None] * stride_ph + offs_v[None, :]
         gl.store(part_ptr + t * stride_pt + split * stride_ps + hv, acc)
@@ -723,7 +785,7 @@ def sparse_attn_sm90(
     rd = check_rope(o, cos, sin) if in_kernel else 0
     launch = chain(q.device)
     _decode_kernel[(T, num_splits)](
-        q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin,
+        q, kv[0], topk_idxs, attn_sink, o, part, ml, sem, cos, sin, HALVES_POLLS,
         K, keys_per_split, scale * _triton.LOG2E,
         q.stride(0), q.stride(1), *_sources(kv), topk_idxs.stride(0), o.stride(0), o.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, ml.stride(0), ml.stride(1),

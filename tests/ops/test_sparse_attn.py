@@ -427,6 +427,47 @@ def test_gpu_sm90_fixup(T: int, fp8: bool, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,polls", [(64, 0), (48, 0), (300, None)])
+def test_gpu_sm90_halves_handover(
+    T: int, polls: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the halves combine when split 0 stops waiting for split 1 and hands it the whole combine
+    # (`_half_finish`): the one-way combine's bits, with and without the inverse RoPE, and the
+    # semaphores zero afterwards. polls 0: split 0 reads split 1's signal once, so it hands over
+    # whenever split 1 has not yet come (and stays when it has: both paths in one launch).
+    # T=300 with the launcher told there are SMs for every program: the first SM-count programs
+    # dispatched are all split 0s waiting for split 1s that cannot start, which without the
+    # handover is a hang (the case of an MPS client given fewer SMs than the device reports)
+    from dsv4.ops import device as dev_mod
+    from dsv4.ops import sparse_attn_sm90 as sm90
+
+    q, ring, pool, sink, idx = _one_source_inputs(T)
+    both = torch.cat([ring, pool])
+    if not sm90.supported(q, (both,), 64):
+        pytest.skip("not an sm_90 GPU")
+    idx[:, 5::13] = -1
+    cs = _cos_sin(T, 64, "cuda")
+    kw = dict(num_splits=2, block_n=64, num_buf=2)
+    monkeypatch.setattr(sm90, "FIXUP_HALVES", False)
+    one_way = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw)
+    one_way_rope = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
+    monkeypatch.setattr(sm90, "FIXUP_HALVES", True)
+    monkeypatch.setattr(sm90, "num_sms", lambda device, interpreter=4: 2 * T)  # halves at any T
+    if polls is not None:
+        monkeypatch.setattr(sm90, "HALVES_POLLS", polls)
+    for _ in range(3):
+        assert torch.equal(
+            sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, **kw), one_way
+        )
+        turned = sm90.sparse_attn_sm90(q, (both,), sink, idx, 512**-0.5, 64, inv_rope=cs, **kw)
+        assert torch.equal(turned, one_way_rope)
+    want = _want(q, (both,), sink, idx, 512**-0.5)
+    assert _rel(one_way, want) < TOL[torch.bfloat16], _rel(one_way, want)
+    sem = dev_mod.arrival_counts("sparse_attn_sm90", q.device, 2 * sm90.FIXUP_MAX_TOKENS)
+    assert int(sem.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("block_n,num_buf", [(64, 2), (32, 4)])
