@@ -75,7 +75,9 @@ FIXUP_HALVES = True
 # ... and where fewer SMs serve the process than the device reports (an MPS client's active-thread
 # limit, a green context), split 0 stops waiting for a split 1 that is not resident after this
 # many reads of its signal (each an L2 round trip, ~1 us) and hands split 1 the whole combine:
-# no hang, the same bits (`_half_finish`; `test_gpu_sm90_halves_handover`)
+# no hang, the same bits (`_half_finish`; `test_gpu_sm90_halves_handover`). H200, T=64 with the
+# inverse RoPE: 25.84 -> 26.00 us against the unbounded wait; every split 0 giving up at once
+# (0 reads) 28.0, the one-way combine 26.9 (docs/PERF.md, fiftieth session)
 HALVES_POLLS = 1024
 # FP8 entries: S over a tile's first 256 channels in flight while the other 256 decode
 OVERLAP = True
@@ -387,7 +389,8 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
     #                halves); 2 split 0 gave the combine up to split 1; 4 all its rows are out
     #   sem[2t + 1]  split 1's: 1 its rows for split 0 are out
     # Split 1 waits only for split 0, which comes before it in launch order (resident or done, as
-    # `_fixup`), and its wait is the claim itself (1 -> 3), so the claim costs it no round trip.
+    # `_fixup`), and its wait is the claim itself (1 -> 3, acquire only: the claim publishes
+    # nothing), so the claim costs it no round trip of its own.
     # Split 0 waits for split 1 at most `polls` reads: a split 1 that is not resident (fewer SMs
     # than the launcher counted: an MPS client's limit, a green context) would never come while
     # every SM holds a waiting split 0. Unless split 1 has taken the rows by then, split 0 gives
@@ -443,9 +446,9 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
                     stride_ph, stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
             gl.store(said1, 0)  # zero between launches (split 1 signals nothing more)
     else:
-        seen = gl.atomic_cas(said0, 1, 3, sem="acq_rel")
+        seen = gl.atomic_cas(said0, 1, 3, sem="acquire")
         while seen == 0:
-            seen = gl.atomic_cas(said0, 1, 3, sem="acq_rel")
+            seen = gl.atomic_cas(said0, 1, 3, sem="acquire")
         gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
         _half_o(own, HALF, part_peer, ml_peer, ml_me, t, sink_ptr, o_ptr, cos_ptr, sin_ptr,
                 stride_ph, stride_ot, stride_oh, stride_ct, stride_st, RD)  # fmt: skip
