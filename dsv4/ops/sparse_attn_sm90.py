@@ -74,7 +74,7 @@ FIXUP_MAX_TOKENS = 4096  # tokens the semaphores cover (two splits fill an H200 
 FIXUP_HALVES = True
 # ... and where fewer SMs serve the process than the device reports (an MPS client's active-thread
 # limit, a green context), split 0 stops waiting for a split 1 that is not resident after this
-# many reads of its signal (each an L2 round trip, ~1 us) and hands split 1 the whole combine:
+# many reads of its signal (each an L2 round trip) and hands split 1 the whole combine:
 # no hang, the same bits (`_half_finish`; `test_gpu_sm90_halves_handover`). H200, T=64 with the
 # inverse RoPE: 25.84 -> 26.00 us against the unbounded wait; every split 0 giving up at once
 # (0 reads) 28.0, the one-way combine 26.9 (docs/PERF.md, fiftieth session)
