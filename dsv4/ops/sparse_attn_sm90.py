@@ -58,6 +58,9 @@ ROPE = 64  # FP8 entries: the bf16 rope channels (the other 448 are e4m3)
 # against the Triton kernel's 65.1)
 FP8_ENTRIES = True
 NEG = gl.constexpr(-1.0e30)  # finite "no key yet" running max (as the Triton kernel)
+# the epilogues' chunks of o (rows x 128 channels, 4 channels a thread): staged acc read back, the
+# peer's published rows, o written
+CHUNK = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0]))
 # two splits finish in the kernel (`_fixup`, `_half_finish`): they combine their partials and
 # write o (with the inverse RoPE), instead of the Triton kernel's combine launch
 # (H200, T=64, 640 keys, one source: 31.7 -> 29.4 us, `bench ops`; docs/PERF.md 36th session)
@@ -248,7 +251,7 @@ def _stage(acc, m_o, l_o, kv_smem, CH: gl.constexpr):  # noqa: ANN001, ANN202
     # layout's row pairs store without bank conflicts), to be written in CH-channel chunks:
     # (own, rows, cols, m, l), the last three in the chunks' layout
     own = _staged(acc, kv_smem)
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+    c_layout: gl.constexpr = CHUNK
     rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
     m = gl.convert_layout(m_o, gl.SliceLayout(1, c_layout))
@@ -359,7 +362,7 @@ def _half_o(own, H0: gl.constexpr, peer_part, ml_peer, ml_me, t, sink_ptr, o_ptr
     H: gl.constexpr = 64
     HALF: gl.constexpr = 32
     CH: gl.constexpr = 128  # output channels per combine step (the peer's 4 loaded at once)
-    c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])  # [HALF, CH]
+    c_layout: gl.constexpr = CHUNK  # [HALF, CH]
     rows = H0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
     cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
     peer_rows = peer_part + rows[:, None] * stride_ph
@@ -432,7 +435,7 @@ def _half_finish(acc, m_o, l_o, kv_smem, t, part_ptr, ml_ptr, sem_ptr, sink_ptr,
                     ready = gl.atomic_add(said1, 0, sem="acquire")
         gl.thread_barrier()  # the peer's rows are visible to every thread, own acc is staged
         if gave == 1:  # the rest of the partial (this split's own heads) from the staged acc
-            c_layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+            c_layout: gl.constexpr = CHUNK
             rows = gl.arange(0, HALF, layout=gl.SliceLayout(1, c_layout))
             cols = gl.arange(0, CH, layout=gl.SliceLayout(0, c_layout))
             mine = own.slice(0, HALF, dim=0)
@@ -471,7 +474,7 @@ def _decode_kernel(
     o_ptr,  # [T, 64, 512] bf16 (written when not SPLIT, or by the last split with FIXUP)
     part_ptr,  # [T, S, 64, 512] fp32 unnormalised split outputs (SPLIT)
     ml_ptr,  # [T, S, 2, 64] fp32 (SPLIT)
-    sem_ptr,  # FIXUP: [T, 2] int32 (arrivals, partials published), zero between launches
+    sem_ptr,  # FIXUP: [T, 2] int32 the splits' signals (`_fixup`, `_half_finish`), zero after
     cos_ptr,  # FIXUP and RD: [T, RD/2] fp32 cos / sin of the tokens' positions (inverse RoPE)
     sin_ptr,
     polls,  # HALVES: split 0's reads of split 1's signal before it hands over (`_half_finish`)
